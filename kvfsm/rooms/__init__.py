@@ -1,0 +1,37 @@
+"""The room actor runtime: room tasks, their registry, the loop thread and callers' facades."""
+
+from __future__ import annotations
+
+from kvfsm.rooms._actor import CommandSink, Inbox, Publication, Room, RoomKey
+from kvfsm.rooms._config import RoomConfig
+from kvfsm.rooms._core import IllegalEventError, RoomCore, page_count
+from kvfsm.rooms._engine import RoomEngine
+from kvfsm.rooms._facade import KVTransferError, ReceiverRoom, SenderRoom, pack_pages
+from kvfsm.rooms._machine import MACHINES, build_machine, machine_edges
+from kvfsm.rooms._registry import DuplicateRoomError, Registry
+from kvfsm.rooms._runtime import LoopThread
+from kvfsm.rooms._stats import RoomStats
+
+__all__ = [
+    "MACHINES",
+    "CommandSink",
+    "DuplicateRoomError",
+    "IllegalEventError",
+    "Inbox",
+    "KVTransferError",
+    "LoopThread",
+    "Publication",
+    "ReceiverRoom",
+    "Registry",
+    "Room",
+    "RoomConfig",
+    "RoomCore",
+    "RoomEngine",
+    "RoomKey",
+    "RoomStats",
+    "SenderRoom",
+    "build_machine",
+    "machine_edges",
+    "pack_pages",
+    "page_count",
+]

@@ -1,0 +1,261 @@
+"""The room actor: one asyncio task per room, a bounded mailbox, deadlines, a published status.
+
+The task is the room's only writer (law 2). It takes events from its mailbox, hands each to the
+sans-IO :class:`RoomCore`, publishes the status when it changes, re-arms the deadline of the new
+state, and then hands the core's commands to the sink (decide, then do IO). After the room is
+terminal the task keeps draining settlement events until its pages are settled, then exits and
+the registry reaps it.
+
+Everything here runs on the engine's loop thread. Other threads never touch a ``Room``; they
+read its :class:`Publication` and post events through the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from kvfsm.rooms._core import RoomCore
+from kvfsm.states import (
+    SETTLEMENT_EVENTS,
+    TERMINAL,
+    Command,
+    DeadlineExpired,
+    Event,
+    KVPoll,
+    Role,
+    deadline_of,
+)
+
+if TYPE_CHECKING:
+    from kvfsm.rooms._registry import Registry
+
+__all__ = ["CommandSink", "Inbox", "Publication", "Room", "RoomKey"]
+
+_log = logging.getLogger("kvfsm.rooms")
+
+
+class RoomKey(NamedTuple):
+    """A room's identity: SGLang's ``bootstrap_room`` plus the engine-wide generation that
+    tells a reused room id from its predecessor (law 5)."""
+
+    room: int
+    generation: int
+
+
+class Publication:
+    """What a room shows the outside world. Written only on the loop thread (by the room's task,
+    or by the registry for a room it refused); read from any thread without a lock.
+
+    Each field is a single reference store, atomic under the GIL. ``reason`` is written before
+    ``status`` so a reader that sees Failed also sees why. Terminal statuses are never
+    overwritten, so a reader that once saw one may cache it.
+    """
+
+    __slots__ = ("reason", "settled", "status")
+
+    def __init__(self) -> None:
+        self.status: KVPoll = KVPoll.Bootstrapping
+        self.reason: str = ""
+        #: True once the room is terminal and no transfer can still touch its pages.
+        self.settled: bool = False
+
+
+class Inbox(Protocol):
+    """Where transports and control channels deliver events (loop thread only)."""
+
+    def deliver(self, key: RoomKey, event: Event) -> bool: ...
+
+
+class CommandSink(Protocol):
+    """Executes rooms' commands: the transport and the control channel behind one door.
+
+    ``attach`` is called once on the loop thread before any room exists; ``submit`` is called on
+    the loop thread and must not block (queue the work, answer later with events).
+    """
+
+    def attach(self, inbox: Inbox) -> None: ...
+
+    def submit(self, key: RoomKey, command: Command) -> None: ...
+
+
+class Room:
+    """One room's task and mailbox. Created and driven by the :class:`Registry`."""
+
+    __slots__ = (
+        "key",
+        "role",
+        "core",
+        "publication",
+        "task",
+        "_registry",
+        "_sink",
+        "_deadlines",
+        "_mailbox",
+        "_bound",
+        "_waiter",
+        "_timer",
+        "_overflowed",
+        "_settle_expired",
+        "_loop",
+    )
+
+    def __init__(
+        self,
+        key: RoomKey,
+        role: Role,
+        publication: Publication,
+        registry: Registry,
+        *,
+        deadlines: Mapping[KVPoll, float] | None,
+        mailbox_size: int,
+        strict: bool,
+    ) -> None:
+        self.key = key
+        self.role = role
+        self.core = RoomCore(role, registry.stats, strict=strict)
+        self.publication = publication
+        self._registry = registry
+        self._sink = registry.sink
+        self._deadlines = deadlines
+        self._mailbox: deque[Event] = deque()
+        self._bound = mailbox_size
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._overflowed = False
+        self._settle_expired = False
+        self._loop = asyncio.get_running_loop()
+        self.task: asyncio.Task[None] | None = None
+
+    # -- the mailbox (loop thread) -------------------------------------------------------------
+
+    def deliver(self, event: Event) -> None:
+        """Queue ``event``. Never blocks, never raises. A full mailbox fails the room instead
+        of growing, except for settlement events, which are always kept (law 4)."""
+        if len(self._mailbox) >= self._bound and type(event) not in SETTLEMENT_EVENTS:
+            if not self._overflowed:
+                self._overflowed = True
+                self._registry.stats.mailbox_overflows += 1
+            self._wake()
+            return
+        self._mailbox.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the task ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        core = self.core
+        try:
+            self._arm_deadline(core.state)
+            while True:
+                mailbox = self._mailbox
+                while mailbox:
+                    self._apply(mailbox.popleft())
+                if self._overflowed and not core.terminal:
+                    self._execute(core.state, core.fail(f"mailbox overflow (> {self._bound})"))
+                if core.settled:
+                    break
+                if core.terminal and self._settle_expired:
+                    self._registry.stats.settle_timeouts += 1
+                    _log.error(
+                        "room %s gen %s: %s room not settled after %.1fs; in flight: %s",
+                        self.key.room,
+                        self.key.generation,
+                        self.role.value,
+                        self._registry.config.settle_timeout_s,
+                        sorted(core.in_flight),
+                    )
+                    break
+                self._waiter = self._loop.create_future()
+                await self._waiter
+                self._waiter = None
+        except asyncio.CancelledError:
+            # Engine shutdown. Cleanup below is synchronous, so it cannot be cancelled halfway.
+            self._execute(core.state, core.fail("engine shut down"))
+            raise
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._registry.reap(self)
+
+    def _apply(self, event: Event) -> None:
+        before = self.core.state
+        try:
+            commands = self.core.handle(event)
+        except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only
+            self._registry.record_error(self.key, exc)
+            commands = self.core.fail(f"internal error on {type(event).__name__}: {exc}")
+        self._execute(before, commands)
+
+    def _execute(self, before: KVPoll, commands: tuple[Command, ...]) -> None:
+        core = self.core
+        state = core.state
+        if state is not before:
+            self._entered(before, state)
+        if core.settled and not self.publication.settled:
+            self.publication.settled = True
+        sink = self._sink
+        key = self.key
+        for command in commands:
+            sink.submit(key, command)
+
+    def _entered(self, before: KVPoll, state: KVPoll) -> None:
+        pub = self.publication
+        if state is KVPoll.Failed:
+            pub.reason = self.core.reason
+        pub.status = state
+        self._arm_deadline(state)
+        stats = self._registry.stats
+        if state is KVPoll.Success:
+            stats.succeeded += 1
+        elif state is KVPoll.Failed:
+            stats.failed += 1
+            _log.info(
+                "room %s gen %s: %s %s -> Failed: %s",
+                self.key.room,
+                self.key.generation,
+                self.role.value,
+                before.name,
+                self.core.reason,
+            )
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "room %s gen %s: %s %s -> %s",
+                self.key.room,
+                self.key.generation,
+                self.role.value,
+                before.name,
+                state.name,
+            )
+
+    # -- timers --------------------------------------------------------------------------------
+
+    def _arm_deadline(self, state: KVPoll) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if state in TERMINAL:
+            if not self.core.settled:
+                self._timer = self._loop.call_later(
+                    self._registry.config.settle_timeout_s, self._expire_settle
+                )
+            return
+        seconds = deadline_of(self.role, state, self._deadlines)
+        self._timer = self._loop.call_later(seconds, self._expire, DeadlineExpired(state, seconds))
+
+    def _expire(self, event: DeadlineExpired) -> None:
+        # Bypass the bound: a deadline must never be lost to a flood.
+        self._mailbox.append(event)
+        self._wake()
+
+    def _expire_settle(self) -> None:
+        self._settle_expired = True
+        self._wake()

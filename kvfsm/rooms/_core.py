@@ -1,0 +1,312 @@
+"""The sans-IO core of a room: one event in, commands out.
+
+``RoomCore.handle(event)`` is the only place a room's state changes, and it changes it only by
+firing the event on the role's ``transitions`` machine (built from the tables in
+:mod:`kvfsm.states`). Around that it keeps the room's bookkeeping:
+
+* the **ledger** (physical): which chunks are in flight (sender) or whether the receiver's pages
+  are exposed to the sender's writes. Settlement events update it in every state, terminal ones
+  included, because a chunk that completes after an abort still has to be accounted for;
+* the **payload checks**: an event that is legal for the table can still be wrong for this room
+  (a chunk beyond the pages the receiver reserved, ``send`` before ``init``). Those become
+  ``EventRejected`` and fail the room, so bad input fails one room and nothing else.
+
+No clocks, no IO, no threads: the actor around it owns those.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from kvfsm.rooms._machine import MACHINES, trigger_name
+from kvfsm.rooms._stats import RoomStats
+from kvfsm.states import (
+    FAILURE_EVENTS,
+    TABLES,
+    TERMINAL,
+    AbortRequested,
+    ChunkDone,
+    ChunkFailed,
+    ChunkSubmitted,
+    Command,
+    DeadlineExpired,
+    DestinationReceived,
+    Event,
+    EventRejected,
+    Initialized,
+    KVPoll,
+    MetadataSubmitted,
+    PeerFailed,
+    PeerLost,
+    PeerResolved,
+    PeerSettled,
+    PostChunk,
+    ReleaseHandles,
+    ReportOutcome,
+    ReportSettled,
+    ResolvePeer,
+    Role,
+    SendMetadata,
+    TransferCompleted,
+    TransferConfirmed,
+    failure_reason,
+)
+
+__all__ = ["IllegalEventError", "RoomCore", "page_count"]
+
+_PAGE_BYTES: Final = 4  # pages travel as packed int32
+_NO_COMMANDS: Final[tuple[Command, ...]] = ()
+
+
+class IllegalEventError(RuntimeError):
+    """Raised by a strict core instead of failing the room (tests use strict cores)."""
+
+
+def page_count(pages: bytes) -> int:
+    """Number of int32 page indices packed in ``pages``; raises ``ValueError`` if ragged."""
+    count, rest = divmod(len(pages), _PAGE_BYTES)
+    if rest:
+        raise ValueError(f"page list of {len(pages)} bytes is not a whole number of int32")
+    return count
+
+
+def _from_peer(event: Event) -> bool:
+    if isinstance(event, (PeerLost, PeerFailed)):
+        return True
+    return isinstance(event, AbortRequested) and event.origin == "peer"
+
+
+class RoomCore:
+    """State, ledger and payload checks of one room. Not thread-safe: one owner at a time."""
+
+    __slots__ = (
+        "role",
+        "state",
+        "reason",
+        "_table",
+        "_events",
+        "_stats",
+        "_strict",
+        # sender
+        "_dst",
+        "_dst_pages",
+        "_dst_aux",
+        "_num_pages",
+        "_src_aux",
+        "_submitted_pages",
+        "_next_chunk",
+        "_last_submitted",
+        "_in_flight",
+        # receiver
+        "_peer_rank",
+        "_exposed",
+    )
+
+    def __init__(self, role: Role, stats: RoomStats | None = None, *, strict: bool = False):
+        self.role: Final = role
+        #: Written only by the ``transitions`` machine (``set_state``) and read by everyone.
+        self.state: KVPoll = KVPoll.Bootstrapping
+        #: Why the room failed; empty until it does.
+        self.reason = ""
+        self._table = TABLES[role]
+        self._events = MACHINES[role].events
+        self._stats = stats if stats is not None else RoomStats()
+        self._strict = strict
+        self._dst = b""
+        self._dst_pages = 0
+        self._dst_aux = -1
+        self._num_pages = -1  # -1 until the caller's init
+        self._src_aux = -1
+        self._submitted_pages = 0
+        self._next_chunk = 0
+        self._last_submitted = False
+        self._in_flight: set[int] = set()
+        self._peer_rank = -1
+        self._exposed = False
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def settled(self) -> bool:
+        """True once the room is terminal and nothing can still write into its pages."""
+        return self.state in TERMINAL and not self._in_flight and not self._exposed
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        return frozenset(self._in_flight)
+
+    # -- the one entry point -------------------------------------------------------------------
+
+    def handle(self, event: Event) -> tuple[Command, ...]:
+        """Apply ``event``; return the commands the owner must execute, in order."""
+        settled_now = self._settle(event)
+        if isinstance(event, DeadlineExpired) and event.state is not self.state:
+            # A timer armed for a state the room has left since; its cancel lost the race.
+            self._stats.late_events += 1
+            return settled_now
+        if self.state in TERMINAL:
+            # Late or duplicate: a chunk finishing after an abort, a peer's abort after Success.
+            self._stats.late_events += 1
+            return settled_now
+        if type(event) not in self._table[self.state]:
+            return self._reject(f"{type(event).__name__} in {self.state.name}")
+        problem = self._check(event)
+        if problem is not None:
+            return self._reject(problem)
+        if type(event) in FAILURE_EVENTS:
+            return self._fail(event)
+        self._fire(event)
+        commands = self._act(event)
+        if self._complete():
+            return commands + self.handle(TransferCompleted())
+        return commands
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _fire(self, event: Event) -> None:
+        # The flyweight use of transitions: one machine per role, this room as the model.
+        self._events[trigger_name(type(event))].trigger(self)
+
+    def _settle(self, event: Event) -> tuple[Command, ...]:
+        """Ledger first, whatever the state: physical facts are never dropped.
+
+        Returns ``ReportSettled`` when this event drains the last in-flight chunk of a failed
+        sender: the receiver may hold its pages until it hears that (law 4).
+        """
+        if isinstance(event, (ChunkDone, ChunkFailed)):
+            if event.chunk in self._in_flight:
+                self._in_flight.discard(event.chunk)
+                if self.state is KVPoll.Failed and not self._in_flight and self._peer_known():
+                    return (ReportSettled(),)
+        elif isinstance(event, (PeerSettled, TransferConfirmed)):
+            self._exposed = False
+        return _NO_COMMANDS
+
+    def fail(self, problem: str) -> tuple[Command, ...]:
+        """Fail the room from outside the event flow (mailbox overflow, an internal error).
+        Never raises; a no-op on a terminal room."""
+        if self.state in TERMINAL:
+            return _NO_COMMANDS
+        return self._fail(EventRejected(problem))
+
+    def _reject(self, problem: str) -> tuple[Command, ...]:
+        self._stats.rejected_events += 1
+        if self._strict:
+            raise IllegalEventError(f"{self.role.value} room in {self.state.name}: {problem}")
+        return self._fail(EventRejected(problem))
+
+    def _fail(self, event: Event) -> tuple[Command, ...]:
+        if isinstance(event, DeadlineExpired):
+            self._stats.deadline_expiries += 1
+        self.reason = failure_reason(event)
+        self._fire(event)
+        commands: list[Command] = []
+        if self._in_flight:
+            commands.append(ReleaseHandles())
+        if self._peer_known():
+            # Tell the peer, unless it is the one that told us or it is gone. A receiver's
+            # Failed is an abort that the sender acknowledges with ReportSettled.
+            if not _from_peer(event):
+                commands.append(ReportOutcome(KVPoll.Failed, self.reason))
+            if self.role is Role.SENDER and not self._in_flight:
+                commands.append(ReportSettled())
+        return tuple(commands)
+
+    def _peer_known(self) -> bool:
+        if self.role is Role.SENDER:
+            return self._dst_pages > 0 or self._dst_aux >= 0
+        return self._peer_rank >= 0
+
+    def _complete(self) -> bool:
+        if self.state is not KVPoll.Transferring:
+            return False
+        if self.role is Role.SENDER:
+            return self._last_submitted and not self._in_flight
+        return not self._exposed
+
+    # -- per-event payload checks (None means fine) --------------------------------------------
+
+    def _check(self, event: Event) -> str | None:
+        if isinstance(event, (DestinationReceived, MetadataSubmitted)):
+            try:
+                page_count(event.pages)
+            except ValueError as exc:
+                return str(exc)
+            if event.aux_index < 0:
+                return f"aux row {event.aux_index} is negative"
+        elif isinstance(event, Initialized) and self.role is Role.SENDER:
+            if self._num_pages >= 0:
+                return "init called twice"
+            if event.num_pages < 0:
+                return f"init with {event.num_pages} pages"
+            if event.num_pages > self._dst_pages:
+                return (
+                    f"init for {event.num_pages} pages but the receiver reserved {self._dst_pages}"
+                )
+        elif isinstance(event, ChunkSubmitted):
+            return self._check_chunk(event)
+        elif isinstance(event, ChunkDone) and event.chunk >= self._next_chunk:
+            return f"completion for chunk {event.chunk} that was never posted"
+        return None
+
+    def _check_chunk(self, event: ChunkSubmitted) -> str | None:
+        if self._num_pages < 0:
+            return "send before init"
+        try:
+            n = page_count(event.pages)
+        except ValueError as exc:
+            return str(exc)
+        if self._last_submitted:
+            return "chunk after the last chunk"
+        if self._submitted_pages + n > self._num_pages:
+            return (
+                f"chunk of {n} pages overruns init: {self._submitted_pages} of "
+                f"{self._num_pages} pages already sent"
+            )
+        return None
+
+    # -- per-event actions after the transition ------------------------------------------------
+
+    def _act(self, event: Event) -> tuple[Command, ...]:
+        if isinstance(event, DestinationReceived):
+            self._dst = event.pages
+            self._dst_pages = len(event.pages) // _PAGE_BYTES
+            self._dst_aux = event.aux_index
+        elif isinstance(event, Initialized):
+            if self.role is Role.SENDER:
+                self._num_pages = event.num_pages
+                self._src_aux = event.aux_index
+            else:
+                self._peer_rank = event.peer_rank
+                return (ResolvePeer(event.peer_rank),)
+        elif isinstance(event, ChunkSubmitted):
+            return (self._post(event.pages),)
+        elif isinstance(event, MetadataSubmitted):
+            self._exposed = True
+            return (SendMetadata(event.pages, event.aux_index),)
+        elif isinstance(event, PeerResolved):
+            self._peer_rank = event.peer_rank
+        elif isinstance(event, TransferCompleted) and self.role is Role.SENDER:
+            return (ReportOutcome(KVPoll.Success),)
+        return _NO_COMMANDS
+
+    def _post(self, src: bytes) -> PostChunk:
+        start = self._submitted_pages * _PAGE_BYTES
+        self._submitted_pages += len(src) // _PAGE_BYTES
+        chunk = self._next_chunk
+        self._next_chunk += 1
+        self._in_flight.add(chunk)
+        last = self._submitted_pages == self._num_pages
+        self._last_submitted = last
+        return PostChunk(
+            chunk=chunk,
+            src=src,
+            dst=self._dst[start : start + len(src)],
+            is_last=last,
+            src_aux=self._src_aux if last else -1,
+            dst_aux=self._dst_aux if last else -1,
+        )

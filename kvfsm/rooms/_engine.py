@@ -1,0 +1,131 @@
+"""``RoomEngine``: the loop thread, the registry on it, and facades for callers' threads."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from types import TracebackType
+from typing import Any
+
+from kvfsm.rooms._actor import CommandSink, Publication, RoomKey
+from kvfsm.rooms._config import RoomConfig
+from kvfsm.rooms._facade import ReceiverRoom, SenderRoom
+from kvfsm.rooms._registry import Registry
+from kvfsm.rooms._runtime import LoopThread
+from kvfsm.states import Event, Role
+
+__all__ = ["RoomEngine"]
+
+_log = logging.getLogger("kvfsm.runtime")
+
+
+class RoomEngine:
+    """Runs rooms on a background event loop and hands out facades.
+
+    ``sink`` executes the rooms' commands (the transport and the control channel); it is
+    attached to the registry on the loop thread when the engine starts.
+
+    Thread-safety: :meth:`sender`, :meth:`receiver`, :meth:`post` and :meth:`stats` may be
+    called from any thread and never block. :meth:`start`, :meth:`close` and :meth:`call`
+    block (setup and teardown only). :attr:`registry` belongs to the loop thread.
+    """
+
+    def __init__(
+        self,
+        sink: CommandSink,
+        config: RoomConfig | None = None,
+        *,
+        use_uvloop: bool = True,
+        name: str = "kvfsm-loop",
+    ) -> None:
+        self.config = config if config is not None else RoomConfig()
+        self._sink = sink
+        self._registry: Registry | None = None
+        self._thread = LoopThread(self._main, use_uvloop=use_uvloop, name=name)
+        # next() on itertools.count is atomic under the GIL: generations need no lock.
+        self._generations = itertools.count(1)
+        self._closed = False
+
+    # -- lifecycle (blocking) ------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> RoomEngine:
+        self._thread.start(timeout)
+        return self
+
+    def close(self, timeout: float | None = None) -> None:
+        """Abort live rooms, let them settle (``RoomConfig.shutdown_timeout_s``), stop the loop.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        budget = self.config.shutdown_timeout_s + 10.0 if timeout is None else timeout
+        self._thread.stop(budget)
+
+    def __enter__(self) -> RoomEngine:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def _main(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_log_loop_exception)
+        self._registry = Registry(self._sink, self.config)
+        self._thread.ready()
+        await stop.wait()
+        await self._registry.shutdown()
+
+    # -- callers' side (any thread, non-blocking) ----------------------------------------------
+
+    def sender(self, room: int) -> SenderRoom:
+        """A new prefill-side room. A duplicate live room id is published as Failed."""
+        key, pub = self._spawn(Role.SENDER, room)
+        return SenderRoom(key, pub, self.post)
+
+    def receiver(self, room: int) -> ReceiverRoom:
+        """A new decode-side room. A duplicate live room id is published as Failed."""
+        key, pub = self._spawn(Role.RECEIVER, room)
+        return ReceiverRoom(key, pub, self.post)
+
+    def _spawn(self, role: Role, room: int) -> tuple[RoomKey, Publication]:
+        key = RoomKey(int(room), next(self._generations))
+        pub = Publication()
+        self._thread.post(self.registry_on_loop().spawn_or_refuse, key, role, pub)
+        return key, pub
+
+    def post(self, key: RoomKey, event: Event) -> None:
+        """Deliver ``event`` to room ``key`` from any thread. Never blocks."""
+        self._thread.post(self.registry_on_loop().deliver, key, event)
+
+    def stats(self) -> dict[str, int]:
+        """Counters (see :class:`kvfsm.rooms.RoomStats`); plus ``live``: rooms with a task."""
+        registry = self.registry_on_loop()
+        snapshot = registry.stats.snapshot()
+        snapshot["live"] = len(registry)
+        return snapshot
+
+    # -- loop side -----------------------------------------------------------------------------
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._thread.loop
+
+    def registry_on_loop(self) -> Registry:
+        """The registry. Mutate it only on the loop thread (``call``/``post`` there)."""
+        if self._registry is None:
+            raise RuntimeError("engine is not started")
+        return self._registry
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the loop and wait for its result (tests, setup, teardown)."""
+        return self._thread.call(coro, timeout)
+
+
+def _log_loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    _log.error("event loop: %s", context.get("message"), exc_info=context.get("exception"))

@@ -1,0 +1,182 @@
+"""The synchronous facade: what callers' threads (SGLang's scheduler) hold for each room.
+
+Thread-safety, for every method below: callable from any thread, and never blocks.
+
+* ``poll()`` reads the room's published status. No lock, no loop round trip (law 6).
+* Every other call packs its arguments into an event and posts it to the engine's loop with
+  ``call_soon_threadsafe``, then returns. Its effect shows in a later ``poll()``.
+* ``abort()`` is the one call whose effect is immediate for its caller: once it returns, this
+  facade's ``poll()`` reports Failed, even before the room task has processed the abort. That
+  local view never contradicts the room: ``abort()`` is a no-op on a room already published
+  terminal, and a room that raced to Success meanwhile ends Failed for this caller (its pages
+  are settled either way). The room's own task remains the only writer of its state.
+
+A facade that belongs to one thread at a time (SGLang's case) needs nothing more. If two threads
+share one facade, ``abort()`` from either is still safe; ``init``/``send`` from both is a usage
+error (their order is whatever the threads make it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.states import (
+    TERMINAL,
+    AbortRequested,
+    ChunkSubmitted,
+    Event,
+    EventRejected,
+    Initialized,
+    KVPoll,
+    MetadataSubmitted,
+    Role,
+    failure_reason,
+)
+
+if TYPE_CHECKING:
+    from kvfsm.rooms._actor import Publication, RoomKey
+
+__all__ = ["KVTransferError", "PageIndices", "ReceiverRoom", "SenderRoom", "pack_pages"]
+
+PageIndices = npt.NDArray[np.integer] | Sequence[int] | bytes
+
+
+class KVTransferError(RuntimeError):
+    """Why a room failed. ``failure_reason`` mirrors the attribute SGLang's scheduler reads."""
+
+    def __init__(self, room: int, reason: str) -> None:
+        super().__init__(f"room {room}: {reason}")
+        self.room = room
+        self.failure_reason = reason
+
+
+def pack_pages(pages: PageIndices) -> bytes:
+    """Page indices as packed native int32, the form they travel in."""
+    if isinstance(pages, bytes):
+        return pages
+    array = np.asarray(pages)
+    if array.ndim != 1:
+        raise ValueError(f"page indices must be one-dimensional, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"page indices must be integers, got {array.dtype}")
+    if array.dtype != np.int32:
+        info = np.iinfo(np.int32)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise ValueError("page index out of int32 range")
+        array = array.astype(np.int32)
+    return array.tobytes()
+
+
+Post = Callable[["RoomKey", Event], None]
+
+
+class _RoomFacade:
+    __slots__ = ("_local_failure", "_pub", "_post", "key")
+
+    role: Role
+
+    def __init__(self, key: RoomKey, publication: Publication, post: Post) -> None:
+        self.key = key
+        self._pub = publication
+        self._post = post
+        #: Set by this caller's own abort (or its own bad call); makes poll() Failed at once.
+        self._local_failure: str | None = None
+
+    @property
+    def room(self) -> int:
+        return self.key.room
+
+    def poll(self) -> KVPoll:
+        """The room's status: a read of what its task published (plus this caller's abort)."""
+        if self._local_failure is not None:
+            return KVPoll.Failed
+        return self._pub.status
+
+    @property
+    def settled(self) -> bool:
+        """True once no transfer can touch this room's pages any more (law 4)."""
+        return self._pub.settled
+
+    @property
+    def reason(self) -> str:
+        """Why the room failed, or ``""``."""
+        if self._pub.status is KVPoll.Failed:
+            return self._pub.reason
+        return self._local_failure or ""
+
+    def abort(self, reason: str = "aborted by caller") -> None:
+        """Fail the room. A no-op once the room is published terminal."""
+        self._fail_locally(AbortRequested(reason))
+
+    def _fail_locally(self, event: AbortRequested | EventRejected) -> None:
+        if self._local_failure is not None or self._pub.status in TERMINAL:
+            return
+        self._local_failure = failure_reason(event)
+        self._post(self.key, event)
+
+    def _pack(self, pages: PageIndices) -> bytes | None:
+        """Pack for the wire; bad indices fail this room (not the caller's thread)."""
+        try:
+            return pack_pages(pages)
+        except (TypeError, ValueError) as exc:
+            self._fail_locally(EventRejected(f"bad page indices: {exc}"))
+            return None
+
+    def failure_exception(self) -> NoReturn:
+        """Raise :class:`KVTransferError` with the room's reason (always raises)."""
+        status = self.poll()
+        if status is KVPoll.Failed:
+            raise KVTransferError(self.key.room, self.reason or "failed")
+        raise KVTransferError(
+            self.key.room, f"failure_exception() called while the room is {status.name}"
+        )
+
+    def clear(self) -> None:
+        """Done with this room. Aborts it if it is not terminal yet; idempotent."""
+        if self.poll() not in TERMINAL:
+            self.abort("cleared before completion")
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} room={self.key.room} gen={self.key.generation} "
+            f"{self.poll().name}>"
+        )
+
+
+class SenderRoom(_RoomFacade):
+    """The prefill side of a room: ``poll`` until WaitingForInput, ``init``, ``send`` chunks."""
+
+    __slots__ = ()
+    role = Role.SENDER
+
+    def init(self, num_pages: int, aux_index: int = -1) -> None:
+        """Announce how many pages will be sent in total and the aux row to copy at the end."""
+        self._post(self.key, Initialized(num_pages=int(num_pages), aux_index=int(aux_index)))
+
+    def send(self, page_indices: PageIndices) -> None:
+        """Send one chunk of source pages. The chunk that brings the total to ``num_pages`` is
+        the last one and also carries the aux row; it may be empty."""
+        packed = self._pack(page_indices)
+        if packed is not None:
+            self._post(self.key, ChunkSubmitted(packed))
+
+
+class ReceiverRoom(_RoomFacade):
+    """The decode side of a room: ``init``, ``poll`` until WaitingForInput, ``send_metadata``."""
+
+    __slots__ = ()
+    role = Role.RECEIVER
+
+    def init(self, peer_rank: int = 0) -> None:
+        """Name the prefill rank that serves this room; the engine resolves it."""
+        self._post(self.key, Initialized(peer_rank=int(peer_rank)))
+
+    def send_metadata(self, page_indices: PageIndices, aux_index: int) -> None:
+        """Tell the sender which pages to write and which aux row to fill."""
+        packed = self._pack(page_indices)
+        if packed is not None:
+            self._post(self.key, MetadataSubmitted(packed, int(aux_index)))

@@ -1,0 +1,154 @@
+"""The registry: spawns, routes and reaps rooms by (room id, generation). Loop thread only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvfsm.rooms._actor import CommandSink, Publication, Room, RoomKey
+from kvfsm.rooms._config import RoomConfig
+from kvfsm.rooms._stats import RoomStats
+from kvfsm.states import TERMINAL, AbortRequested, Event, KVPoll, Role
+
+__all__ = ["DuplicateRoomError", "Registry"]
+
+_log = logging.getLogger("kvfsm.rooms")
+
+
+class DuplicateRoomError(RuntimeError):
+    """A live (non-terminal) room with the same id and role already exists."""
+
+
+class Registry:
+    """All rooms of one engine.
+
+    * ``_rooms`` maps every room that still has a task, terminal ones included (they may be
+      draining handles), by its full key. Events are routed by full key, so an event for an
+      older generation of a room id never reaches the new room (law 5): it is dropped and
+      counted.
+    * ``_current`` maps (role, room id) to the newest key, to refuse duplicates and to route
+      messages that name only a room id (the control channel's).
+    """
+
+    def __init__(self, sink: CommandSink, config: RoomConfig | None = None) -> None:
+        self.sink = sink
+        self.config = config if config is not None else RoomConfig()
+        self.stats = RoomStats()
+        #: Exceptions raised inside room tasks (bugs, or a strict core's IllegalEventError).
+        self.errors: list[tuple[RoomKey, BaseException]] = []
+        self._rooms: dict[RoomKey, Room] = {}
+        self._current: dict[tuple[Role, int], RoomKey] = {}
+        self._closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        sink.attach(self)
+
+    # -- spawning ------------------------------------------------------------------------------
+
+    def spawn(self, key: RoomKey, role: Role, publication: Publication | None = None) -> Room:
+        """Start a room task. Raises :class:`DuplicateRoomError` if a non-terminal room with the
+        same id and role is alive, and ``RuntimeError`` once the registry is closing."""
+        if self._closing:
+            raise RuntimeError("engine is shutting down; no new rooms")
+        current = self._current.get((role, key.room))
+        if current is not None:
+            live = self._rooms.get(current)
+            if live is not None and live.core.state not in TERMINAL:
+                self.stats.duplicates_refused += 1
+                raise DuplicateRoomError(
+                    f"{role.value} room {key.room} is already live "
+                    f"(generation {current.generation}, {live.core.state.name})"
+                )
+        if key in self._rooms:
+            raise DuplicateRoomError(f"room key {key} is already registered")
+        room = Room(
+            key,
+            role,
+            publication if publication is not None else Publication(),
+            self,
+            deadlines=self.config.deadlines.get(role),
+            mailbox_size=self.config.mailbox_size,
+            strict=self.config.strict,
+        )
+        self._rooms[key] = room
+        self._current[(role, key.room)] = key
+        self._idle.clear()
+        self.stats.spawned += 1
+        room.task = asyncio.get_running_loop().create_task(
+            room.run(), name=f"kvfsm-{role.value}-{key.room}-{key.generation}"
+        )
+        return room
+
+    def spawn_or_refuse(self, key: RoomKey, role: Role, publication: Publication) -> None:
+        """Spawn for a caller on another thread: a refusal is published as Failed on the
+        caller's publication instead of raised (the caller has already returned)."""
+        try:
+            self.spawn(key, role, publication)
+        except (DuplicateRoomError, RuntimeError) as exc:
+            publication.reason = f"refused: {exc}"
+            publication.status = KVPoll.Failed
+            publication.settled = True  # the refused room never exposed a page
+            _log.warning("room %s gen %s refused: %s", key.room, key.generation, exc)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def deliver(self, key: RoomKey, event: Event) -> bool:
+        """Route ``event`` to the room ``key``. Unknown or old keys: dropped, counted, False."""
+        room = self._rooms.get(key)
+        if room is None:
+            self.stats.stale_events += 1
+            return False
+        room.deliver(event)
+        return True
+
+    def current(self, role: Role, room_id: int) -> RoomKey | None:
+        """The newest key for ``room_id`` in ``role`` that still has a task, if any."""
+        key = self._current.get((role, room_id))
+        return key if key is not None and key in self._rooms else None
+
+    def get(self, key: RoomKey) -> Room | None:
+        return self._rooms.get(key)
+
+    def rooms(self) -> list[Room]:
+        return list(self._rooms.values())
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    # -- reaping and errors --------------------------------------------------------------------
+
+    def reap(self, room: Room) -> None:
+        """Called by a room's task as it ends."""
+        if self._rooms.pop(room.key, None) is None:
+            return
+        ident = (room.role, room.key.room)
+        if self._current.get(ident) == room.key:
+            del self._current[ident]
+        self.stats.reaped += 1
+        if not self._rooms:
+            self._idle.set()
+
+    def record_error(self, key: RoomKey, exc: BaseException) -> None:
+        self.errors.append((key, exc))
+        _log.error("room %s gen %s: internal error", key.room, key.generation, exc_info=exc)
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    async def wait_idle(self) -> None:
+        """Wait until no room has a task (all reaped)."""
+        await self._idle.wait()
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Refuse new rooms, abort live ones, give them ``grace_s`` to settle, cancel the rest."""
+        self._closing = True
+        grace = self.config.shutdown_timeout_s if grace_s is None else grace_s
+        for key in list(self._rooms):
+            self.deliver(key, AbortRequested("engine shutting down"))
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except TimeoutError:
+            tasks = [room.task for room in self._rooms.values() if room.task is not None]
+            _log.warning("shutdown: cancelling %d rooms that did not settle", len(tasks))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
