@@ -58,15 +58,15 @@ def test_every_non_terminal_state_can_fail_every_way(role: Role) -> None:
         row = TABLES[role][state]
         for event_type in (AbortRequested, DeadlineExpired, PeerLost, PeerFailed, EventRejected):
             assert row[event_type] is KVPoll.Failed
-        assert all(
-            dest is KVPoll.Failed for et, dest in row.items() if et in FAILURE_EVENTS
-        )
+        assert all(dest is KVPoll.Failed for et, dest in row.items() if et in FAILURE_EVENTS)
 
 
 @pytest.mark.parametrize("role", list(Role))
 def test_success_is_reachable_only_through_transfer_completed(role: Role) -> None:
     into_success = [
-        (state, et) for state, row in TABLES[role].items() for et, d in row.items()
+        (state, et)
+        for state, row in TABLES[role].items()
+        for et, d in row.items()
         if d is KVPoll.Success
     ]
     assert [et.__name__ for _, et in into_success] == ["TransferCompleted"]

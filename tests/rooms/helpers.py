@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from kvfsm.rooms import RoomCore, RoomStats
+
+from kvfsm.rooms import RoomCore, RoomKey, RoomStats
 from kvfsm.states import (
     AbortRequested,
     ChunkDone,
     ChunkSubmitted,
+    Command,
     DestinationReceived,
     Initialized,
     KVPoll,
@@ -84,3 +86,42 @@ EXPECTED_STATE = {
     "success": KVPoll.Success,
     "failed": KVPoll.Failed,
 }
+
+
+class ScriptedSink:
+    """A transport and control channel that only records commands. The test decides what
+    happens next by delivering events itself: the way to force an interleaving."""
+
+    def __init__(self) -> None:
+        from kvfsm.rooms import Inbox
+
+        self.inbox: Inbox | None = None
+        self.log: list[tuple[RoomKey, Command]] = []
+
+    def attach(self, inbox: object) -> None:
+        self.inbox = inbox  # type: ignore[assignment]
+
+    def submit(self, key: RoomKey, command: Command) -> None:
+        self.log.append((key, command))
+
+    def of(self, key: RoomKey, kind: type[Command] | None = None) -> list[Command]:
+        return [c for k, c in self.log if k == key and (kind is None or isinstance(c, kind))]
+
+
+async def drain(rounds: int = 10) -> None:
+    """Let room tasks run: a few loop iterations (virtual time does not move)."""
+    import asyncio
+
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Spin (from a test thread) until ``predicate()``; fail the test after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.0005)

@@ -164,7 +164,10 @@ def test_zero_page_last_chunk_completes_the_room() -> None:
     core = sender_at("waiting")
     core.handle(Initialized(num_pages=0, aux_index=3))
     (post,) = core.handle(ChunkSubmitted(b""))
-    assert post.is_last and post.src == b"" and post.src_aux == 3 and post.dst_aux == 5
+    assert post.is_last
+    assert post.src == b""
+    assert post.src_aux == 3
+    assert post.dst_aux == 5
     core.handle(ChunkDone(0))
     assert core.state is KVPoll.Success
 
@@ -203,7 +206,8 @@ class TestAbortAndSettle:
     def test_receiver_abort_after_metadata_waits_for_the_senders_ack(self) -> None:
         core = receiver_at("transferring")
         assert core.handle(AbortRequested()) == (ReportOutcome(KVPoll.Failed, core.reason),)
-        assert core.state is KVPoll.Failed and not core.settled
+        assert core.state is KVPoll.Failed
+        assert not core.settled
         core.handle(PeerSettled(0))
         assert core.settled
 
@@ -237,7 +241,8 @@ class TestAbortAndSettle:
         assert stats.late_events == 1
         core.handle(DeadlineExpired(KVPoll.Transferring, 10.0))
         assert core.state is KVPoll.Failed
-        assert "Transferring" in core.reason and stats.deadline_expiries == 1
+        assert "Transferring" in core.reason
+        assert stats.deadline_expiries == 1
 
 
 class TestBadInputFailsOneRoom:
@@ -249,7 +254,11 @@ class TestBadInputFailsOneRoom:
             ([DestinationReceived(DST, 5), Initialized(num_pages=9)], "reserved 8"),
             ([DestinationReceived(DST, 5), Initialized(num_pages=-1)], "-1 pages"),
             (
-                [DestinationReceived(DST, 5), Initialized(num_pages=2), ChunkSubmitted(pages(1, 2, 3))],
+                [
+                    DestinationReceived(DST, 5),
+                    Initialized(num_pages=2),
+                    ChunkSubmitted(pages(1, 2, 3)),
+                ],
                 "overruns init",
             ),
             (
@@ -262,7 +271,12 @@ class TestBadInputFailsOneRoom:
                 "after the last chunk",
             ),
             (
-                [DestinationReceived(DST, 5), Initialized(num_pages=4), ChunkSubmitted(pages(1)), ChunkDone(5)],
+                [
+                    DestinationReceived(DST, 5),
+                    Initialized(num_pages=4),
+                    ChunkSubmitted(pages(1)),
+                    ChunkDone(5),
+                ],
                 "never posted",
             ),
         ],
@@ -292,4 +306,5 @@ class TestBadInputFailsOneRoom:
         assert core.state is KVPoll.Success
         core = sender_at("waiting")
         core.fail("mailbox overflow")
-        assert core.state is KVPoll.Failed and "mailbox overflow" in core.reason
+        assert core.state is KVPoll.Failed
+        assert "mailbox overflow" in core.reason

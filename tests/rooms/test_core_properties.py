@@ -185,5 +185,7 @@ class RoomCoreMachine(RuleBasedStateMachine):
         assert self.settled_reports <= 1
 
 
-RoomCoreMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+RoomCoreMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=30, deadline=None
+)
 TestRoomCore = RoomCoreMachine.TestCase

@@ -49,7 +49,11 @@ def test_firing_any_event_on_a_terminal_model_raises(role: Role) -> None:
 @pytest.mark.parametrize("role", list(Role))
 def test_machine_sets_enum_members_on_the_model(role: Role) -> None:
     model = RoomCore(role)
-    first = next(et for et, d in TABLES[role][KVPoll.Bootstrapping].items() if d is not KVPoll.Failed and d is not KVPoll.Bootstrapping)
+    first = next(
+        et
+        for et, d in TABLES[role][KVPoll.Bootstrapping].items()
+        if d is not KVPoll.Failed and d is not KVPoll.Bootstrapping
+    )
     MACHINES[role].events[first.__name__].trigger(model)
     assert model.state is KVPoll.WaitingForInput
     assert type(model.state) is KVPoll

@@ -1,0 +1,252 @@
+"""Room tasks on a real event loop, with a scripted sink and virtual time (looptime): the
+mailbox, deadlines in every non-terminal state, publication, settle and reaping."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvfsm.rooms import Publication, Registry, RoomConfig, RoomKey
+from kvfsm.states import (
+    DEFAULT_DEADLINES,
+    AbortRequested,
+    ChunkDone,
+    ChunkSubmitted,
+    DestinationReceived,
+    Initialized,
+    KVPoll,
+    MetadataSubmitted,
+    PeerResolved,
+    PeerSettled,
+    PostChunk,
+    ReleaseHandles,
+    Role,
+    TransferConfirmed,
+)
+from tests.rooms.helpers import DST, ScriptedSink, drain, pages
+
+pytestmark = pytest.mark.asyncio
+
+PATHS = {
+    # events that bring a fresh room to the given state
+    (Role.SENDER, KVPoll.Bootstrapping): [],
+    (Role.SENDER, KVPoll.WaitingForInput): [DestinationReceived(DST, 5)],
+    (Role.SENDER, KVPoll.Transferring): [
+        DestinationReceived(DST, 5),
+        Initialized(num_pages=4, aux_index=1),
+        ChunkSubmitted(pages(0)),
+    ],
+    (Role.RECEIVER, KVPoll.Bootstrapping): [Initialized(peer_rank=0)],
+    (Role.RECEIVER, KVPoll.WaitingForInput): [Initialized(peer_rank=0), PeerResolved(0)],
+    (Role.RECEIVER, KVPoll.Transferring): [
+        Initialized(peer_rank=0),
+        PeerResolved(0),
+        MetadataSubmitted(DST, 5),
+    ],
+}
+
+
+def make_registry(**config: object) -> tuple[Registry, ScriptedSink]:
+    sink = ScriptedSink()
+    return Registry(sink, RoomConfig(strict=True, **config)), sink  # type: ignore[arg-type]
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(("role", "state"), list(PATHS))
+async def test_deadline_expiry_in_every_non_terminal_state(role: Role, state: KVPoll) -> None:
+    registry, _ = make_registry(settle_timeout_s=3600.0)
+    loop = asyncio.get_running_loop()
+    pub = Publication()
+    key = RoomKey(7, 1)
+    registry.spawn(key, role, pub)
+    for event in PATHS[(role, state)]:
+        registry.deliver(key, event)
+    await drain()
+    assert pub.status is state
+    entered = loop.time()
+    deadline = DEFAULT_DEADLINES[role][state]
+
+    await asyncio.sleep(deadline - 1.0)
+    assert pub.status is state, "failed before its deadline"
+    await asyncio.sleep(2.0)
+    assert pub.status is KVPoll.Failed
+    assert f"deadline expired: {state.name}" in pub.reason
+    assert loop.time() - entered == pytest.approx(deadline + 1.0)
+    assert registry.stats.deadline_expiries == 1
+    assert registry.errors == []
+
+
+@pytest.mark.looptime
+async def test_each_state_gets_its_own_deadline_and_the_sum_bounds_the_room() -> None:
+    deadlines = {
+        Role.SENDER: {
+            KVPoll.Bootstrapping: 10.0,
+            KVPoll.WaitingForInput: 20.0,
+            KVPoll.Transferring: 30.0,
+        }
+    }
+    registry, _ = make_registry(deadlines=deadlines)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    pub = Publication()
+    key = RoomKey(1, 1)
+    registry.spawn(key, Role.SENDER, pub)
+    await asyncio.sleep(9.0)
+    registry.deliver(key, DestinationReceived(DST, 5))  # leaves Bootstrapping at t=9
+    await asyncio.sleep(19.0)
+    registry.deliver(key, Initialized(num_pages=2, aux_index=0))
+    registry.deliver(key, ChunkSubmitted(pages(1)))  # enters Transferring at t=28
+    await drain()
+    assert pub.status is KVPoll.Transferring
+    while pub.status is KVPoll.Transferring:
+        await asyncio.sleep(0.5)
+    assert pub.status is KVPoll.Failed
+    assert loop.time() - start == pytest.approx(28.0 + 30.0, abs=0.6)
+    assert loop.time() - start <= sum(deadlines[Role.SENDER].values())
+
+
+async def test_status_is_published_and_the_room_is_reaped_once_settled() -> None:
+    registry, sink = make_registry()
+    pub = Publication()
+    key = RoomKey(3, 1)
+    room = registry.spawn(key, Role.SENDER, pub)
+    for event in PATHS[(Role.SENDER, KVPoll.Transferring)]:
+        registry.deliver(key, event)
+    await drain()
+    assert pub.status is KVPoll.Transferring
+    assert [c.chunk for c in sink.of(key, PostChunk)] == [0]  # type: ignore[attr-defined]
+    registry.deliver(key, AbortRequested("test"))
+    await drain()
+    assert pub.status is KVPoll.Failed
+    assert "test" in pub.reason
+    assert not pub.settled
+    assert len(registry) == 1
+    assert sink.of(key, ReleaseHandles)
+    registry.deliver(key, ChunkDone(0))
+    await drain()
+    assert pub.settled
+    assert len(registry) == 0
+    assert room.task is not None
+    assert room.task.done()
+    assert registry.stats.reaped == 1
+    assert registry.stats.late_events == 1
+
+
+async def test_receiver_pages_stay_unsettled_until_the_sender_acknowledges() -> None:
+    registry, _ = make_registry()
+    pub = Publication()
+    key = RoomKey(4, 1)
+    registry.spawn(key, Role.RECEIVER, pub)
+    for event in PATHS[(Role.RECEIVER, KVPoll.Transferring)]:
+        registry.deliver(key, event)
+    registry.deliver(key, AbortRequested())
+    await drain()
+    assert pub.status is KVPoll.Failed
+    assert not pub.settled
+    registry.deliver(key, PeerSettled(0))
+    await drain()
+    assert pub.settled
+    assert len(registry) == 0
+
+
+@pytest.mark.looptime
+async def test_a_room_that_never_settles_gives_up_after_the_settle_timeout() -> None:
+    registry, _ = make_registry(settle_timeout_s=60.0)
+    pub = Publication()
+    key = RoomKey(5, 1)
+    registry.spawn(key, Role.SENDER, pub)
+    for event in PATHS[(Role.SENDER, KVPoll.Transferring)]:
+        registry.deliver(key, event)
+    registry.deliver(key, AbortRequested())
+    await asyncio.sleep(59.0)
+    assert len(registry) == 1
+    await asyncio.sleep(2.0)
+    assert len(registry) == 0
+    assert registry.stats.settle_timeouts == 1
+    assert pub.status is KVPoll.Failed
+    assert not pub.settled
+
+
+async def test_mailbox_overflow_fails_the_room_but_keeps_settlement_events() -> None:
+    registry, _ = make_registry(mailbox_size=4)
+    pub = Publication()
+    key = RoomKey(6, 1)
+    registry.spawn(key, Role.SENDER, pub)
+    for event in PATHS[(Role.SENDER, KVPoll.Transferring)]:
+        registry.deliver(key, event)
+    await drain()
+    for _ in range(10):  # a flood the room cannot keep up with (no loop iteration between)
+        registry.deliver(key, AbortRequested("flood", origin="peer"))
+    registry.deliver(key, ChunkDone(0))  # a settlement event is never refused
+    await drain()
+    assert pub.status is KVPoll.Failed
+    assert pub.settled
+    assert registry.stats.mailbox_overflows == 1
+
+
+async def test_duplicate_live_room_is_refused_and_old_generation_events_are_dropped() -> None:
+    from kvfsm.rooms import DuplicateRoomError
+
+    registry, _ = make_registry()
+    first = RoomKey(9, 1)
+    registry.spawn(first, Role.SENDER)
+    with pytest.raises(DuplicateRoomError, match="sender room 9 is already live"):
+        registry.spawn(RoomKey(9, 2), Role.SENDER)
+    registry.spawn(RoomKey(9, 3), Role.RECEIVER)  # the other role may use the same id
+    registry.deliver(first, AbortRequested())
+    await drain()
+    # The first room is terminal (and settled): the id is free for a new generation.
+    second = RoomKey(9, 4)
+    pub = Publication()
+    registry.spawn(second, Role.SENDER, pub)
+    stale = registry.stats.stale_events
+    assert not registry.deliver(first, DestinationReceived(DST, 5))  # old generation
+    assert registry.stats.stale_events == stale + 1
+    await drain()
+    assert pub.status is KVPoll.Bootstrapping
+    assert registry.current(Role.SENDER, 9) == second
+
+
+async def test_spawn_or_refuse_publishes_failed_instead_of_raising() -> None:
+    registry, _ = make_registry()
+    registry.spawn(RoomKey(11, 1), Role.RECEIVER)
+    pub = Publication()
+    registry.spawn_or_refuse(RoomKey(11, 2), Role.RECEIVER, pub)
+    assert pub.status is KVPoll.Failed
+    assert "already live" in pub.reason
+    assert pub.settled
+    assert registry.stats.duplicates_refused == 1
+
+
+async def test_shutdown_fails_live_rooms_and_cancels_unsettled_ones() -> None:
+    registry, _ = make_registry(shutdown_timeout_s=0.05)
+    pubs = []
+    for i in range(3):
+        pub = Publication()
+        key = RoomKey(i, i + 1)
+        registry.spawn(key, Role.SENDER, pub)
+        pubs.append(pub)
+    for event in PATHS[(Role.SENDER, KVPoll.Transferring)]:
+        registry.deliver(RoomKey(0, 1), event)  # room 0 has a chunk that never completes
+    await drain()
+    await registry.shutdown()
+    assert [p.status for p in pubs] == [KVPoll.Failed] * 3
+    assert all("engine shutting down" in p.reason for p in pubs)
+    assert len(registry) == 0
+    with pytest.raises(RuntimeError, match="shutting down"):
+        registry.spawn(RoomKey(5, 99), Role.SENDER)
+
+
+async def test_internal_error_fails_only_that_room() -> None:
+    registry, _ = make_registry()  # strict: an illegal event raises inside the core
+    bad, good = Publication(), Publication()
+    registry.spawn(RoomKey(1, 1), Role.SENDER, bad)
+    registry.spawn(RoomKey(2, 2), Role.SENDER, good)
+    registry.deliver(RoomKey(1, 1), TransferConfirmed())  # a receiver-only event
+    registry.deliver(RoomKey(2, 2), DestinationReceived(DST, 5))
+    await drain()
+    assert bad.status is KVPoll.Failed
+    assert "internal error" in bad.reason
+    assert good.status is KVPoll.WaitingForInput
+    assert len(registry.errors) == 1

@@ -1,0 +1,164 @@
+"""The engine runtime and the synchronous facade, from a caller's thread (law 6)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvfsm.rooms import KVTransferError, RoomConfig, RoomEngine
+from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.states import DestinationReceived, KVPoll
+from tests.rooms.helpers import DST, ScriptedSink, wait_until
+
+
+@pytest.fixture
+def engine() -> RoomEngine:
+    eng = RoomEngine(ScriptedSink(), RoomConfig(strict=True)).start()
+    yield eng  # type: ignore[misc]
+    eng.close()
+    assert eng.registry_on_loop().errors == []
+
+
+@pytest.fixture
+def loopback() -> RoomEngine:
+    eng = RoomEngine(LoopbackSink(), RoomConfig(strict=True)).start()
+    yield eng  # type: ignore[misc]
+    eng.close()
+    assert eng.registry_on_loop().errors == []
+
+
+def block_loop(engine: RoomEngine) -> threading.Event:
+    """Park the loop thread inside a callback until the returned event is set."""
+    release, parked = threading.Event(), threading.Event()
+
+    def park() -> None:
+        parked.set()
+        release.wait(10)
+
+    engine.loop.call_soon_threadsafe(park)
+    assert parked.wait(5)
+    return release
+
+
+def test_poll_and_abort_never_wait_for_the_loop(engine: RoomEngine) -> None:
+    sender = engine.sender(1)
+    wait_until(lambda: engine.stats()["spawned"] == 1)
+    release = block_loop(engine)
+    try:
+        start = time.perf_counter()
+        assert sender.poll() is KVPoll.Bootstrapping
+        sender.abort()
+        # Failed at once for this caller, although the room task has not run yet.
+        assert sender.poll() is KVPoll.Failed
+        sender.init(4, 1)  # enqueue-and-return calls do not wait either
+        sender.send(np.arange(4))
+        elapsed = time.perf_counter() - start
+        assert elapsed < 1.0, "a facade call waited on the blocked loop"
+        assert engine.registry_on_loop().stats.failed == 0  # the room itself has not moved
+    finally:
+        release.set()
+    wait_until(lambda: sender.settled)
+    assert sender.poll() is KVPoll.Failed
+    assert "aborted by caller" in sender.reason
+
+
+def test_full_pair_lifecycle_over_the_loopback(loopback: RoomEngine) -> None:
+    sender, receiver = loopback.sender(5), loopback.receiver(5)
+    receiver.init(0)
+    wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+    receiver.send_metadata(np.arange(100, 108), aux_index=3)
+    wait_until(lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.init(8, aux_index=1)
+    sender.send(np.arange(5))
+    sender.send(np.arange(5, 8))
+    wait_until(lambda: receiver.poll() is KVPoll.Success)
+    wait_until(lambda: sender.poll() is KVPoll.Success)
+    wait_until(lambda: loopback.stats()["live"] == 0)
+    assert sender.settled
+    assert receiver.settled
+    assert loopback.stats()["succeeded"] == 2
+
+
+def test_decode_abort_reaches_prefill_and_is_acknowledged(loopback: RoomEngine) -> None:
+    sender, receiver = loopback.sender(6), loopback.receiver(6)
+    receiver.init(0)
+    wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+    receiver.send_metadata(np.arange(4), aux_index=0)
+    wait_until(lambda: sender.poll() is KVPoll.WaitingForInput)
+    receiver.abort()
+    assert receiver.poll() is KVPoll.Failed
+    wait_until(lambda: sender.poll() is KVPoll.Failed)
+    assert "aborted (peer)" in sender.reason
+    wait_until(lambda: receiver.settled)  # the sender's ReportSettled arrived as PeerSettled
+
+
+def test_failure_exception_always_raises_with_a_reason(engine: RoomEngine) -> None:
+    sender = engine.sender(2)
+    with pytest.raises(KVTransferError, match="while the room is Bootstrapping"):
+        sender.failure_exception()
+    sender.abort("client went away")
+    with pytest.raises(KVTransferError, match="client went away") as info:
+        sender.failure_exception()
+    assert "client went away" in info.value.failure_reason
+    sender.clear()
+    sender.clear()  # idempotent
+    assert sender.poll() is KVPoll.Failed
+
+
+def test_clear_before_completion_aborts(engine: RoomEngine) -> None:
+    receiver = engine.receiver(3)
+    receiver.clear()
+    assert receiver.poll() is KVPoll.Failed
+    wait_until(lambda: receiver.settled)
+    assert "cleared before completion" in receiver.reason
+
+
+def test_duplicate_live_room_fails_the_newcomer_only(engine: RoomEngine) -> None:
+    first = engine.sender(77)
+    wait_until(lambda: engine.stats()["spawned"] == 1)
+    second = engine.sender(77)
+    wait_until(lambda: second.poll() is KVPoll.Failed)
+    assert "already live" in second.reason
+    assert first.poll() is KVPoll.Bootstrapping
+    engine.post(first.key, DestinationReceived(DST, 5))
+    wait_until(lambda: first.poll() is KVPoll.WaitingForInput)
+
+
+def test_bad_page_indices_fail_the_room_not_the_caller(engine: RoomEngine) -> None:
+    sender = engine.sender(8)
+    engine.post(sender.key, DestinationReceived(DST, 5))
+    wait_until(lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.init(2)
+    sender.send(np.array([[1, 2]]))  # two-dimensional: refused, and the room fails
+    assert sender.poll() is KVPoll.Failed
+    wait_until(lambda: sender.settled)
+    assert "bad page indices" in sender.reason
+    other = engine.sender(9)
+    sender.send([1.5])  # after failure: ignored, no exception
+    assert other.poll() is KVPoll.Bootstrapping
+
+
+def test_close_fails_live_rooms_and_is_idempotent() -> None:
+    engine = RoomEngine(ScriptedSink(), RoomConfig(shutdown_timeout_s=0.2)).start()
+    rooms = [engine.sender(i) for i in range(5)] + [engine.receiver(i) for i in range(5)]
+    wait_until(lambda: engine.stats()["spawned"] == 10)
+    engine.close()
+    engine.close()
+    assert all(r.poll() is KVPoll.Failed for r in rooms)
+    assert all("engine shutting down" in r.reason for r in rooms)
+    assert not any(t.name == "kvfsm-loop" for t in threading.enumerate())
+    with pytest.raises(RuntimeError):
+        engine.sender(99)
+
+
+def test_asyncio_loop_works_without_uvloop() -> None:
+    with RoomEngine(LoopbackSink(), use_uvloop=False) as engine:
+        assert "uvloop" not in type(engine.loop).__module__
+        receiver = engine.receiver(1)
+        receiver.init(0)
+        wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+    with RoomEngine(LoopbackSink()) as engine:
+        assert "uvloop" in type(engine.loop).__module__
