@@ -151,15 +151,21 @@ class RoomCore:
         if self.state in TERMINAL:
             # Late or duplicate: a chunk finishing after an abort, a peer's abort after Success.
             self._stats.late_events += 1
+            if type(event) is DestinationReceived and self.state is KVPoll.Failed:
+                # The receiver reserved pages for a sender that already failed (say, aborted
+                # while bootstrapping, before it knew its peer): answer, or they wait for a
+                # deadline. Nothing was ever posted to them, so they are settled too.
+                return (ReportOutcome(KVPoll.Failed, self.reason), ReportSettled())
             return settled_now
-        if type(event) not in self._table[self.state]:
+        dest = self._table[self.state].get(type(event))
+        if dest is None:
             return self._reject(f"{type(event).__name__} in {self.state.name}")
         problem = self._check(event)
         if problem is not None:
             return self._reject(problem)
         if type(event) in FAILURE_EVENTS:
             return self._fail(event)
-        self._fire(event)
+        self._fire(event, dest)
         commands = self._act(event)
         if self._complete():
             return commands + self.handle(TransferCompleted())
@@ -167,9 +173,14 @@ class RoomCore:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _fire(self, event: Event) -> None:
-        # The flyweight use of transitions: one machine per role, this room as the model.
-        self._events[trigger_name(type(event))].trigger(self)
+    def _fire(self, event: Event, dest: KVPoll) -> None:
+        """Change state through the role's ``transitions`` machine: one machine per role, this
+        room as the model. An edge back to the same state changes nothing, so it is not fired:
+        the table lookup above already validated it against the data the machine was built
+        from (a test proves the built edges equal the table), and skipping it saves a trigger
+        per ``init`` and per chunk."""
+        if dest is not self.state:
+            self._events[trigger_name(type(event))].trigger(self)
 
     def _settle(self, event: Event) -> tuple[Command, ...]:
         """Ledger first, whatever the state: physical facts are never dropped.
@@ -203,7 +214,7 @@ class RoomCore:
         if isinstance(event, DeadlineExpired):
             self._stats.deadline_expiries += 1
         self.reason = failure_reason(event)
-        self._fire(event)
+        self._fire(event, KVPoll.Failed)
         commands: list[Command] = []
         if self._in_flight:
             commands.append(ReleaseHandles())

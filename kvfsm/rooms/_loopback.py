@@ -19,7 +19,6 @@ from kvfsm.states import (
     Event,
     KVPoll,
     PeerFailed,
-    PeerLost,
     PeerResolved,
     PeerSettled,
     PostChunk,
@@ -93,5 +92,7 @@ class LoopbackSink:
         if peer is not None:
             registry.deliver(peer, event)
         elif isinstance(event, DestinationReceived):
-            # A receiver with no sender would wait for its deadline; fail it now instead.
-            registry.deliver(key, PeerLost(f"no sender room {key.room} in this engine"))
+            # A receiver with no sender (never created, or failed and already reaped) would
+            # wait for its deadline: fail it now. No sender means no write: its pages are safe.
+            registry.deliver(key, PeerFailed(f"no sender room {key.room} in this engine"))
+            registry.deliver(key, PeerSettled())

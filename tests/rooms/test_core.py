@@ -308,3 +308,15 @@ class TestBadInputFailsOneRoom:
         core.fail("mailbox overflow")
         assert core.state is KVPoll.Failed
         assert "mailbox overflow" in core.reason
+
+
+def test_failed_sender_answers_a_receiver_that_reserved_pages_too_late() -> None:
+    # Prefill aborted while bootstrapping, before it knew its decode peer; decode's page list
+    # arrives afterwards. Decode must hear the outcome now, not at its deadline.
+    core = sender_at("bootstrapping")
+    core.handle(AbortRequested("prefill aborted"))
+    assert core.handle(DestinationReceived(DST, 5)) == (
+        ReportOutcome(KVPoll.Failed, core.reason),
+        ReportSettled(),
+    )
+    assert core.state is KVPoll.Failed

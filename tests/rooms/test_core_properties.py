@@ -57,7 +57,7 @@ class RoomCoreMachine(RuleBasedStateMachine):
         self.history: list[KVPoll] = []
         self.posted: dict[int, PostChunk] = {}
         self.settled_chunks: set[int] = set()
-        self.commands_after_terminal: list[Command] = []
+        self.commands_after_terminal: list[tuple[type[Event], Command]] = []
         self.outcomes: list[ReportOutcome] = []
         self.settled_reports = 0
 
@@ -72,14 +72,14 @@ class RoomCoreMachine(RuleBasedStateMachine):
         commands = self.core.handle(event)
         if was_terminal:
             assert self.stats.late_events == late + 1, "a late event was not counted"
-            self.commands_after_terminal += commands
+            self.commands_after_terminal += [(type(event), c) for c in commands]
         for command in commands:
             if isinstance(command, PostChunk):
                 assert command.chunk not in self.posted, "chunk id reused"
                 self.posted[command.chunk] = command
-            elif isinstance(command, ReportOutcome):
+            elif isinstance(command, ReportOutcome) and not was_terminal:
                 self.outcomes.append(command)
-            elif isinstance(command, ReportSettled):
+            elif isinstance(command, ReportSettled) and not was_terminal:
                 self.settled_reports += 1
         if isinstance(event, (ChunkDone, ChunkFailed)) and event.chunk in self.posted:
             self.settled_chunks.add(event.chunk)
@@ -153,7 +153,15 @@ class RoomCoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_is_posted_or_reported_after_terminal(self) -> None:
-        assert all(isinstance(c, ReportSettled) for c in self.commands_after_terminal)
+        # After a terminal state a room only settles, or answers a receiver that reserved
+        # pages for a sender that had already failed.
+        for event_type, command in self.commands_after_terminal:
+            if event_type is DestinationReceived:
+                assert self.core.state is KVPoll.Failed
+                assert isinstance(command, (ReportOutcome, ReportSettled))
+                assert not isinstance(command, ReportOutcome) or command.status is KVPoll.Failed
+            else:
+                assert isinstance(command, ReportSettled), (event_type, command)
 
     @invariant()
     def ledger_matches_commands(self) -> None:

@@ -1,0 +1,322 @@
+"""What a room costs: the actor runtime against a bare dict-table FSM, in one run.
+
+Measured here, side by side:
+
+* floor   - the same sender + receiver event sequence applied to a bare dict-table FSM (the
+            tables of kvfsm.states, one lookup and one store per event): no actor, no
+            transitions, no bookkeeping. The cheapest thing that could be called a room.
+* core    - the same sequence through ``RoomCore`` (the shared ``transitions`` machines fired
+            with the room as the model, plus the ledger and payload checks). No loop.
+* engine  - full lifecycles through the real engine: a caller thread drives sender and
+            receiver facades like SGLang's scheduler (create, init, poll, send_metadata, send,
+            poll, clear) while the loop thread runs one task per room; the null transport
+            (``LoopbackSink``) completes chunks on the next loop iteration and routes control
+            messages between the pair. CPU is process CPU (both threads) per room pair.
+* poll()  - median cost of one facade ``poll()`` from the caller thread.
+* memory  - bytes per live room with 10,000 rooms parked in Bootstrapping (task, mailbox,
+            deadline timer, publication, facade), from tracemalloc and from RSS.
+
+Run: ``python benchmarks/room_lifecycle.py`` (``--json`` for one JSON object).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvfsm.rooms import RoomCore, RoomEngine
+from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.states import (
+    TABLES,
+    TERMINAL,
+    ChunkDone,
+    ChunkSubmitted,
+    DestinationReceived,
+    Event,
+    Initialized,
+    KVPoll,
+    MetadataSubmitted,
+    PeerResolved,
+    Role,
+    TransferCompleted,
+    TransferConfirmed,
+)
+
+TARGETS = {"poll_ns_median": 1000.0, "cpu_us_per_room": 150.0, "bytes_per_live_room": 32768.0}
+
+PAGES = np.arange(100, 104, dtype=np.int32)
+PACKED = PAGES.tobytes()
+SENDER_EVENTS: list[Event] = [
+    DestinationReceived(PACKED, 3),
+    Initialized(num_pages=4, aux_index=1),
+    ChunkSubmitted(PACKED),
+    ChunkDone(0),
+]
+RECEIVER_EVENTS: list[Event] = [
+    Initialized(peer_rank=0),
+    PeerResolved(0),
+    MetadataSubmitted(PACKED, 3),
+    TransferConfirmed(0),
+]
+
+
+def best_of(runs: int, fn: Callable[[], float]) -> float:
+    return min(fn() for _ in range(runs))
+
+
+# -- floor and core (no loop) ------------------------------------------------------------------
+
+
+class _FloorRoom:
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state = KVPoll.Bootstrapping
+
+
+def floor_us_per_room(n: int) -> float:
+    sender_table, receiver_table = TABLES[Role.SENDER], TABLES[Role.RECEIVER]
+    # The floor must also complete the transfer: it applies the derived event explicitly.
+    sender_events = [*SENDER_EVENTS, TransferCompleted()]
+    receiver_events = [*RECEIVER_EVENTS, TransferCompleted()]
+
+    def run() -> float:
+        start = time.process_time()
+        for _ in range(n):
+            s, r = _FloorRoom(), _FloorRoom()
+            for event in sender_events:
+                s.state = sender_table[s.state][type(event)]
+            for event in receiver_events:
+                r.state = receiver_table[r.state][type(event)]
+            assert s.state is KVPoll.Success and r.state is KVPoll.Success
+        return (time.process_time() - start) / n * 1e6
+
+    return best_of(3, run)
+
+
+def core_us_per_room(n: int) -> float:
+    def run() -> float:
+        start = time.process_time()
+        for _ in range(n):
+            s, r = RoomCore(Role.SENDER), RoomCore(Role.RECEIVER)
+            for event in SENDER_EVENTS:
+                s.handle(event)
+            for event in RECEIVER_EVENTS:
+                r.handle(event)
+            assert s.state is KVPoll.Success and r.state is KVPoll.Success
+        return (time.process_time() - start) / n * 1e6
+
+    return best_of(3, run)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+def _loop_thread_time(engine: RoomEngine) -> float:
+    async def read() -> float:
+        return time.thread_time()
+
+    return float(engine.call(read()))
+
+
+def engine_lifecycles(n: int, concurrency: int) -> dict[str, float]:
+    """Drive ``n`` sender+receiver pairs through one engine, ``concurrency`` in flight."""
+    with RoomEngine(LoopbackSink()) as engine:
+        # warm-up: first rooms pay for imports and code-object caches
+        _drive(engine, min(n, 500), concurrency, base=10_000_000)
+        gc.collect()
+        loop_cpu0 = _loop_thread_time(engine)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        failed = _drive(engine, n, concurrency, base=0)
+        wall = time.perf_counter() - wall0
+        cpu = time.process_time() - cpu0
+        loop_cpu = _loop_thread_time(engine) - loop_cpu0
+        stats = engine.stats()
+    return {
+        "rooms": n,
+        "concurrency": concurrency,
+        "failed": failed,
+        "rooms_per_s": n / wall,
+        "cpu_us_per_room": cpu / n * 1e6,
+        "loop_cpu_us_per_room": loop_cpu / n * 1e6,
+        "caller_cpu_us_per_room": (cpu - loop_cpu) / n * 1e6,
+        "late_events": stats["late_events"],
+        "live_after": stats["live"],
+    }
+
+
+def _drive(engine: RoomEngine, n: int, concurrency: int, base: int) -> int:
+    """A scheduler-shaped loop: each iteration polls every room in flight and advances the
+    ones that are ready; it yields the CPU briefly when nothing moved (like a GPU step)."""
+    next_id, done, failed = 0, 0, 0
+    flight: list[list[Any]] = []  # [stage, sender, receiver]
+    while done < n:
+        while len(flight) < concurrency and next_id < n:
+            sender = engine.sender(base + next_id)
+            receiver = engine.receiver(base + next_id)
+            receiver.init(0)
+            flight.append([0, sender, receiver])
+            next_id += 1
+        moved = False
+        keep: list[list[Any]] = []
+        for entry in flight:
+            stage, sender, receiver = entry
+            if stage == 0 and receiver.poll() is KVPoll.WaitingForInput:
+                receiver.send_metadata(PAGES, 3)
+                entry[0] = stage = 1
+                moved = True
+            if stage == 1 and sender.poll() is KVPoll.WaitingForInput:
+                sender.init(4, 1)
+                sender.send(PAGES)
+                entry[0] = stage = 2
+                moved = True
+            s, r = sender.poll(), receiver.poll()
+            if s in TERMINAL and r in TERMINAL:
+                failed += s is KVPoll.Failed or r is KVPoll.Failed
+                sender.clear()
+                receiver.clear()
+                done += 1
+                moved = True
+                continue
+            keep.append(entry)
+        flight = keep
+        if not moved:
+            time.sleep(0)
+    return failed
+
+
+def poll_ns_median(calls: int = 200_000) -> float:
+    with RoomEngine(LoopbackSink()) as engine:
+        room = engine.sender(1)
+        poll = room.poll
+        batches = []
+        for _ in range(calls // 1000):
+            start = time.perf_counter_ns()
+            for _ in range(1000):
+                poll()
+            batches.append((time.perf_counter_ns() - start) / 1000)
+        return statistics.median(batches)
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_per_live_room(live: int) -> dict[str, float]:
+    with RoomEngine(LoopbackSink()) as engine:
+        warm = [engine.sender(10_000_000 + i) for i in range(100)]
+        _wait(lambda: engine.stats()["live"] == 100)
+        gc.collect()
+        tracemalloc.start()
+        before, rss0 = tracemalloc.take_snapshot(), _rss_bytes()
+        rooms = [engine.sender(i) for i in range(live)]
+        _wait(lambda: engine.stats()["live"] == live + 100)
+        gc.collect()
+        after, rss1 = tracemalloc.take_snapshot(), _rss_bytes()
+        tracemalloc.stop()
+        traced = sum(s.size_diff for s in after.compare_to(before, "filename"))
+        assert all(r.poll() is KVPoll.Bootstrapping for r in rooms)
+        del warm
+    return {
+        "live_rooms": live,
+        "bytes_per_live_room": traced / live,
+        "rss_bytes_per_live_room": (rss1 - rss0) / live,
+    }
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark rooms did not reach the expected state")
+        time.sleep(0.001)
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def run(rooms: int, concurrency: int, live: int) -> dict[str, Any]:
+    floor = floor_us_per_room(rooms)
+    core = core_us_per_room(rooms)
+    engine = engine_lifecycles(rooms, concurrency)
+    poll_ns = poll_ns_median()
+    memory = memory_per_live_room(live)
+    return {
+        "python": sys.version.split()[0],
+        "threads": threading.active_count(),
+        "floor_us_per_room": floor,
+        "core_us_per_room": core,
+        "engine": engine,
+        "poll_ns_median": poll_ns,
+        "memory": memory,
+        "ratio_engine_to_floor": engine["cpu_us_per_room"] / floor,
+        "ratio_core_to_floor": core / floor,
+        "targets": TARGETS,
+        "meets": {
+            "poll_ns_median": poll_ns <= TARGETS["poll_ns_median"],
+            "cpu_us_per_room": engine["cpu_us_per_room"] <= TARGETS["cpu_us_per_room"],
+            "bytes_per_live_room": memory["bytes_per_live_room"]
+            <= TARGETS["bytes_per_live_room"],
+        },
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    e, m = r["engine"], r["memory"]
+    rows = [
+        ("floor: bare dict-table FSM, sender+receiver", f"{r['floor_us_per_room']:.2f} us CPU", ""),
+        (
+            "core: RoomCore on transitions, sender+receiver",
+            f"{r['core_us_per_room']:.1f} us CPU",
+            f"{r['ratio_core_to_floor']:.0f}x floor",
+        ),
+        (
+            f"engine: full pair lifecycle ({e['concurrency']} in flight)",
+            f"{e['cpu_us_per_room']:.1f} us CPU",
+            f"{r['ratio_engine_to_floor']:.0f}x floor; target <= {TARGETS['cpu_us_per_room']:.0f}",
+        ),
+        ("  of which loop thread", f"{e['loop_cpu_us_per_room']:.1f} us CPU", ""),
+        ("  of which caller thread (facade, polls)", f"{e['caller_cpu_us_per_room']:.1f} us CPU", ""),
+        ("engine throughput", f"{e['rooms_per_s']:,.0f} pairs/s", f"{e['rooms']} pairs"),
+        ("poll() median", f"{r['poll_ns_median']:.0f} ns", f"target <= {TARGETS['poll_ns_median']:.0f}"),
+        (
+            f"memory per live room ({m['live_rooms']:,} live)",
+            f"{m['bytes_per_live_room'] / 1024:.1f} KiB traced",
+            f"{m['rss_bytes_per_live_room'] / 1024:.1f} KiB RSS; target <= 32 KiB",
+        ),
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    for a, b, c in rows:
+        print(f"{a:<{width}}  {b:>18}  {c}")
+    print("meets targets:", ", ".join(f"{k}={v}" for k, v in r["meets"].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rooms", type=int, default=20_000, help="pairs per measurement")
+    parser.add_argument("--concurrency", type=int, default=64, help="pairs in flight")
+    parser.add_argument("--live", type=int, default=10_000, help="rooms for the memory figure")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    result = run(args.rooms, args.concurrency, args.live)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""Law 2: only a room's own task changes its state. Every write to every publication in a busy
+engine (pairs completing, aborts from the caller's thread and from the peer, duplicates) is
+checked for who made it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+
+from kvfsm.rooms import Publication, RoomEngine
+from kvfsm.rooms import _engine as engine_module
+from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.states import TERMINAL, KVPoll
+from tests.rooms.helpers import wait_until
+
+WRITES: list[tuple[str, str | None, object]] = []
+
+
+class WatchedPublication(Publication):
+    """Records the thread and the asyncio task behind every status write."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        initialised = hasattr(self, "status")  # the creator's first write is not a change
+        if name == "status" and initialised:
+            try:
+                task = asyncio.current_task()
+            except RuntimeError:  # no running loop in this thread
+                task = None
+            WRITES.append(
+                (threading.current_thread().name, task.get_name() if task else None, value)
+            )
+        super().__setattr__(name, value)
+
+
+def test_only_the_room_task_writes_its_status(monkeypatch: object) -> None:
+    WRITES.clear()
+    monkeypatch.setattr(engine_module, "Publication", WatchedPublication)  # type: ignore[attr-defined]
+    rng = random.Random(7)
+    with RoomEngine(LoopbackSink(), name="kvfsm-loop-under-test") as engine:
+        pairs = []
+        for room in range(60):
+            sender, receiver = engine.sender(room), engine.receiver(room)
+            receiver.init(0)
+            pairs.append((sender, receiver))
+        engine.receiver(0)  # a duplicate: refused by the registry, not by a room task
+        wait_until(lambda: all(r.poll() is not KVPoll.Bootstrapping for _, r in pairs))
+        for sender, receiver in pairs:
+            if rng.random() < 0.3:
+                (sender if rng.random() < 0.5 else receiver).abort()
+            receiver.send_metadata(np.arange(4), 1)
+        wait_until(lambda: all(s.poll() is not KVPoll.Bootstrapping for s, _ in pairs))
+        for sender, _ in pairs:
+            sender.init(4, 0)
+            sender.send(np.arange(4))
+        wait_until(lambda: all(s.poll() in TERMINAL and r.poll() in TERMINAL for s, r in pairs))
+        wait_until(lambda: engine.stats()["live"] == 0)
+
+    assert len(WRITES) > 200
+    threads = {thread for thread, _, _ in WRITES}
+    assert threads == {"kvfsm-loop-under-test"}, threads
+    refused = [w for w in WRITES if w[1] is None]
+    # The single write outside a room task is the registry refusing the duplicate.
+    assert [value for _, _, value in refused] == [KVPoll.Failed]
+    by_task = [w for w in WRITES if w[1] is not None]
+    assert all(task.startswith("kvfsm-") for _, task, _ in by_task)  # type: ignore[union-attr]
