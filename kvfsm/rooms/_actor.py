@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["CommandSink", "Inbox", "Publication", "Room", "RoomKey"]
 
 _log = logging.getLogger("kvfsm.rooms")
+_TIMER_SLACK_S = 0.001
 
 
 class RoomKey(NamedTuple):
@@ -98,6 +99,7 @@ class Room:
         "_bound",
         "_waiter",
         "_timer",
+        "_due",
         "_overflowed",
         "_settle_expired",
         "_loop",
@@ -125,6 +127,7 @@ class Room:
         self._bound = mailbox_size
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
         self._overflowed = False
         self._settle_expired = False
         self._loop = asyncio.get_running_loop()
@@ -237,25 +240,42 @@ class Room:
             )
 
     # -- timers --------------------------------------------------------------------------------
+    #
+    # One timer per room, re-armed lazily. Deadlines are seconds to minutes while rooms live for
+    # milliseconds, so nearly every timer is cancelled unfired. Entering a state only records
+    # when its deadline falls due (``_due``); the armed timer is replaced only if it would fire
+    # *later* than that. A timer that fires early re-arms itself for the remainder. This saves a
+    # cancel and a new timer per state change without ever firing late.
 
     def _arm_deadline(self, state: KVPoll) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if state in TERMINAL:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             if not self.core.settled:
-                self._timer = self._loop.call_later(
-                    self._registry.config.settle_timeout_s, self._expire_settle
-                )
+                self._due = self._loop.time() + self._registry.config.settle_timeout_s
+                self._timer = self._loop.call_at(self._due, self._on_timer)
             return
-        seconds = deadline_of(self.role, state, self._deadlines)
-        self._timer = self._loop.call_later(seconds, self._expire, DeadlineExpired(state, seconds))
+        self._due = self._loop.time() + deadline_of(self.role, state, self._deadlines)
+        timer = self._timer
+        if timer is not None and timer.when() <= self._due:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._timer = self._loop.call_at(self._due, self._on_timer)
 
-    def _expire(self, event: DeadlineExpired) -> None:
-        # Bypass the bound: a deadline must never be lost to a flood.
-        self._mailbox.append(event)
-        self._wake()
-
-    def _expire_settle(self) -> None:
-        self._settle_expired = True
+    def _on_timer(self) -> None:
+        self._timer = None
+        # Armed for an earlier state and not due yet. (The millisecond of slack absorbs timer
+        # granularity: loops may fire a timer a little before its time.)
+        if self._due - self._loop.time() > _TIMER_SLACK_S:
+            self._timer = self._loop.call_at(self._due, self._on_timer)
+            return
+        state = self.core.state
+        if state in TERMINAL:
+            self._settle_expired = True
+        else:
+            seconds = deadline_of(self.role, state, self._deadlines)
+            # Bypass the mailbox bound: a deadline must never be lost to a flood.
+            self._mailbox.append(DeadlineExpired(state, seconds))
         self._wake()

@@ -16,7 +16,8 @@ No clocks, no IO, no threads: the actor around it owns those.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeAlias
 
 from kvfsm.rooms._machine import MACHINES, trigger_name
 from kvfsm.rooms._stats import RoomStats
@@ -85,6 +86,8 @@ class RoomCore:
         "reason",
         "_table",
         "_events",
+        "_checks",
+        "_actions",
         "_stats",
         "_strict",
         # sender
@@ -110,6 +113,8 @@ class RoomCore:
         self.reason = ""
         self._table = TABLES[role]
         self._events = MACHINES[role].events
+        self._checks = _CHECKS[role]
+        self._actions = _ACTIONS[role]
         self._stats = stats if stats is not None else RoomStats()
         self._strict = strict
         self._dst = b""
@@ -144,7 +149,7 @@ class RoomCore:
     def handle(self, event: Event) -> tuple[Command, ...]:
         """Apply ``event``; return the commands the owner must execute, in order."""
         settled_now = self._settle(event)
-        if isinstance(event, DeadlineExpired) and event.state is not self.state:
+        if type(event) is DeadlineExpired and event.state is not self.state:
             # A timer armed for a state the room has left since; its cancel lost the race.
             self._stats.late_events += 1
             return settled_now
@@ -160,13 +165,16 @@ class RoomCore:
         dest = self._table[self.state].get(type(event))
         if dest is None:
             return self._reject(f"{type(event).__name__} in {self.state.name}")
-        problem = self._check(event)
-        if problem is not None:
-            return self._reject(problem)
+        check = self._checks.get(type(event))
+        if check is not None:
+            problem = check(self, event)
+            if problem is not None:
+                return self._reject(problem)
         if type(event) in FAILURE_EVENTS:
             return self._fail(event)
         self._fire(event, dest)
-        commands = self._act(event)
+        action = self._actions.get(type(event))
+        commands = action(self, event) if action is not None else _NO_COMMANDS
         if self._complete():
             return commands + self.handle(TransferCompleted())
         return commands
@@ -188,12 +196,14 @@ class RoomCore:
         Returns ``ReportSettled`` when this event drains the last in-flight chunk of a failed
         sender: the receiver may hold its pages until it hears that (law 4).
         """
-        if isinstance(event, (ChunkDone, ChunkFailed)):
+        kind = type(event)
+        if kind is ChunkDone or kind is ChunkFailed:
+            assert isinstance(event, (ChunkDone, ChunkFailed))
             if event.chunk in self._in_flight:
                 self._in_flight.discard(event.chunk)
                 if self.state is KVPoll.Failed and not self._in_flight and self._peer_known():
                     return (ReportSettled(),)
-        elif isinstance(event, (PeerSettled, TransferConfirmed)):
+        elif kind is PeerSettled or kind is TransferConfirmed:
             self._exposed = False
         return _NO_COMMANDS
 
@@ -239,29 +249,24 @@ class RoomCore:
             return self._last_submitted and not self._in_flight
         return not self._exposed
 
-    # -- per-event payload checks (None means fine) --------------------------------------------
+    # -- per-event payload checks: return a problem, or None --------------------------------
 
-    def _check(self, event: Event) -> str | None:
-        if isinstance(event, (DestinationReceived, MetadataSubmitted)):
-            try:
-                page_count(event.pages)
-            except ValueError as exc:
-                return str(exc)
-            if event.aux_index < 0:
-                return f"aux row {event.aux_index} is negative"
-        elif isinstance(event, Initialized) and self.role is Role.SENDER:
-            if self._num_pages >= 0:
-                return "init called twice"
-            if event.num_pages < 0:
-                return f"init with {event.num_pages} pages"
-            if event.num_pages > self._dst_pages:
-                return (
-                    f"init for {event.num_pages} pages but the receiver reserved {self._dst_pages}"
-                )
-        elif isinstance(event, ChunkSubmitted):
-            return self._check_chunk(event)
-        elif isinstance(event, ChunkDone) and event.chunk >= self._next_chunk:
-            return f"completion for chunk {event.chunk} that was never posted"
+    def _check_pages(self, event: DestinationReceived | MetadataSubmitted) -> str | None:
+        try:
+            page_count(event.pages)
+        except ValueError as exc:
+            return str(exc)
+        if event.aux_index < 0:
+            return f"aux row {event.aux_index} is negative"
+        return None
+
+    def _check_init(self, event: Initialized) -> str | None:
+        if self._num_pages >= 0:
+            return "init called twice"
+        if event.num_pages < 0:
+            return f"init with {event.num_pages} pages"
+        if event.num_pages > self._dst_pages:
+            return f"init for {event.num_pages} pages but the receiver reserved {self._dst_pages}"
         return None
 
     def _check_chunk(self, event: ChunkSubmitted) -> str | None:
@@ -280,30 +285,41 @@ class RoomCore:
             )
         return None
 
-    # -- per-event actions after the transition ------------------------------------------------
+    def _check_chunk_done(self, event: ChunkDone) -> str | None:
+        if event.chunk >= self._next_chunk:
+            return f"completion for chunk {event.chunk} that was never posted"
+        return None
 
-    def _act(self, event: Event) -> tuple[Command, ...]:
-        if isinstance(event, DestinationReceived):
-            self._dst = event.pages
-            self._dst_pages = len(event.pages) // _PAGE_BYTES
-            self._dst_aux = event.aux_index
-        elif isinstance(event, Initialized):
-            if self.role is Role.SENDER:
-                self._num_pages = event.num_pages
-                self._src_aux = event.aux_index
-            else:
-                self._peer_rank = event.peer_rank
-                return (ResolvePeer(event.peer_rank),)
-        elif isinstance(event, ChunkSubmitted):
-            return (self._post(event.pages),)
-        elif isinstance(event, MetadataSubmitted):
-            self._exposed = True
-            return (SendMetadata(event.pages, event.aux_index),)
-        elif isinstance(event, PeerResolved):
-            self._peer_rank = event.peer_rank
-        elif isinstance(event, TransferCompleted) and self.role is Role.SENDER:
-            return (ReportOutcome(KVPoll.Success),)
+    # -- per-event actions after the transition: return the commands -------------------------
+
+    def _on_destination(self, event: DestinationReceived) -> tuple[Command, ...]:
+        self._dst = event.pages
+        self._dst_pages = len(event.pages) // _PAGE_BYTES
+        self._dst_aux = event.aux_index
         return _NO_COMMANDS
+
+    def _on_sender_init(self, event: Initialized) -> tuple[Command, ...]:
+        self._num_pages = event.num_pages
+        self._src_aux = event.aux_index
+        return _NO_COMMANDS
+
+    def _on_chunk(self, event: ChunkSubmitted) -> tuple[Command, ...]:
+        return (self._post(event.pages),)
+
+    def _on_sender_completed(self, event: TransferCompleted) -> tuple[Command, ...]:
+        return (ReportOutcome(KVPoll.Success),)
+
+    def _on_receiver_init(self, event: Initialized) -> tuple[Command, ...]:
+        self._peer_rank = event.peer_rank
+        return (ResolvePeer(event.peer_rank),)
+
+    def _on_resolved(self, event: PeerResolved) -> tuple[Command, ...]:
+        self._peer_rank = event.peer_rank
+        return _NO_COMMANDS
+
+    def _on_metadata(self, event: MetadataSubmitted) -> tuple[Command, ...]:
+        self._exposed = True
+        return (SendMetadata(event.pages, event.aux_index),)
 
     def _post(self, src: bytes) -> PostChunk:
         start = self._submitted_pages * _PAGE_BYTES
@@ -321,3 +337,35 @@ class RoomCore:
             src_aux=self._src_aux if last else -1,
             dst_aux=self._dst_aux if last else -1,
         )
+
+
+# What each event does to a room beyond its state, per role: h2's "side effects as data". An event
+# type absent here has no payload to check or nothing to do after its transition.
+_Check: TypeAlias = Callable[[RoomCore, Any], "str | None"]
+_Action: TypeAlias = Callable[[RoomCore, Any], tuple[Command, ...]]
+
+_CHECKS: Final[Mapping[Role, Mapping[type[Event], _Check]]] = {
+    Role.SENDER: {
+        DestinationReceived: RoomCore._check_pages,
+        Initialized: RoomCore._check_init,
+        ChunkSubmitted: RoomCore._check_chunk,
+        ChunkDone: RoomCore._check_chunk_done,
+    },
+    Role.RECEIVER: {
+        MetadataSubmitted: RoomCore._check_pages,
+    },
+}
+
+_ACTIONS: Final[Mapping[Role, Mapping[type[Event], _Action]]] = {
+    Role.SENDER: {
+        DestinationReceived: RoomCore._on_destination,
+        Initialized: RoomCore._on_sender_init,
+        ChunkSubmitted: RoomCore._on_chunk,
+        TransferCompleted: RoomCore._on_sender_completed,
+    },
+    Role.RECEIVER: {
+        Initialized: RoomCore._on_receiver_init,
+        PeerResolved: RoomCore._on_resolved,
+        MetadataSubmitted: RoomCore._on_metadata,
+    },
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One entry point for people and CI. Each command sets up what it needs on a fresh machine
+# (a virtualenv in .venv with kvfsm installed editable), then runs:
+#
+#   ./dev.sh main     the main job: a prefill-decode pair moving real KV over NIXL (DRAM here)
+#   ./dev.sh test     the test suite
+#   ./dev.sh lint     ruff and mypy (strict on kvfsm/)
+#   ./dev.sh bench    the benchmarks
+#
+# Extra arguments go to the underlying command (kvfsm run / pytest / the benchmark).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$PYTHON" -m venv "$VENV"
+    fi
+    # shellcheck disable=SC1091
+    . "$VENV/bin/activate"
+    local stamp="$VENV/.kvfsm-installed"
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        python -m pip install --quiet --upgrade pip
+        # torch 2.13.0 is the CPU build (a local wheel on these machines); pyproject's range
+        # admits it, so the editable install below adds nothing heavier.
+        python -m pip install --quiet "torch==2.13.0"
+        python -m pip install --quiet -e '.[dev]'
+        touch "$stamp"
+    fi
+}
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+    main)
+        setup
+        exec kvfsm run "$@"
+        ;;
+    test)
+        setup
+        exec python -m pytest "$@"
+        ;;
+    lint)
+        setup
+        ruff check .
+        ruff format --check .
+        mypy
+        ;;
+    bench)
+        setup
+        python benchmarks/room_lifecycle.py "$@"
+        ;;
+    *)
+        sed -n '2,12p' "$0"
+        exit 2
+        ;;
+esac
