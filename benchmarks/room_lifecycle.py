@@ -99,7 +99,8 @@ def floor_us_per_room(n: int) -> float:
                 s.state = sender_table[s.state][type(event)]
             for event in receiver_events:
                 r.state = receiver_table[r.state][type(event)]
-            assert s.state is KVPoll.Success and r.state is KVPoll.Success
+            assert s.state is KVPoll.Success
+            assert r.state is KVPoll.Success
         return (time.process_time() - start) / n * 1e6
 
     return best_of(3, run)
@@ -114,7 +115,8 @@ def core_us_per_room(n: int) -> float:
                 s.handle(event)
             for event in RECEIVER_EVENTS:
                 r.handle(event)
-            assert s.state is KVPoll.Success and r.state is KVPoll.Success
+            assert s.state is KVPoll.Success
+            assert r.state is KVPoll.Success
         return (time.process_time() - start) / n * 1e6
 
     return best_of(3, run)
@@ -267,8 +269,7 @@ def run(rooms: int, concurrency: int, live: int) -> dict[str, Any]:
         "meets": {
             "poll_ns_median": poll_ns <= TARGETS["poll_ns_median"],
             "cpu_us_per_room": engine["cpu_us_per_room"] <= TARGETS["cpu_us_per_room"],
-            "bytes_per_live_room": memory["bytes_per_live_room"]
-            <= TARGETS["bytes_per_live_room"],
+            "bytes_per_live_room": memory["bytes_per_live_room"] <= TARGETS["bytes_per_live_room"],
         },
     }
 
@@ -288,9 +289,17 @@ def print_table(r: dict[str, Any]) -> None:
             f"{r['ratio_engine_to_floor']:.0f}x floor; target <= {TARGETS['cpu_us_per_room']:.0f}",
         ),
         ("  of which loop thread", f"{e['loop_cpu_us_per_room']:.1f} us CPU", ""),
-        ("  of which caller thread (facade, polls)", f"{e['caller_cpu_us_per_room']:.1f} us CPU", ""),
+        (
+            "  of which caller thread (facade, polls)",
+            f"{e['caller_cpu_us_per_room']:.1f} us CPU",
+            "",
+        ),
         ("engine throughput", f"{e['rooms_per_s']:,.0f} pairs/s", f"{e['rooms']} pairs"),
-        ("poll() median", f"{r['poll_ns_median']:.0f} ns", f"target <= {TARGETS['poll_ns_median']:.0f}"),
+        (
+            "poll() median",
+            f"{r['poll_ns_median']:.0f} ns",
+            f"target <= {TARGETS['poll_ns_median']:.0f}",
+        ),
         (
             f"memory per live room ({m['live_rooms']:,} live)",
             f"{m['bytes_per_live_room'] / 1024:.1f} KiB traced",
