@@ -12,6 +12,9 @@ Measured here, side by side:
             poll, clear) while the loop thread runs one task per room; the null transport
             (``LoopbackSink``) completes chunks on the next loop iteration and routes control
             messages between the pair. CPU is process CPU (both threads) per room pair.
+* ablation - core and engine again with ``RoomCore._fire`` swapped for a direct assignment of
+            the table's destination: what the rooms would cost without ``transitions``. Only
+            to say where the time goes; kvfsm never runs that way.
 * poll()  - median cost of one facade ``poll()`` from the caller thread.
 * memory  - bytes per live room with 10,000 rooms parked in Bootstrapping (task, mailbox,
             deadline timer, publication, facade), from tracemalloc and from RSS.
@@ -22,6 +25,7 @@ Run: ``python benchmarks/room_lifecycle.py`` (``--json`` for one JSON object).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -130,6 +134,21 @@ def _loop_thread_time(engine: RoomEngine) -> float:
         return time.thread_time()
 
     return float(engine.call(read()))
+
+
+@contextlib.contextmanager
+def without_transitions() -> Any:
+    """Ablation: assign the table's destination directly instead of firing the machine."""
+    original = RoomCore._fire
+
+    def direct(self: RoomCore, event: Event, dest: KVPoll) -> None:
+        self.state = dest
+
+    RoomCore._fire = direct  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        RoomCore._fire = original  # type: ignore[method-assign]
 
 
 def engine_lifecycles(n: int, concurrency: int) -> dict[str, float]:
@@ -253,6 +272,11 @@ def run(rooms: int, concurrency: int, live: int) -> dict[str, Any]:
     floor = floor_us_per_room(rooms)
     core = core_us_per_room(rooms)
     engine = engine_lifecycles(rooms, concurrency)
+    with without_transitions():
+        ablation = {
+            "core_us_per_room": core_us_per_room(rooms),
+            "engine_cpu_us_per_room": engine_lifecycles(rooms, concurrency)["cpu_us_per_room"],
+        }
     poll_ns = poll_ns_median()
     memory = memory_per_live_room(live)
     return {
@@ -261,6 +285,7 @@ def run(rooms: int, concurrency: int, live: int) -> dict[str, Any]:
         "floor_us_per_room": floor,
         "core_us_per_room": core,
         "engine": engine,
+        "without_transitions": ablation,
         "poll_ns_median": poll_ns,
         "memory": memory,
         "ratio_engine_to_floor": engine["cpu_us_per_room"] / floor,
@@ -275,7 +300,7 @@ def run(rooms: int, concurrency: int, live: int) -> dict[str, Any]:
 
 
 def print_table(r: dict[str, Any]) -> None:
-    e, m = r["engine"], r["memory"]
+    e, m, a = r["engine"], r["memory"], r["without_transitions"]
     rows = [
         ("floor: bare dict-table FSM, sender+receiver", f"{r['floor_us_per_room']:.2f} us CPU", ""),
         (
@@ -293,6 +318,11 @@ def print_table(r: dict[str, Any]) -> None:
             "  of which caller thread (facade, polls)",
             f"{e['caller_cpu_us_per_room']:.1f} us CPU",
             "",
+        ),
+        (
+            "ablation: core / engine without transitions",
+            f"{a['core_us_per_room']:.1f} / {a['engine_cpu_us_per_room']:.1f} us",
+            "state assigned directly; not a kvfsm mode",
         ),
         ("engine throughput", f"{e['rooms_per_s']:,.0f} pairs/s", f"{e['rooms']} pairs"),
         (

@@ -126,6 +126,11 @@ class Role(enum.Enum):
     SENDER = "sender"
     RECEIVER = "receiver"
 
+    # Enum's default hash is a Python-level hash of the member name; roles key several hot
+    # dicts (a few lookups per room), and members are singletons, so identity hashing is both
+    # correct and C-fast.
+    __hash__ = object.__hash__
+
 
 # --------------------------------------------------------------------------------------------
 # Events: what happened. Frozen (safe to share between tasks), tagged (the class name is the tag,
