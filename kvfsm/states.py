@@ -52,7 +52,8 @@ the table drops them as late.
     Success                                         Success
 
     every non-terminal state --AbortRequested | DeadlineExpired | PeerLost | PeerFailed |
-                               ChunkFailed | EventRejected--> Failed
+                               EventRejected--> Failed
+    Transferring (sender) --ChunkFailed | ChunkStalled--> Failed
     Success, Failed: no edges.
 """
 
@@ -78,6 +79,7 @@ __all__ = [
     "AbortRequested",
     "ChunkDone",
     "ChunkFailed",
+    "ChunkStalled",
     "ChunkSubmitted",
     "Command",
     "DeadlineExpired",
@@ -146,10 +148,12 @@ Origin: TypeAlias = Literal["local", "peer"]
 
 
 class DestinationReceived(Event, frozen=True):
-    """Sender: the receiver's destination pages (packed int32) and aux row arrived."""
+    """Sender: the receiver's destination pages (packed int32) and aux row arrived, from the
+    transport peer named ``peer`` (the receiver's NIXL agent, as the transport knows it)."""
 
     pages: bytes
     aux_index: int
+    peer: str = ""
 
 
 class Initialized(Event, frozen=True):
@@ -176,6 +180,15 @@ class ChunkDone(Event, frozen=True):
 class ChunkFailed(Event, frozen=True):
     """Sender: chunk ``chunk`` errored, stalled past its deadline, or was released after an abort.
     Its handle is released and its pages are out of quarantine: it is settled."""
+
+    chunk: int
+    reason: str
+
+
+class ChunkStalled(Event, frozen=True):
+    """Sender: chunk ``chunk`` outlived its deadline. Its handle was released, but bytes of a
+    cancelled WRITE may still land, so it is *not* settled: a ``ChunkFailed`` follows once
+    its quarantine is over."""
 
     chunk: int
     reason: str
@@ -277,6 +290,7 @@ SENDER_TABLE: Final[Table] = MappingProxyType(
                 ChunkSubmitted: KVPoll.Transferring,
                 ChunkDone: KVPoll.Transferring,
                 ChunkFailed: KVPoll.Failed,
+                ChunkStalled: KVPoll.Failed,
                 TransferCompleted: KVPoll.Success,
                 **_FAILURES,
             }
@@ -323,6 +337,7 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     ChunkSubmitted,
     ChunkDone,
     ChunkFailed,
+    ChunkStalled,
     PeerResolved,
     MetadataSubmitted,
     TransferConfirmed,
@@ -337,7 +352,15 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
 
 #: Events that move a room into Failed; each carries the reason the room publishes.
 FAILURE_EVENTS: Final = frozenset(
-    {AbortRequested, DeadlineExpired, PeerLost, PeerFailed, EventRejected, ChunkFailed}
+    {
+        AbortRequested,
+        DeadlineExpired,
+        PeerLost,
+        PeerFailed,
+        EventRejected,
+        ChunkFailed,
+        ChunkStalled,
+    }
 )
 
 #: Events that settle physical resources. The room's ledger applies them in every state,
@@ -357,6 +380,8 @@ def failure_reason(event: Event) -> str:
         return f"peer failed: {event.reason}"
     if isinstance(event, ChunkFailed):
         return f"chunk {event.chunk} failed: {event.reason}"
+    if isinstance(event, ChunkStalled):
+        return f"chunk {event.chunk} stalled: {event.reason}"
     if isinstance(event, EventRejected):
         return f"rejected: {event.reason}"
     raise TypeError(f"{type(event).__name__} is not a failure event")
@@ -383,6 +408,8 @@ class PostChunk(Command, frozen=True):
     is_last: bool
     src_aux: int = -1
     dst_aux: int = -1
+    #: The transport peer to write to (``DestinationReceived.peer``).
+    peer: str = ""
 
 
 class ReleaseHandles(Command, frozen=True):

@@ -94,6 +94,7 @@ class RoomCore:
         "_dst",
         "_dst_pages",
         "_dst_aux",
+        "_dst_peer",
         "_num_pages",
         "_src_aux",
         "_submitted_pages",
@@ -120,6 +121,7 @@ class RoomCore:
         self._dst = b""
         self._dst_pages = 0
         self._dst_aux = -1
+        self._dst_peer = ""
         self._num_pages = -1  # -1 until the caller's init
         self._src_aux = -1
         self._submitted_pages = 0
@@ -296,6 +298,7 @@ class RoomCore:
         self._dst = event.pages
         self._dst_pages = len(event.pages) // _PAGE_BYTES
         self._dst_aux = event.aux_index
+        self._dst_peer = event.peer
         return _NO_COMMANDS
 
     def _on_sender_init(self, event: Initialized) -> tuple[Command, ...]:
@@ -336,6 +339,7 @@ class RoomCore:
             is_last=last,
             src_aux=self._src_aux if last else -1,
             dst_aux=self._dst_aux if last else -1,
+            peer=self._dst_peer,
         )
 
 

@@ -13,6 +13,7 @@ from kvfsm.states import (
     AbortRequested,
     ChunkDone,
     ChunkFailed,
+    ChunkStalled,
     ChunkSubmitted,
     DeadlineExpired,
     DestinationReceived,
@@ -58,6 +59,7 @@ def sample(event_type: type[Event], role: Role, state: KVPoll) -> Event:
         ChunkSubmitted: ChunkSubmitted(pages(2)),
         ChunkDone: ChunkDone(0),
         ChunkFailed: ChunkFailed(0, "boom"),
+        ChunkStalled: ChunkStalled(0, "slow"),
         PeerResolved: PeerResolved(0),
         MetadataSubmitted: MetadataSubmitted(DST, 5),
         TransferConfirmed: TransferConfirmed(0),
@@ -320,3 +322,23 @@ def test_failed_sender_answers_a_receiver_that_reserved_pages_too_late() -> None
         ReportSettled(),
     )
     assert core.state is KVPoll.Failed
+
+
+def test_a_stalled_chunk_fails_the_room_but_settles_only_after_its_quarantine() -> None:
+    core = sender_at("transferring")
+    commands = core.handle(ChunkStalled(0, "no progress for 5s"))
+    assert core.state is KVPoll.Failed
+    assert "chunk 0 stalled" in core.reason
+    assert ReportOutcome(KVPoll.Failed, core.reason) in commands
+    assert not core.settled  # bytes of the cancelled WRITE may still land
+    assert core.handle(ChunkFailed(0, "quarantine over")) == (ReportSettled(),)
+    assert core.settled
+
+
+def test_post_chunk_names_the_peer_the_destination_came_from() -> None:
+    core = RoomCore(Role.SENDER, strict=True)
+    core.handle(DestinationReceived(DST, 5, peer="decode-3"))
+    core.handle(Initialized(num_pages=1, aux_index=0))
+    (post,) = core.handle(ChunkSubmitted(pages(1)))
+    assert isinstance(post, PostChunk)
+    assert post.peer == "decode-3"

@@ -19,6 +19,7 @@ from kvfsm.states import (
     AbortRequested,
     ChunkDone,
     ChunkFailed,
+    ChunkStalled,
     ChunkSubmitted,
     Command,
     DeadlineExpired,
@@ -114,6 +115,10 @@ class RoomCoreMachine(RuleBasedStateMachine):
     @rule(chunk=chunk_ids, reason=text)
     def chunk_failed(self, chunk: int, reason: str) -> None:
         self.fire(ChunkFailed(chunk, reason))
+
+    @rule(chunk=chunk_ids)
+    def chunk_stalled(self, chunk: int) -> None:
+        self.fire(ChunkStalled(chunk, "slow"))
 
     @rule(peer=st.integers(0, 3))
     def resolved(self, peer: int) -> None:
