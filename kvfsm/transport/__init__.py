@@ -1,7 +1,24 @@
-"""NIXL transports: agent setup, registration, prepped descriptor lists, the completion pump."""
+"""Everything that touches NIXL: layouts and registration, agents and peers, the chunk data path
+with its completion pump, deadlines and quarantine."""
 
 from __future__ import annotations
 
+from kvfsm.transport._agent import Agent, AgentConfig, Peer
+from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
 from kvfsm.transport._nixl_pair import NixlPairSink
+from kvfsm.transport._transport import NixlTransport, TransferConfig, TransportStats
 
-__all__ = ["NixlPairSink"]
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "Layout",
+    "LayoutError",
+    "LayoutSummary",
+    "MemKind",
+    "NixlPairSink",
+    "NixlTransport",
+    "Peer",
+    "Region",
+    "TransferConfig",
+    "TransportStats",
+]

@@ -1,0 +1,756 @@
+"""KV transfer, side by side in one run: the same layout and the same pages through each runner.
+
+Runners (rows), each moving exactly the (source page, destination page) pairs of a case from the
+benchmark's source buffer to a destination buffer:
+
+* copy     - the memory-bandwidth ceiling, numpy in this process: ``np.copyto`` where both
+             sides of a chunk are contiguous runs, fancy indexing (``dst[perm] = src``) otherwise.
+* raw_nixl - the minimal raw-NIXL loop in this process against the peer process
+             (``_nixl_peer.py``, the "decode" side): source registered once, ``add_remote_agent``
+             once, ``prep_xfer_dlist`` once per side per case (one descriptor per page), then per
+             chunk ``make_prepped_xfer("WRITE", ...)`` with int32 indices sorted by destination
+             (NIXL merges contiguous runs), ``transfer()``, busy ``check_xfer_state`` until DONE,
+             ``release_xfer_handle``. Up to ``window`` rooms have their chunks in flight at once
+             (posted together, then polled round-robin). No actors, no asyncio.
+* kvfsm    - not here yet: kvfsm end to end plugs in next to these (see "Plug-in point" below)
+             once its two-process NIXL transport exists. Whenever a case has both a kvfsm and a
+             raw_nixl row, the report prints the kvfsm/raw ratios.
+
+Cases (sizes are options; the defaults run everything in well under two minutes on 2 vCPUs):
+
+* contiguous     - 4096 x 64 KiB pages, source and destination both one contiguous run.
+* scattered_64k  - 4096 x 64 KiB pages, destination pages a random permutation.
+* scattered_4k   - 16384 x 4 KiB pages, destination pages a random permutation.
+* rooms_1/16/256 - 4096 x 64 KiB pages split into rooms of 16 pages (256 rooms); each room's
+                   source pages are a contiguous run, its destination pages random (one
+                   permutation over all rooms), and it is sent in 1 to 4 chunks (random cuts).
+                   1, 16 or 256 rooms in flight at once. The three cases share the same rooms.
+
+The first three are one room of one chunk by default (``--chunk-pages`` splits them).
+
+Figures: ``seconds`` is the best of ``--repeat`` repetitions (each one every chunk of the case,
+end to end: for raw_nixl, create + post + poll to DONE + release). GB/s is decimal (1e9 bytes/s).
+``cpu_us_per_chunk`` (raw_nixl) is ``time.thread_time()`` of the posting thread over the best
+repetition divided by its chunks: user and system time, so on the intra-node CMA path it includes
+the kernel copy that ``transfer()`` performs synchronously. Before every repetition the
+destination is zeroed; after it, the destination pages are checksummed (CRC32, in pair order) and
+compared with the source pages; a mismatch aborts the run. Zeroing and checking are not timed.
+
+Plug-in point. ``RUNNERS`` maps a name to ``Runner = Callable[[Case, Bench], Result]``:
+
+* ``case`` holds the page pairs, per room and per chunk, in the order a caller (SGLang) would
+  hand them over, plus ``window`` (rooms in flight at once). A runner moves exactly these pairs
+  from rows of ``bench.source(case)`` to the same-numbered rows of its destination.
+* ``bench.peer`` is the shared "decode" process: one per run, started before the first runner and
+  stopped after the last; its agent metadata (``peer.metadata``), its registered destination
+  buffer (``peer.base``, ``peer.nbytes``: large enough for every selected case), and
+  ``peer.clear()`` / ``peer.checksum(case)``. Runners must leave no remote state behind in it
+  (it has none of its own: it only registers memory and progresses its worker). A runner that
+  needs its own decode-side process (kvfsm's receiver rooms) starts it through
+  ``bench.resource`` and checksums there with ``_nixl_peer.checksum_pages`` over
+  ``case.pairs()[1]``: the same function over the same order, so the same expected value.
+* ``bench.resource(key, factory)`` builds long-lived state (agents, registrations, processes) once
+  per run; anything with a ``close()`` is closed at the end, in reverse order, before the peer
+  stops, also on errors and Ctrl-C.
+* Build the ``Result`` with :func:`measure` so timing, best-of, zeroing and verification are the
+  same for every row. ``go()`` may return ``{"cpu_s": ...}`` to report the CPU of a thread other
+  than the caller (kvfsm's loop thread); other entries are reported as extras.
+
+Run: ``python benchmarks/transfer.py`` (``--json`` for one JSON object, ``--cases``, ``--runners``,
+``--repeat``; ``--help`` for sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+from _nixl_peer import checksum_pages, serve
+
+if TYPE_CHECKING:
+    from nixl_cu12._api import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
+
+Indices = npt.NDArray[np.int32]
+Chunk = tuple[Indices, Indices]  # (source pages, destination pages), pair order as handed over
+Room = tuple[Chunk, ...]
+T = TypeVar("T")
+
+KIB: Final = 1024
+MEM: Final = "DRAM"
+STALL_S: Final = 30.0  # a chunk still PROC after this long aborts the run (NIXL has no timeout)
+PEER_TIMEOUT_S: Final = 120.0
+ROOMS_PREFIX: Final = "rooms_"
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot go on (peer died, bytes did not verify, a transfer stalled)."""
+
+
+# -- cases ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    name: str
+    page_bytes: int
+    pages: int  # rows in the source and destination regions this case uses
+    rooms: tuple[Room, ...]
+    window: int  # rooms in flight at once
+    note: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(src.size) for room in self.rooms for src, _ in room) * self.page_bytes
+
+    @property
+    def region_bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    @property
+    def chunks(self) -> int:
+        return sum(len(room) for room in self.rooms)
+
+    def pairs(self) -> tuple[Indices, Indices]:
+        """All (source, destination) pages of the case, concatenated in room and chunk order."""
+        chunks = [chunk for room in self.rooms for chunk in room]
+        return (
+            np.concatenate([src for src, _ in chunks]).astype(np.int32, copy=False),
+            np.concatenate([dst for _, dst in chunks]).astype(np.int32, copy=False),
+        )
+
+
+def _split(src: Indices, dst: Indices, chunk_pages: int) -> Room:
+    if chunk_pages <= 0 or chunk_pages >= src.size:
+        return ((src, dst),)
+    cuts = range(chunk_pages, src.size, chunk_pages)
+    return tuple(zip(np.split(src, cuts), np.split(dst, cuts), strict=True))
+
+
+def _rooms(
+    pages: int, room_pages: int, max_chunks: int, rng: np.random.Generator
+) -> tuple[Room, ...]:
+    dst_all = rng.permutation(pages).astype(np.int32)
+    rooms: list[Room] = []
+    for lo in range(0, pages, room_pages):
+        src = np.arange(lo, min(lo + room_pages, pages), dtype=np.int32)
+        dst = dst_all[lo : lo + src.size]
+        k = int(rng.integers(1, min(max_chunks, src.size) + 1))
+        cuts = np.sort(rng.choice(np.arange(1, src.size), size=k - 1, replace=False))
+        rooms.append(tuple(zip(np.split(src, cuts), np.split(dst, cuts), strict=True)))
+    return tuple(rooms)
+
+
+def build_cases(args: argparse.Namespace) -> dict[str, Case]:
+    rng = np.random.default_rng(args.seed)
+    big, small, page, small_page = args.pages, args.small_pages, 64 * KIB, 4 * KIB
+    arange_big = np.arange(big, dtype=np.int32)
+    arange_small = np.arange(small, dtype=np.int32)
+    cases = [
+        Case(
+            "contiguous",
+            page,
+            big,
+            (_split(arange_big, arange_big.copy(), args.chunk_pages),),
+            1,
+            "both sides one run",
+        ),
+        Case(
+            "scattered_64k",
+            page,
+            big,
+            (_split(arange_big, rng.permutation(big).astype(np.int32), args.chunk_pages),),
+            1,
+            "dst permuted",
+        ),
+        Case(
+            "scattered_4k",
+            small_page,
+            small,
+            (_split(arange_small, rng.permutation(small).astype(np.int32), args.chunk_pages),),
+            1,
+            "dst permuted",
+        ),
+    ]
+    rooms = _rooms(big, args.room_pages, args.max_chunks, rng)
+    cases += [
+        Case(
+            f"{ROOMS_PREFIX}{window}",
+            page,
+            big,
+            rooms,
+            window,
+            f"{args.room_pages} pages/room, 1-{args.max_chunks} chunks, {window} in flight",
+        )
+        for window in args.windows
+    ]
+    return {case.name: case for case in cases}
+
+
+# -- the peer process -------------------------------------------------------------------------
+
+
+class Peer:
+    """The shared "decode" process (``_nixl_peer.serve``): a NIXL agent and a registered buffer."""
+
+    def __init__(self, nbytes: int, name: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=serve, args=(child, nbytes, name), name="nixl-peer", daemon=True
+        )
+        self.process.start()
+        child.close()
+        try:
+            reply = self._recv(PEER_TIMEOUT_S)
+            if not (isinstance(reply, tuple) and reply[0] == "ready"):
+                raise BenchError(f"peer did not start: {reply!r:.200}")
+        except BaseException:
+            self.close()
+            raise
+        _, self.metadata, self.base, self.nbytes = reply
+
+    def _recv(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.05):
+            if not self.process.is_alive():
+                raise BenchError(f"peer process exited (code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise BenchError(f"peer did not answer within {timeout:g}s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self.process.join(1)
+            raise BenchError(f"peer process exited (code {self.process.exitcode})") from None
+
+    def request(self, *command: object, timeout: float = PEER_TIMEOUT_S) -> Any:
+        self._conn.send(command)
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise BenchError(f"peer: {value}")
+        return value
+
+    def clear(self) -> None:
+        self.request("clear")
+
+    def checksum(self, case: Case) -> int:
+        return int(self.request("checksum", case.page_bytes, case.pairs()[1].tobytes()))
+
+    def close(self) -> None:
+        """Ask the peer to quit, then terminate (and kill) it if it does not. Idempotent."""
+        process = self.process
+        if process.is_alive():
+            with contextlib.suppress(Exception):
+                self.request("quit", timeout=10)
+            process.join(5)
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+        self._conn.close()
+
+
+# -- the shared context and the measurement ---------------------------------------------------
+
+
+@dataclass
+class Result:
+    runner: str
+    case: str
+    bytes: int
+    chunks: int
+    window: int
+    seconds: float  # best repetition
+    gbps: float
+    samples: list[float]
+    cpu_us_per_chunk: float | None  # posting/loop thread, best repetition
+    extra: dict[str, float]
+    verified: bool
+
+
+@dataclass
+class Bench:
+    """What every runner shares in one run (see "Plug-in point" in the module docstring)."""
+
+    peer: Peer
+    src: npt.NDArray[np.uint8]  # the source buffer: every 8-byte word distinct
+    repeat: int
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _resources: dict[str, Any] = field(default_factory=dict)
+    _expected: dict[str, int] = field(default_factory=dict)
+
+    def resource(self, key: str, factory: Callable[[], T]) -> T:
+        """``factory()`` once per run; closed (if it has ``close()``) when the run ends."""
+        if key not in self._resources:
+            value = factory()
+            close = getattr(value, "close", None)
+            if callable(close):
+                self.stack.callback(close)
+            self._resources[key] = value
+        return self._resources[key]  # type: ignore[no-any-return]
+
+    def source(self, case: Case) -> npt.NDArray[np.uint8]:
+        """The source buffer as ``(case.pages, case.page_bytes)`` rows."""
+        return self.src[: case.region_bytes].reshape(case.pages, case.page_bytes)
+
+    def expected(self, case: Case) -> int:
+        """CRC32 of the source pages in pair order: what every destination must checksum to."""
+        if case.name not in self._expected:
+            src_pages, _ = case.pairs()
+            self._expected[case.name] = checksum_pages(self.src, case.page_bytes, src_pages)
+        return self._expected[case.name]
+
+
+def measure(
+    runner: str,
+    case: Case,
+    bench: Bench,
+    *,
+    reset: Callable[[], None],
+    go: Callable[[], dict[str, float]],
+    checksum: Callable[[], int],
+    report_cpu: bool = True,
+) -> Result:
+    """Best of ``bench.repeat``: ``reset()`` (untimed), ``go()`` (timed), ``checksum()``
+    (untimed, must equal ``bench.expected(case)``). CPU is the calling thread's unless ``go()``
+    returns ``cpu_s``."""
+    expected = bench.expected(case)
+    best: tuple[float, float, dict[str, float]] | None = None
+    samples: list[float] = []
+    for rep in range(bench.repeat):
+        reset()
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        counters = go()
+        t1, cpu1 = time.perf_counter(), time.thread_time()
+        got = checksum()
+        if got != expected:
+            raise BenchError(
+                f"{runner}/{case.name} repetition {rep}: destination CRC {got:#010x}, "
+                f"expected {expected:#010x}"
+            )
+        seconds = t1 - t0
+        samples.append(seconds)
+        cpu = counters.pop("cpu_s", cpu1 - cpu0)
+        if best is None or seconds < best[0]:
+            best = (seconds, cpu, counters)
+    assert best is not None
+    seconds, cpu, counters = best
+    return Result(
+        runner=runner,
+        case=case.name,
+        bytes=case.nbytes,
+        chunks=case.chunks,
+        window=case.window,
+        seconds=seconds,
+        gbps=case.nbytes / seconds / 1e9,
+        samples=samples,
+        cpu_us_per_chunk=cpu / case.chunks * 1e6 if report_cpu else None,
+        extra=counters,
+        verified=True,
+    )
+
+
+# -- runner: copy (the memory-bandwidth ceiling) ----------------------------------------------
+
+
+def _run(idx: Indices) -> slice | None:
+    """``idx`` as a slice if it is one ascending run of consecutive pages, else None."""
+    if idx.size == 0:
+        return slice(0, 0)
+    lo = int(idx[0])
+    if int(idx[-1]) - lo + 1 == idx.size and (idx.size == 1 or bool((np.diff(idx) == 1).all())):
+        return slice(lo, lo + idx.size)
+    return None
+
+
+def run_copy(case: Case, bench: Bench) -> Result:
+    dst_buf = bench.resource("copy.dst", lambda: _prefaulted(bench.src.nbytes))
+    src = bench.source(case)
+    dst = dst_buf[: case.region_bytes].reshape(case.pages, case.page_bytes)
+    # Which numpy operation each chunk takes is decided once, outside the timing.
+    plan = [(chunk, _run(chunk[0]), _run(chunk[1])) for room in case.rooms for chunk in room]
+
+    def go() -> dict[str, float]:
+        for (s_idx, d_idx), s_run, d_run in plan:
+            if s_run is not None and d_run is not None:
+                np.copyto(dst[d_run], src[s_run])
+            elif s_run is not None:
+                dst[d_idx] = src[s_run]
+            elif d_run is not None:
+                np.take(src, s_idx, axis=0, out=dst[d_run])
+            else:
+                dst[d_idx] = src[s_idx]
+        return {}
+
+    def checksum() -> int:
+        return checksum_pages(dst_buf, case.page_bytes, case.pairs()[1])
+
+    return measure(
+        "copy",
+        case,
+        bench,
+        reset=lambda: dst_buf.fill(0),
+        go=go,
+        checksum=checksum,
+        report_cpu=False,
+    )
+
+
+# -- runner: raw NIXL -------------------------------------------------------------------------
+
+
+def _descs(base: int, rows: int, row_bytes: int) -> npt.NDArray[np.uint64]:
+    out = np.zeros((rows, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(base) + np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes)
+    out[:, 1] = row_bytes
+    return out
+
+
+class RawNixl:
+    """The initiator ("prefill") side of the raw loop: one agent, the source registered once,
+    the peer added once. Built on first use through ``bench.resource``; ``close()`` undoes it."""
+
+    def __init__(self, bench: Bench) -> None:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        self.bench = bench
+        self.agent: nixl_agent = nixl_agent(
+            f"bench-prefill-{os.getpid()}",
+            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+        )
+        src = bench.src
+        self._reg = self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], MEM)
+        self.remote: str | None = None
+        t0 = time.perf_counter()
+        self.remote = self.agent.add_remote_agent(bench.peer.metadata)
+        self.add_remote_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.remote is not None:
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(self.remote)
+            self.remote = None
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+
+    def run(self, case: Case) -> Result:
+        agent, peer = self.agent, self.bench.peer
+        assert self.remote is not None
+        t0 = time.perf_counter()
+        local = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _descs(self.bench.src.ctypes.data, case.pages, case.page_bytes), MEM
+        )
+        try:
+            remote = agent.prep_xfer_dlist(
+                self.remote, _descs(peer.base, case.pages, case.page_bytes), MEM
+            )
+            prep_s = time.perf_counter() - t0
+            try:
+
+                def go() -> dict[str, float]:
+                    counters = self._send(case, local, remote)
+                    counters["prep_dlists_ms"] = prep_s * 1e3
+                    counters["add_remote_agent_ms"] = self.add_remote_s * 1e3
+                    return counters
+
+                return measure(
+                    "raw_nixl",
+                    case,
+                    self.bench,
+                    reset=peer.clear,
+                    go=go,
+                    checksum=lambda: peer.checksum(case),
+                )
+            finally:
+                agent.release_dlist_handle(remote)
+        finally:
+            agent.release_dlist_handle(local)
+
+    def _send(
+        self, case: Case, local: nixl_prepped_dlist_handle, remote: nixl_prepped_dlist_handle
+    ) -> dict[str, float]:
+        """Every chunk of ``case``, ``case.window`` rooms in flight. The timed loop."""
+        agent = self.agent
+        make, transfer = agent.make_prepped_xfer, agent.transfer
+        check, release = agent.check_xfer_state, agent.release_xfer_handle
+        rooms, window = case.rooms, case.window
+        left = [len(room) for room in rooms]  # chunks of each room not yet DONE
+        in_flight: list[tuple[nixl_xfer_handle, int]] = []
+        next_room = active = done_at_post = polls = rounds = 0
+        started = time.perf_counter()
+        try:
+            while True:
+                while active < window and next_room < len(rooms):
+                    i = next_room
+                    next_room += 1
+                    for src, dst in rooms[i]:
+                        if dst.size > 1:  # sort by destination: contiguous runs become merged
+                            order = np.argsort(dst, kind="stable")
+                            s, d = src[order], dst[order]
+                        else:
+                            s, d = src, dst
+                        handle = make("WRITE", local, s, remote, d)
+                        if transfer(handle) == "DONE":
+                            release(handle)
+                            done_at_post += 1
+                            left[i] -= 1
+                        else:
+                            in_flight.append((handle, i))
+                    if left[i]:
+                        active += 1
+                if not in_flight:
+                    if next_room >= len(rooms):
+                        break
+                    continue
+                rounds += 1
+                still: list[tuple[nixl_xfer_handle, int]] = []
+                for handle, i in in_flight:
+                    polls += 1
+                    if check(handle) == "DONE":
+                        release(handle)
+                        left[i] -= 1
+                        if not left[i]:
+                            active -= 1
+                    else:
+                        still.append((handle, i))
+                in_flight = still
+                if in_flight and time.perf_counter() - started > STALL_S:
+                    raise BenchError(f"{len(in_flight)} chunks still PROC after {STALL_S:g}s")
+        finally:
+            for handle, _ in in_flight:  # an error or Ctrl-C: never leave a handle behind
+                with contextlib.suppress(Exception):
+                    release(handle)
+        chunks = case.chunks
+        return {
+            "done_at_post_pct": 100.0 * done_at_post / chunks,
+            "polls_per_chunk": polls / chunks,
+            "poll_rounds": float(rounds),
+        }
+
+
+def run_raw_nixl(case: Case, bench: Bench) -> Result:
+    return bench.resource("raw_nixl", lambda: RawNixl(bench)).run(case)
+
+
+Runner = Callable[[Case, Bench], Result]
+
+# The rows, in report order. Plug-in point: add "kvfsm" here (see the module docstring).
+RUNNERS: dict[str, Runner] = {
+    "copy": run_copy,
+    "raw_nixl": run_raw_nixl,
+}
+
+# (numerator, denominator): printed whenever a case has both rows.
+RATIOS: tuple[tuple[str, str], ...] = (
+    ("kvfsm", "raw_nixl"),
+    ("raw_nixl", "copy"),
+    ("kvfsm", "copy"),
+)
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def _prefaulted(nbytes: int) -> npt.NDArray[np.uint8]:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf.fill(0)
+    return buf
+
+
+def _source(nbytes: int) -> npt.NDArray[np.uint8]:
+    """Every aligned 8-byte word distinct, so a misplaced or missing page changes the CRC."""
+    words = np.arange(nbytes // 8, dtype=np.uint64)
+    words *= np.uint64(0x9E3779B97F4A7C15)
+    src = np.empty(nbytes, dtype=np.uint8)
+    src[: words.nbytes] = words.view(np.uint8)
+    src[words.nbytes :] = 0xA5
+    return src
+
+
+def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
+    by_case: dict[str, dict[str, Result]] = {}
+    for r in results:
+        by_case.setdefault(r.case, {})[r.runner] = r
+    out: list[dict[str, Any]] = []
+    for case, rows in by_case.items():
+        for num, den in RATIOS:
+            if num in rows and den in rows:
+                a, b = rows[num], rows[den]
+                cpu = (
+                    a.cpu_us_per_chunk / b.cpu_us_per_chunk
+                    if a.cpu_us_per_chunk is not None and b.cpu_us_per_chunk
+                    else None
+                )
+                out.append(
+                    {
+                        "case": case,
+                        "ratio": f"{num}/{den}",
+                        "time": a.seconds / b.seconds,
+                        "bandwidth": a.gbps / b.gbps,
+                        "cpu_per_chunk": cpu,
+                    }
+                )
+    return out
+
+
+def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str]) -> dict[str, Any]:
+    wall0 = time.perf_counter()
+    load0 = os.getloadavg()
+    nbytes = max(case.region_bytes for case in cases)
+    src = _source(nbytes)
+    peer = Peer(nbytes, f"bench-decode-{os.getpid()}")
+    results: list[Result] = []
+    try:
+        bench = Bench(peer=peer, src=src, repeat=args.repeat)
+        with bench.stack:
+            for case in cases:
+                for name in runners:
+                    result = RUNNERS[name](case, bench)
+                    results.append(result)
+                    if not args.json:
+                        print(_row(result), flush=True)
+    finally:
+        peer.close()
+    return {
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "nixl": importlib.metadata.version("nixl-cu12"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": load0[0],
+        "loadavg_end": os.getloadavg()[0],
+        "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "cases": {
+            case.name: {
+                "page_bytes": case.page_bytes,
+                "pages": int(case.pairs()[0].size),
+                "rooms": len(case.rooms),
+                "chunks": case.chunks,
+                "window": case.window,
+                "bytes": case.nbytes,
+                "note": case.note,
+            }
+            for case in cases
+        },
+        "results": [vars(r) for r in results],
+        "ratios": ratios(results),
+        "wall_s": time.perf_counter() - wall0,
+    }
+
+
+# -- report -----------------------------------------------------------------------------------
+
+_HEADER = (
+    f"{'case':<14} {'runner':<9} {'MiB':>5} {'chunks':>6} {'win':>4} {'best s':>8} "
+    f"{'GB/s':>6} {'CPU us/chunk':>12}  notes"
+)
+
+
+def _row(r: Result) -> str:
+    cpu = f"{r.cpu_us_per_chunk:,.1f}" if r.cpu_us_per_chunk is not None else "-"
+    notes = []
+    if "done_at_post_pct" in r.extra:
+        notes.append(
+            f"DONE at post {r.extra['done_at_post_pct']:.0f}%, "
+            f"{r.extra['polls_per_chunk']:.2f} polls/chunk"
+        )
+    notes.append("verified" if r.verified else "NOT VERIFIED")
+    return (
+        f"{r.case:<14} {r.runner:<9} {r.bytes / 2**20:>5.0f} {r.chunks:>6} {r.window:>4} "
+        f"{r.seconds:>8.4f} {r.gbps:>6.2f} {cpu:>12}  {'; '.join(notes)}"
+    )
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    print()
+    for ratio in report["ratios"]:
+        cpu = ratio["cpu_per_chunk"]
+        print(
+            f"{ratio['case']:<14} {ratio['ratio']:<16} time {ratio['time']:.2f}x  "
+            f"bandwidth {ratio['bandwidth']:.2f}x" + (f"  CPU/chunk {cpu:.2f}x" if cpu else "")
+        )
+    adds = {
+        r["extra"]["add_remote_agent_ms"] for r in report["results"] if r["runner"] == "raw_nixl"
+    }
+    print(
+        f"\nbest of {report['repeat']}; nixl {report['nixl']}, UCX_TLS={report['ucx_tls']}, "
+        f"{report['cpus']} CPUs, load {report['loadavg_start']:.2f} -> "
+        f"{report['loadavg_end']:.2f}; add_remote_agent "
+        f"{', '.join(f'{v:.1f} ms' for v in adds) or '-'}; "
+        f"wall {report['wall_s']:.1f} s"
+    )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
+    parser.add_argument(
+        "--runners", default=",".join(RUNNERS), help=f"comma-separated, of {','.join(RUNNERS)}"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions; the best is reported")
+    parser.add_argument("--pages", type=int, default=4096, help="64 KiB pages per 64 KiB case")
+    parser.add_argument("--small-pages", type=int, default=16384, help="4 KiB pages (4k case)")
+    parser.add_argument(
+        "--chunk-pages", type=int, default=0, help="split the first three cases (0: one chunk)"
+    )
+    parser.add_argument("--room-pages", type=int, default=16, help="pages per room")
+    parser.add_argument("--max-chunks", type=int, default=4, help="chunks per room: 1..this")
+    parser.add_argument(
+        "--windows", type=_ints, default=[1, 16, 256], help="rooms in flight, one case each"
+    )
+    parser.add_argument("--seed", type=int, default=20261129)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    # NIXL's Python logger prints INFO lines to stdout, which would break --json; the peer
+    # process inherits this. Set NIXL_LOG_LEVEL yourself to see them.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.repeat < 1 or args.pages < 1 or args.small_pages < 1 or args.room_pages < 1:
+        parser.error("--repeat, --pages, --small-pages and --room-pages must be >= 1")
+    if args.max_chunks < 1 or not args.windows or min(args.windows) < 1:
+        parser.error("--max-chunks and --windows must be >= 1")
+
+    all_cases = build_cases(args)
+    names = list(all_cases) if args.cases == "all" else args.cases.split(",")
+    runners = args.runners.split(",")
+    unknown = [n for n in names if n not in all_cases] + [r for r in runners if r not in RUNNERS]
+    if unknown:
+        parser.error(f"unknown case or runner: {', '.join(unknown)}")
+    cases = [all_cases[n] for n in names]
+
+    if not args.json:
+        print(_HEADER, flush=True)
+    try:
+        report = run(args, cases, runners)
+    except KeyboardInterrupt:  # run() has already stopped the peer and released NIXL state
+        print("interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_summary(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""One NIXL agent per rank: its registered layout, its prepared descriptor lists, its peers.
+
+Everything here blocks (registration, ``add_remote_agent`` takes milliseconds, ``prep_xfer_dlist``
+walks every descriptor), so none of it runs on the event loop thread: :class:`NixlTransport`
+calls it from its worker thread, and setup code from the caller's thread.
+
+Memory is registered as a few large regions (whole per-layer K/V buffers, aux and state buffers),
+never per page: registration cost and the backend's region lookups grow with the number of
+regions. Descriptor lists are prepared once per side (local once, each remote once per peer
+generation); a chunk is then just two int32 index arrays into them (``make_prepped_xfer``), which
+is also the only path on which NIXL merges physically contiguous pages.
+
+The agent runs with its progress thread off (on, it spins a core) and in NIXL's STRICT thread
+mode, because two threads call it: the transport's worker thread (posts, peer setup) and the
+loop thread (completion checks, releases).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.transport._layout import Layout, LayoutSummary, MemKind
+from kvfsm.transport._nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+__all__ = ["Agent", "AgentConfig", "Peer"]
+
+_log = logging.getLogger("kvfsm.transport")
+_LOCAL = "NIXL_INIT_AGENT"
+
+
+def _no_params() -> Mapping[str, str]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """How the NIXL agent is created.
+
+    ``backend_params`` are merged over the plugin's defaults (for UCX, e.g. ``device_list`` or
+    ``ucx_error_handling_mode``); leave ``ucx_error_handling_mode`` at ``peer``, which is what
+    turns a dead peer into an error instead of a silent stall.
+    """
+
+    backend: str = "UCX"
+    backend_params: Mapping[str, str] = field(default_factory=_no_params)
+    progress_thread: bool = False
+
+
+class Peer:
+    """A remote agent as this agent knows it, for one generation.
+
+    A peer that disconnects is removed; adding it again (same ``peer_id``, maybe new metadata)
+    gives a new generation with freshly prepared descriptor lists. Transfers record the
+    generation they were posted under, so errors from an old generation never condemn a new one.
+    """
+
+    __slots__ = ("aux", "generation", "kv", "name", "peer_id", "state", "summary")
+
+    def __init__(
+        self,
+        peer_id: str,
+        generation: int,
+        *,
+        name: str,
+        summary: LayoutSummary,
+        kv: Any,
+        aux: Any | None,
+        state: Any | None,
+    ) -> None:
+        self.peer_id = peer_id
+        self.generation = generation
+        self.name = name
+        self.summary = summary
+        self.kv = kv
+        self.aux = aux
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.peer_id} gen {self.generation} agent {self.name}>"
+
+
+class Agent:
+    """A NIXL agent with ``layout`` registered and its local descriptor lists prepared."""
+
+    def __init__(self, name: str, layout: Layout, config: AgentConfig | None = None) -> None:
+        self.name = name
+        self.layout = layout
+        self.config = config if config is not None else AgentConfig()
+        self._generations = itertools.count(1)
+        self._registrations: list[Any] = []
+        self._local: dict[str, Any] = {}
+        self._closed = False
+        self.nixl = self._create()
+        try:
+            self._register()
+            self._prepare_local()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _create(self) -> Any:
+        cfg = self.config
+        params = dict(cfg.backend_params)
+        nixl_config = nixl_agent_config(
+            enable_prog_thread=cfg.progress_thread,
+            backends=[] if params else [cfg.backend],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        agent = nixl_agent(self.name, nixl_config)
+        if params:
+            # The only way to set plugin options: create the backend ourselves.
+            defaults = agent.get_plugin_params(cfg.backend)
+            agent.create_backend(cfg.backend, {**defaults, **params})
+        return agent
+
+    def _register(self) -> None:
+        for region in self.layout.regions():
+            reg = self.nixl.register_memory(
+                [(region.addr, region.nbytes, region.device, "")], region.kind.value
+            )
+            self._registrations.append(reg)
+
+    def _prepare_local(self) -> None:
+        layout = self.layout
+        self._local["kv"] = self._prep(_LOCAL, layout.kv_descs(), layout.kv[0].kind)
+        if layout.aux:
+            self._local["aux"] = self._prep(_LOCAL, layout.aux_descs(), layout.aux[0].kind)
+        if layout.state:
+            self._local["state"] = self._prep(_LOCAL, layout.state_descs(), layout.state[0].kind)
+
+    def _prep(self, agent: str, descs: npt.NDArray[np.uint64], kind: MemKind) -> Any:
+        return self.nixl.prep_xfer_dlist(agent, descs, kind.value)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's metadata, for a peer's :meth:`connect` (its registrations included)."""
+        return bytes(self.nixl.get_agent_metadata())
+
+    def local(self, what: str) -> Any:
+        """The local prepared list for ``"kv"``, ``"aux"`` or ``"state"``."""
+        return self._local[what]
+
+    # -- peers (blocking) ----------------------------------------------------------------------
+
+    def connect(self, peer_id: str, metadata: bytes, summary: LayoutSummary) -> Peer:
+        """Load a remote agent and prepare its lists. Raises ``ValueError`` if a WRITE from this
+        layout into ``summary`` is not well-formed (the peer is then not added)."""
+        problem = self.layout.compatible_with(summary)
+        if problem is not None:
+            raise ValueError(f"peer {peer_id}: layouts are incompatible: {problem}")
+        name = self.nixl.add_remote_agent(metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        lists: list[Any] = []
+        try:
+            kv = self._prep(name, summary.kv_descs(), MemKind(summary.kv_kind))
+            lists.append(kv)
+            aux = state = None
+            if summary.aux:
+                aux = self._prep(name, summary.aux_descs(), MemKind(summary.aux_kind))
+                lists.append(aux)
+            if summary.state:
+                state = self._prep(name, summary.state_descs(), MemKind(summary.state_kind))
+                lists.append(state)
+        except BaseException:
+            for dlist in lists:
+                self._release_dlist(dlist)
+            self._remove_remote(name)
+            raise
+        return Peer(
+            peer_id,
+            next(self._generations),
+            name=name,
+            summary=summary,
+            kv=kv,
+            aux=aux,
+            state=state,
+        )
+
+    def disconnect(self, peer: Peer) -> None:
+        """Release a peer's lists and drop the remote agent. Handles made from those lists must
+        have been released first. Never raises."""
+        for dlist in (peer.kv, peer.aux, peer.state):
+            if dlist is not None:
+                self._release_dlist(dlist)
+        peer.kv = peer.aux = peer.state = None
+        self._remove_remote(peer.name)
+
+    def _release_dlist(self, dlist: Any) -> None:
+        try:
+            self.nixl.release_dlist_handle(dlist)
+        except Exception:
+            _log.exception("%s: release_dlist_handle failed", self.name)
+
+    def _remove_remote(self, name: str) -> None:
+        try:
+            self.nixl.remove_remote_agent(name)
+        except Exception:
+            _log.exception("%s: remove_remote_agent(%s) failed", self.name, name)
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release local lists and deregister memory (after every handle and peer). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for dlist in self._local.values():
+            self._release_dlist(dlist)
+        self._local.clear()
+        for reg in reversed(self._registrations):
+            try:
+                self.nixl.deregister_memory(reg)
+            except Exception:
+                _log.exception("%s: deregister_memory failed", self.name)
+        self._registrations.clear()

@@ -1,0 +1,720 @@
+"""The memory one rank exposes for KV transfer: typed, validated, turned into NIXL descriptors.
+
+Pure: no NIXL calls, no threads, no IO. The transport registers ``Layout.regions()`` with NIXL,
+preps one descriptor list per group from ``kv_descs()``/``aux_descs()``/``state_descs()`` (once per
+peer, for its own layout and for the peer's ``LayoutSummary``), and per chunk hands
+``make_prepped_xfer`` the int32 indices that ``page_index()``/``aux_index()``/``state_index()``
+compute, on both sides.
+
+Regions are few and large
+-------------------------
+
+A *region* is one contiguous buffer: a whole per-layer K or V buffer (one per layer for MLA), an
+aux buffer (SGLang's metadata rows), a state buffer (hybrid models). Each is registered with NIXL
+once. Registering per page instead would mean thousands of registrations (each pins memory and
+enters NIXL's region lookup) and would cut the address space into pieces NIXL never merges back.
+The page structure lives in the *descriptors* instead: a region of ``items`` equal items of
+``item_bytes`` yields ``items`` descriptor rows ``(addr + i * item_bytes, item_bytes, device)``.
+
+The descriptor-index convention
+-------------------------------
+
+Regions come in three groups (kv, aux, state); each group is one descriptor array and so one
+prepped NIXL list. Inside a group every region has the same number of items, and rows are
+**buffer-major**: row ``b * items + i`` is item ``i`` of region ``b``. Moving pages ``P`` across all
+kv buffers is therefore the index array ``[b * num_pages + p for b in range(len(kv)) for p in P]``,
+built with numpy, never a Python loop over pages. The sender computes it for the source pages on
+its own layout and for the destination pages on the receiver's summary; NIXL pairs the two arrays
+element by element. Buffer-major matters for bandwidth: pages ``p, p+1`` of one buffer get
+consecutive indices *and* adjacent addresses, which is when ``make_prepped_xfer`` merges
+descriptors (8.2 vs 1.2 GB/s for 4 KiB pages, research ``nixl-and-peers.md`` §1.4). Sorting a
+chunk's (source, destination) pairs jointly by page id is the caller's job; this module keeps the
+order it is given.
+
+Indices travel as int32 (NIXL ``memcpy``-s int32 numpy arrays and converts anything else element
+by element), so every group must have at most 2**31 - 1 descriptor rows.
+
+Validation (every failure is a ``LayoutError`` naming the region)
+-----------------------------------------------------------------
+
+* at least one kv region; names unique; ``addr > 0``, ``nbytes > 0``, ``item_bytes > 0``,
+  ``nbytes % item_bytes == 0``, and the region ends inside the 64-bit address space;
+* ``addr`` and ``item_bytes`` are multiples of 8, for DRAM **and** VRAM. NIXL itself does not ask
+  for alignment; this is a sanity check. Real items are far larger and always 8-aligned (a KV page
+  is ``page_tokens * heads * head_dim * dtype_bytes``; SGLang pads aux rows to 64 bytes or more;
+  allocators hand out 64- to 512-byte aligned blocks), so a misaligned value almost always means a
+  unit mix-up (elements for bytes) or a pointer into the middle of a view. That reasoning does not
+  depend on the memory kind, so neither does the rule;
+* one memory kind per group: NIXL preps a list with a single ``mem_type`` (SGLang's NIXL backend
+  refuses mixed KV kinds too). Groups may differ: SGLang keeps KV and state in VRAM and aux rows
+  in DRAM. DRAM regions use device 0 (what NIXL uses for host memory);
+* every region of a group has the same number of items;
+* no two regions of the same kind and device overlap: overlapping registrations alias, so a WRITE
+  into one buffer's page would also land in another's.
+
+The wire form
+-------------
+
+``Layout.summary()`` is what a peer needs to WRITE into this rank: a ``LayoutSummary`` of plain
+integers (per region ``(addr, nbytes, item_bytes, device)``, one memory kind per group; names stay
+local) that round-trips through ``msgspec.msgpack``. A summary is validated when it is built,
+decoded ones included (msgspec runs ``__post_init__`` and reports its ``LayoutError`` as a
+``msgspec.ValidationError``), by the same rules as a ``Layout``. So a hostile summary never gets
+as far as a descriptor list, and the per-chunk methods on a summary (``check_pages``,
+``page_index``, ``check_row``, ``aux_index``, ...) can stay as cheap as the ``Layout`` ones, which
+run the same code.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, cast
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ALIGNMENT",
+    "Descs",
+    "Indices",
+    "Layout",
+    "LayoutError",
+    "LayoutSummary",
+    "MemKind",
+    "Region",
+    "RegionSpec",
+]
+
+#: Indices travel to NIXL as int32, so a group holds at most this many descriptor rows.
+INT32_MAX: Final = 2**31 - 1
+#: Descriptor addresses are uint64; a region must end at or below this.
+ADDRESS_LIMIT: Final = 2**64
+#: ``addr`` and ``item_bytes`` must be multiples of this (a sanity check, see the module docstring).
+ALIGNMENT: Final = 8
+
+#: An ``(N, 3)`` uint64 array of NIXL descriptor rows ``(addr, len, device)``.
+Descs: TypeAlias = npt.NDArray[np.uint64]
+#: A 1-D int32 array of indices into a ``Descs`` array (or of page ids).
+Indices: TypeAlias = npt.NDArray[np.int32]
+#: One region on the wire: ``(addr, nbytes, item_bytes, device)``.
+RegionSpec: TypeAlias = tuple[int, int, int, int]
+
+Group: TypeAlias = Literal["kv", "aux", "state"]
+_UNSIGNED: Final[dict[int, type[np.unsignedinteger[Any]]]] = {4: np.uint32, 8: np.uint64}
+_UNIT: Final[dict[str, str]] = {"kv": "pages", "aux": "rows", "state": "rows"}
+
+
+class LayoutError(ValueError):
+    """A layout, region, page list or row is malformed. The message names what and why."""
+
+
+class MemKind(enum.Enum):
+    """NIXL memory type of a region. The value is NIXL's ``mem_type`` string."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+def _require_int(owner: str, field: str, value: object) -> int:
+    # Region fields are compared, summed and put into uint64 arrays; a float or a bool there is a
+    # caller's bug that would otherwise surface as a numpy casting error far from its cause.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{owner}: {field} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One contiguous buffer, registered once with NIXL.
+
+    Intrinsic checks (positive sizes, whole items, alignment, device) run at construction;
+    relations between regions are checked by ``Layout``.
+    """
+
+    name: str  # e.g. "kv3", "aux0", "state0"; appears in every error message about the region
+    addr: int  # base address (> 0)
+    nbytes: int  # total length (> 0)
+    item_bytes: int  # bytes per page (kv) or per row (aux/state); nbytes is a multiple of it
+    kind: MemKind = MemKind.DRAM
+    device: int = 0  # CUDA device id for VRAM, 0 for DRAM
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise LayoutError(f"region name must be a non-empty str, got {self.name!r}")
+        who = f"region {self.name!r}"
+        addr = _require_int(who, "addr", self.addr)
+        nbytes = _require_int(who, "nbytes", self.nbytes)
+        item = _require_int(who, "item_bytes", self.item_bytes)
+        device = _require_int(who, "device", self.device)
+        if not isinstance(self.kind, MemKind):
+            raise LayoutError(f"{who}: kind must be a MemKind, got {self.kind!r}")
+        if addr <= 0:
+            raise LayoutError(f"{who}: addr must be > 0, got {addr}")
+        if nbytes <= 0:
+            raise LayoutError(f"{who}: nbytes must be > 0, got {nbytes} (empty buffer?)")
+        if item <= 0:
+            raise LayoutError(f"{who}: item_bytes must be > 0, got {item}")
+        if nbytes % item:
+            raise LayoutError(
+                f"{who}: nbytes {nbytes} is not a multiple of item_bytes {item} "
+                f"({nbytes // item} whole items and {nbytes % item} bytes left over)"
+            )
+        if addr + nbytes > ADDRESS_LIMIT:
+            raise LayoutError(f"{who}: [{addr:#x}, +{nbytes}) runs past the 64-bit address space")
+        for field, value, shown in (("addr", addr, f"{addr:#x}"), ("item_bytes", item, item)):
+            if value % ALIGNMENT:
+                raise LayoutError(
+                    f"{who}: {field} {shown} is not a multiple of {ALIGNMENT}; a misaligned "
+                    "value usually means elements were passed for bytes, or a pointer into the "
+                    "middle of a view"
+                )
+        if self.kind is MemKind.DRAM and device != 0:
+            raise LayoutError(f"{who}: DRAM regions use device 0, got device {device}")
+        if device < 0:
+            raise LayoutError(f"{who}: device must be >= 0, got {device}")
+
+    @property
+    def items(self) -> int:
+        """Pages (kv) or rows (aux/state) in this region."""
+        return self.nbytes // self.item_bytes
+
+    @property
+    def end(self) -> int:
+        """One past the last byte."""
+        return self.addr + self.nbytes
+
+    def spec(self) -> RegionSpec:
+        """The wire form: ``(addr, nbytes, item_bytes, device)``."""
+        return (self.addr, self.nbytes, self.item_bytes, self.device)
+
+
+def _check_group(group: Group, regions: tuple[Region, ...]) -> None:
+    if not regions:
+        return
+    unit = _UNIT[group]
+    first = regions[0]
+    for r in regions[1:]:
+        if r.items != first.items:
+            raise LayoutError(
+                f"{group} region {r.name!r} has {r.items} {unit} but {first.name!r} has "
+                f"{first.items}; every {group} region must hold the same number of {unit}"
+            )
+        if r.kind is not first.kind:
+            # One group is one prepped NIXL list, and a list has a single mem_type.
+            raise LayoutError(
+                f"{group} region {r.name!r} is {r.kind.value} but {first.name!r} is "
+                f"{first.kind.value}; all {group} regions must share one memory kind"
+            )
+    if len(regions) * first.items > INT32_MAX:
+        raise LayoutError(
+            f"{group}: {len(regions)} regions x {first.items} {unit} = "
+            f"{len(regions) * first.items} descriptors do not fit int32 indices"
+        )
+
+
+def _check_overlap(regions: tuple[Region, ...]) -> None:
+    spaces: dict[tuple[MemKind, int], list[Region]] = {}
+    for r in regions:
+        spaces.setdefault((r.kind, r.device), []).append(r)
+    for (kind, device), space in spaces.items():
+        space.sort(key=lambda r: r.addr)
+        # Sorted by start, any overlap shows up between neighbours: if a overlaps a later c,
+        # every region starting between them starts before a ends, so it overlaps a too.
+        for a, b in itertools.pairwise(space):
+            if b.addr < a.end:
+                raise LayoutError(
+                    f"regions {a.name!r} [{a.addr:#x}, {a.end:#x}) and {b.name!r} "
+                    f"[{b.addr:#x}, {b.end:#x}) overlap ({kind.value} device {device}); each "
+                    "region must be its own memory, or a write to one lands in the other"
+                )
+
+
+def _descs(specs: Sequence[RegionSpec]) -> Descs:
+    """Buffer-major descriptor rows of one validated group (see the module docstring).
+
+    The one implementation behind ``Layout.*_descs`` and ``LayoutSummary.*_descs``.
+    """
+    items = specs[0][1] // specs[0][2] if specs else 0
+    out = np.empty((len(specs), items, 3), dtype=np.uint64)
+    if specs:
+        addr, _, item, device = (np.array(col, dtype=np.uint64) for col in zip(*specs, strict=True))
+        out[:, :, 0] = addr[:, None] + np.arange(items, dtype=np.uint64)[None, :] * item[:, None]
+        out[:, :, 1] = item[:, None]
+        out[:, :, 2] = device[:, None]
+    return out.reshape(-1, 3)
+
+
+def _checked(ids: npt.ArrayLike, bound: int, what: str) -> Indices:
+    """``ids`` as a 1-D int32 array, after proving every entry is in ``[0, bound)``."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise LayoutError(f"{what} indices must be a 1-D array, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise LayoutError(f"{what} indices must be integers, got dtype {arr.dtype}")
+    # One reduction on the good path: a negative int32/int64 viewed as unsigned is at least
+    # 2**31 > INT32_MAX >= bound, so ``max() >= bound`` catches it too. (Narrower signed types
+    # would not wrap far enough; they take a second reduction.) Find the culprit only on failure.
+    if arr.dtype.kind == "i" and arr.dtype.itemsize >= 4:
+        out_of_range = bool(arr.view(_UNSIGNED[arr.dtype.itemsize]).max() >= bound)
+    else:
+        out_of_range = bool(arr.max() >= bound) or bool(arr.min() < 0)
+    if out_of_range:
+        bad = (arr < 0) | (arr >= bound)
+        raise LayoutError(f"{what} index {arr[int(bad.argmax())]} out of range [0, {bound})")
+    # Range-checked before the cast, so the cast cannot wrap.
+    return arr.astype(np.int32, copy=False)
+
+
+def _checked_row(row: int, bound: int, what: str) -> int:
+    try:
+        value = operator.index(row)
+    except TypeError:
+        raise LayoutError(f"{what} must be an int, got {type(row).__name__} {row!r}") from None
+    if isinstance(row, bool) or not 0 <= value < bound:
+        raise LayoutError(f"{what} index {row!r} out of range [0, {bound})")
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _bases(n_regions: int, items: int) -> Indices:
+    # First descriptor row of each region. A layout's shape never changes and a sender sees a
+    # handful of them, so cache (read-only) instead of paying an arange per chunk.
+    base = np.arange(n_regions, dtype=np.int32) * np.int32(items)
+    base.flags.writeable = False
+    return base
+
+
+def _spread(n_regions: int, items: int, ids: Indices) -> Indices:
+    """Buffer-major descriptor indices of item ids ``ids`` (checked) across ``n_regions``."""
+    # Cannot overflow: ids < items and n_regions * items <= INT32_MAX (checked by validation).
+    return np.add.outer(_bases(n_regions, items), ids).reshape(-1)
+
+
+def _row_index(n_regions: int, items: int, row: int, what: str) -> Indices:
+    ids = np.array([_checked_row(row, items, what)], dtype=np.int32)
+    return _spread(n_regions, items, ids)
+
+
+def _items(specs: Sequence[RegionSpec]) -> int:
+    return specs[0][1] // specs[0][2] if specs else 0
+
+
+def _mismatch(group: Group, mine: tuple[Region, ...], theirs: Sequence[RegionSpec]) -> str | None:
+    if len(mine) != len(theirs):
+        return f"{group} region count differs: local {len(mine)}, remote {len(theirs)}"
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if a.item_bytes != b[2]:
+            return (
+                f"{group} region {i} item_bytes differs: local {a.item_bytes} ({a.name!r}), "
+                f"remote {b[2]}"
+            )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Every region one rank exposes for KV transfer, validated as a whole.
+
+    ``kv``: per-layer K and V buffers (or one per layer for MLA), all with ``num_pages`` pages.
+    ``aux``: SGLang's per-request metadata buffers, all with ``aux_rows`` rows.
+    ``state``: optional per-request state buffers (hybrid models), all with ``state_rows`` rows.
+    Any sequence is accepted for a group and stored as a tuple.
+    """
+
+    kv: tuple[Region, ...]
+    aux: tuple[Region, ...] = ()
+    state: tuple[Region, ...] = ()
+
+    def __post_init__(self) -> None:
+        groups: tuple[tuple[Group, object], ...] = (
+            ("kv", self.kv),
+            ("aux", self.aux),
+            ("state", self.state),
+        )
+        for group, regions in groups:
+            if isinstance(regions, Region | str | bytes) or not isinstance(regions, Sequence):
+                raise LayoutError(f"{group} must be a sequence of Region, got {regions!r}")
+            for r in regions:
+                if not isinstance(r, Region):
+                    raise LayoutError(f"{group} must hold Region objects, got {r!r}")
+            # Frozen, so assign through object; tuples keep the layout hashable and immutable.
+            object.__setattr__(self, group, tuple(regions))
+        if not self.kv:
+            raise LayoutError("a layout needs at least one kv region")
+        seen: set[str] = set()
+        for r in self.regions():
+            if r.name in seen:
+                raise LayoutError(f"region name {r.name!r} is used twice; names must be unique")
+            seen.add(r.name)
+        _check_group("kv", self.kv)
+        _check_group("aux", self.aux)
+        _check_group("state", self.state)
+        _check_overlap(self.regions())
+
+    # -- shape ---------------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in every kv region."""
+        return self.kv[0].items
+
+    @property
+    def aux_rows(self) -> int:
+        """Rows in every aux region (0 without aux regions)."""
+        return self.aux[0].items if self.aux else 0
+
+    @property
+    def state_rows(self) -> int:
+        """Rows in every state region (0 without state regions)."""
+        return self.state[0].items if self.state else 0
+
+    @property
+    def kv_kind(self) -> MemKind:
+        return self.kv[0].kind
+
+    @property
+    def aux_kind(self) -> MemKind:
+        """Memory kind of the aux regions (DRAM when there are none)."""
+        return self.aux[0].kind if self.aux else MemKind.DRAM
+
+    @property
+    def state_kind(self) -> MemKind:
+        """Memory kind of the state regions (DRAM when there are none)."""
+        return self.state[0].kind if self.state else MemKind.DRAM
+
+    def regions(self) -> tuple[Region, ...]:
+        """Every region, kv then aux then state: what the transport registers with NIXL."""
+        return self.kv + self.aux + self.state
+
+    def page_bytes(self) -> int:
+        """Bytes moved per page, summed over the kv regions."""
+        return sum(r.item_bytes for r in self.kv)
+
+    def aux_row_bytes(self) -> int:
+        """Bytes moved per aux row, summed over the aux regions."""
+        return sum(r.item_bytes for r in self.aux)
+
+    def state_row_bytes(self) -> int:
+        """Bytes moved per state row, summed over the state regions."""
+        return sum(r.item_bytes for r in self.state)
+
+    # -- descriptors ---------------------------------------------------------------------------
+
+    def kv_descs(self) -> Descs:
+        """``(len(kv) * num_pages, 3)``; row ``b * num_pages + p`` is page ``p`` of kv ``b``."""
+        return _descs([r.spec() for r in self.kv])
+
+    def aux_descs(self) -> Descs:
+        """``(len(aux) * aux_rows, 3)``; row ``b * aux_rows + r`` is row ``r`` of aux ``b``."""
+        return _descs([r.spec() for r in self.aux])
+
+    def state_descs(self) -> Descs:
+        """``(len(state) * state_rows, 3)``, same convention."""
+        return _descs([r.spec() for r in self.state])
+
+    # -- indices -------------------------------------------------------------------------------
+
+    def check_pages(self, pages: npt.ArrayLike, what: str = "page") -> None:
+        """Raise ``LayoutError`` naming the first page id outside ``[0, num_pages)``.
+
+        ``pages``: a 1-D integer array (any integer dtype; int32 is what the wire carries).
+        """
+        _checked(pages, self.num_pages, what)
+
+    def page_index(self, pages: npt.ArrayLike) -> Indices:
+        """Indices into ``kv_descs()`` for ``pages`` across all kv regions, buffer-major:
+        ``[b * num_pages + p for b in range(len(kv)) for p in pages]``, int32.
+
+        Checks ``pages`` as ``check_pages`` does: a wrong index would make NIXL write into
+        another request's page, so this fails closed (two numpy reductions).
+        """
+        return _spread(len(self.kv), self.num_pages, _checked(pages, self.num_pages, "page"))
+
+    def check_row(self, row: int, what: str = "aux row") -> None:
+        """Raise ``LayoutError`` unless ``row`` is in ``[0, aux_rows)``."""
+        _checked_row(row, self.aux_rows, what)
+
+    def aux_index(self, row: int) -> Indices:
+        """Indices into ``aux_descs()`` for ``row`` across all aux regions, int32."""
+        return _row_index(len(self.aux), self.aux_rows, row, "aux row")
+
+    def check_state_row(self, row: int, what: str = "state row") -> None:
+        """Raise ``LayoutError`` unless ``row`` is in ``[0, state_rows)``."""
+        _checked_row(row, self.state_rows, what)
+
+    def state_index(self, row: int) -> Indices:
+        """Indices into ``state_descs()`` for ``row`` across all state regions, int32."""
+        return _row_index(len(self.state), self.state_rows, row, "state row")
+
+    # -- peers ---------------------------------------------------------------------------------
+
+    def summary(self) -> LayoutSummary:
+        """What travels to a peer so that it can WRITE into this rank."""
+        return LayoutSummary(
+            kv=tuple(r.spec() for r in self.kv),
+            aux=tuple(r.spec() for r in self.aux),
+            state=tuple(r.spec() for r in self.state),
+            kv_kind=self.kv_kind,
+            aux_kind=self.aux_kind,
+            state_kind=self.state_kind,
+        )
+
+    def compatible_with(self, remote: LayoutSummary | Layout) -> str | None:
+        """``None`` if a WRITE from this layout into ``remote`` is well-formed, else the reason.
+
+        Well-formed: each group has as many regions on both sides, with pairwise equal
+        ``item_bytes``, so a page (row) lands on a page (row) byte for byte. Page and row
+        *counts* may differ (each side sizes its own pool), and so may memory kinds (NIXL moves
+        DRAM to VRAM and back). Different item sizes (heterogeneous TP) are out of scope.
+        """
+        if isinstance(remote, Layout):
+            remote = remote.summary()
+        return (
+            _mismatch("kv", self.kv, remote.kv)
+            or _mismatch("aux", self.aux, remote.aux)
+            or _mismatch("state", self.state, remote.state)
+        )
+
+    # -- constructors --------------------------------------------------------------------------
+
+    @classmethod
+    def from_tensors(
+        cls,
+        kv: Sequence[torch.Tensor],
+        aux: Sequence[torch.Tensor] = (),
+        state: Sequence[torch.Tensor] = (),
+        *,
+        num_pages: int | None = None,
+        aux_rows: int | None = None,
+        state_rows: int | None = None,
+    ) -> Layout:
+        """A layout over contiguous CPU (DRAM) or CUDA (VRAM, that device) tensors, named
+        kv0.., aux0.., state0.. in order.
+
+        By default ``shape[0]`` is the page (row) count and ``item_bytes = nbytes // shape[0]``;
+        pass ``num_pages`` / ``aux_rows`` / ``state_rows`` when it is not (``nbytes`` must then
+        divide evenly by it).
+        """
+        return cls(
+            kv=_regions_from_tensors("kv", kv, num_pages),
+            aux=_regions_from_tensors("aux", aux, aux_rows),
+            state=_regions_from_tensors("state", state, state_rows),
+        )
+
+    @classmethod
+    def from_pointers(  # noqa: PLR0917 - positional on purpose: it mirrors SGLang's KVArgs lists
+        cls,
+        kv_ptrs: Sequence[int],
+        kv_lens: Sequence[int],
+        kv_item_lens: Sequence[int],
+        aux_ptrs: Sequence[int] = (),
+        aux_lens: Sequence[int] = (),
+        aux_item_lens: Sequence[int] = (),
+        state_ptrs: Sequence[int] = (),
+        state_lens: Sequence[int] = (),
+        state_item_lens: Sequence[int] = (),
+        *,
+        kind: MemKind = MemKind.DRAM,
+        device: int = 0,
+        aux_kind: MemKind = MemKind.DRAM,
+        aux_device: int = 0,
+        state_kind: MemKind | None = None,
+        state_device: int | None = None,
+    ) -> Layout:
+        """A layout from SGLang ``KVArgs``-style lists (``kv_data_ptrs``, ``kv_data_lens``,
+        ``kv_item_lens``, ``aux_data_*``, flattened ``state_data_*``), named kv0.., aux0..,
+        state0.. in order.
+
+        ``kind``/``device`` apply to kv. Aux defaults to DRAM device 0 and state to kv's kind and
+        device, which is where SGLang keeps them (MetadataBuffers are CPU tensors; state lives
+        with the KV pool).
+        """
+        return cls(
+            kv=_regions_from_pointers("kv", kv_ptrs, kv_lens, kv_item_lens, kind, device),
+            aux=_regions_from_pointers(
+                "aux", aux_ptrs, aux_lens, aux_item_lens, aux_kind, aux_device
+            ),
+            state=_regions_from_pointers(
+                "state",
+                state_ptrs,
+                state_lens,
+                state_item_lens,
+                kind if state_kind is None else state_kind,
+                device if state_device is None else state_device,
+            ),
+        )
+
+
+def _regions_from_tensors(
+    group: Group, tensors: Sequence[torch.Tensor], count: int | None
+) -> tuple[Region, ...]:
+    unit = _UNIT[group]
+    regions = []
+    for i, t in enumerate(tensors):
+        name = f"{group}{i}"
+        if not t.is_contiguous():
+            raise LayoutError(
+                f"{name}: tensor is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
+                "NIXL registers the byte range [data_ptr, data_ptr + nbytes), so pass the "
+                "contiguous buffer itself, not a strided view of it"
+            )
+        if t.device.type == "cpu":
+            kind, device = MemKind.DRAM, 0
+        elif t.device.type == "cuda":
+            kind, device = MemKind.VRAM, t.get_device()
+        else:
+            raise LayoutError(f"{name}: tensor is on {t.device}; only cpu and cuda tensors work")
+        nbytes = t.numel() * t.element_size()
+        if count is not None:
+            n = count
+        elif t.dim() == 0:
+            raise LayoutError(f"{name}: a 0-d tensor has no {unit} dimension; pass the count")
+        else:
+            n = t.shape[0]
+        if n <= 0:
+            raise LayoutError(f"{name}: {unit} count must be positive, got {n} (empty tensor?)")
+        if nbytes % n:
+            raise LayoutError(f"{name}: {nbytes} bytes do not split into {n} equal {unit}")
+        regions.append(Region(name, t.data_ptr(), nbytes, nbytes // n, kind, device))
+    return tuple(regions)
+
+
+def _regions_from_pointers(  # noqa: PLR0917 - private; one call per group
+    group: Group,
+    ptrs: Sequence[int],
+    lens: Sequence[int],
+    item_lens: Sequence[int],
+    kind: MemKind,
+    device: int,
+) -> tuple[Region, ...]:
+    if not len(ptrs) == len(lens) == len(item_lens):
+        raise LayoutError(
+            f"{group}: {len(ptrs)} pointers, {len(lens)} lengths and {len(item_lens)} item "
+            "lengths; need exactly one of each per buffer"
+        )
+
+    def as_int(name: str, field: str, value: int) -> int:
+        # SGLang hands Python ints and numpy integers are common in callers; floats are a bug.
+        try:
+            return operator.index(value)
+        except TypeError:
+            raise LayoutError(
+                f"{name}: {field} must be an int, got {type(value).__name__} {value!r}"
+            ) from None
+
+    return tuple(
+        Region(
+            f"{group}{i}",
+            as_int(f"{group}{i}", "pointer", p),
+            as_int(f"{group}{i}", "length", n),
+            as_int(f"{group}{i}", "item length", item),
+            kind,
+            device,
+        )
+        for i, (p, n, item) in enumerate(zip(ptrs, lens, item_lens, strict=True))
+    )
+
+
+class LayoutSummary(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
+    """A peer's layout as it travels on the wire (msgpack): per region ``(addr, nbytes,
+    item_bytes, device)``, and one memory kind per group (a group is one prepped NIXL list, so it
+    has exactly one kind; groups may differ, e.g. VRAM kv and DRAM aux).
+
+    Validated on construction and on decode by the ``Layout`` rules (``LayoutError`` when built
+    directly, ``msgspec.ValidationError`` when decoded), so every instance is well-formed and the
+    methods below, which run the same code as ``Layout``'s, are safe and cheap per chunk.
+    """
+
+    kv: tuple[RegionSpec, ...]
+    aux: tuple[RegionSpec, ...] = ()
+    state: tuple[RegionSpec, ...] = ()
+    kv_kind: MemKind = MemKind.DRAM
+    aux_kind: MemKind = MemKind.DRAM
+    state_kind: MemKind = MemKind.DRAM
+
+    def __post_init__(self) -> None:
+        self.to_layout()
+
+    def to_layout(self) -> Layout:
+        """The equivalent ``Layout``, regions named kv0.., aux0.., state0.. (the names a
+        ``Layout.from_pointers``/``from_tensors`` gives); ``LayoutError`` if malformed."""
+
+        def regions(group: Group, specs: object, kind: object) -> tuple[Region, ...]:
+            # msgspec type-checks decoded summaries but not ones built in Python.
+            if not isinstance(specs, tuple):
+                raise LayoutError(f"{group} must be a tuple of region specs, got {specs!r}")
+            out = []
+            for i, spec in enumerate(specs):
+                if not isinstance(spec, tuple) or len(spec) != 4:
+                    raise LayoutError(
+                        f"{group}{i}: expected (addr, nbytes, item_bytes, device), got {spec!r}"
+                    )
+                addr, nbytes, item, device = spec
+                # Region checks every field's type and value at runtime.
+                out.append(Region(f"{group}{i}", addr, nbytes, item, cast("MemKind", kind), device))
+            return tuple(out)
+
+        return Layout(
+            kv=regions("kv", self.kv, self.kv_kind),
+            aux=regions("aux", self.aux, self.aux_kind),
+            state=regions("state", self.state, self.state_kind),
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return _items(self.kv)
+
+    @property
+    def aux_rows(self) -> int:
+        return _items(self.aux)
+
+    @property
+    def state_rows(self) -> int:
+        return _items(self.state)
+
+    def page_bytes(self) -> int:
+        return sum(spec[2] for spec in self.kv)
+
+    def aux_row_bytes(self) -> int:
+        return sum(spec[2] for spec in self.aux)
+
+    def state_row_bytes(self) -> int:
+        return sum(spec[2] for spec in self.state)
+
+    def kv_descs(self) -> Descs:
+        return _descs(self.kv)
+
+    def aux_descs(self) -> Descs:
+        return _descs(self.aux)
+
+    def state_descs(self) -> Descs:
+        return _descs(self.state)
+
+    def check_pages(self, pages: npt.ArrayLike, what: str = "page") -> None:
+        _checked(pages, self.num_pages, what)
+
+    def page_index(self, pages: npt.ArrayLike) -> Indices:
+        return _spread(len(self.kv), self.num_pages, _checked(pages, self.num_pages, "page"))
+
+    def check_row(self, row: int, what: str = "aux row") -> None:
+        _checked_row(row, self.aux_rows, what)
+
+    def aux_index(self, row: int) -> Indices:
+        return _row_index(len(self.aux), self.aux_rows, row, "aux row")
+
+    def check_state_row(self, row: int, what: str = "state row") -> None:
+        _checked_row(row, self.state_rows, what)
+
+    def state_index(self, row: int) -> Indices:
+        return _row_index(len(self.state), self.state_rows, row, "state row")

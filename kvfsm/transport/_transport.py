@@ -1,0 +1,531 @@
+"""``NixlTransport``: the rooms' data path over NIXL, as a ``CommandSink``.
+
+Prefill rooms emit ``PostChunk`` and ``ReleaseHandles``; this module turns them into NIXL WRITEs
+from the local layout into a peer's pages and answers with ``ChunkDone``, ``ChunkFailed``,
+``ChunkStalled`` and ``PeerLost``. Every other command goes to the ``control`` sink.
+
+Who runs what:
+
+* the **loop thread** validates each chunk (page indices against both layouts: an out-of-range
+  index fails that chunk with a reason and never reaches NIXL), records it, and runs the
+  **pump**: one coroutine that polls every in-flight handle, busy while anything is in flight
+  and parked on an event when nothing is. The pump also progresses the agent
+  (``get_new_notifs``): with progress threads off, nobody else answers a peer's handshakes.
+* one **worker thread** makes and posts the transfers (``make_prepped_xfer`` + ``transfer`` +
+  one check) and connects peers. ``transfer()`` copies synchronously on shared-memory paths,
+  and ``add_remote_agent`` takes milliseconds: neither may run on the loop.
+
+Handles belong to the pump, not to rooms. A room that fails still has its posted handles
+drained; a chunk not yet posted when its room asks to release is dropped. Each chunk has a
+deadline, ``deadline_base_s + bytes / floor_bandwidth``. A handle past it is released and
+reported ``ChunkStalled`` (the room fails at once), and ``ChunkFailed`` follows only after
+``quarantine_s``: bytes of a cancelled WRITE may still land, so its pages stay unsettled that
+long (law 4). Every handle is released explicitly, on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.rooms._actor import CommandSink, Inbox, RoomKey
+from kvfsm.states import (
+    ChunkDone,
+    ChunkFailed,
+    ChunkStalled,
+    Command,
+    Event,
+    PeerLost,
+    PostChunk,
+    ReleaseHandles,
+)
+from kvfsm.transport._agent import Agent, Peer
+from kvfsm.transport._layout import LayoutError, LayoutSummary
+from kvfsm.transport._nixl import describe, is_remote_disconnect
+
+__all__ = ["NixlTransport", "TransferConfig", "TransportStats"]
+
+_log = logging.getLogger("kvfsm.transport")
+Indices = npt.NDArray[np.int32]
+#: Pump rounds without any completion before it starts sleeping between rounds.
+_BUSY_ROUNDS = 64
+_MAX_BACKOFF_S = 0.001
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Deadlines and pacing of the data path."""
+
+    #: Fixed part of every chunk's deadline (connection set-up, scheduling hiccups).
+    deadline_base_s: float = 10.0
+    #: The slowest bandwidth a healthy transfer may have; bytes / this is added to the deadline.
+    floor_bandwidth_bps: float = 100e6
+    #: How long a released, stalled chunk keeps its pages unsettled.
+    quarantine_s: float = 2.0
+    #: Minimum time between two reconnections of a peer after a remote disconnect.
+    reconnect_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.deadline_base_s > 0 and self.floor_bandwidth_bps > 0):
+            raise ValueError("deadline_base_s and floor_bandwidth_bps must be > 0")
+        if self.quarantine_s < 0 or self.reconnect_interval_s < 0:
+            raise ValueError("quarantine_s and reconnect_interval_s must be >= 0")
+
+    def deadline_s(self, nbytes: int) -> float:
+        return self.deadline_base_s + nbytes / self.floor_bandwidth_bps
+
+
+@dataclass(slots=True)
+class TransportStats:
+    """Counters; each field is written by one thread at a time."""
+
+    handles_created: int = 0
+    handles_released: int = 0
+    chunks_posted: int = 0
+    chunks_done: int = 0
+    chunks_failed: int = 0
+    chunks_rejected: int = 0
+    chunks_dropped: int = 0
+    chunks_stalled: int = 0
+    done_at_post: int = 0
+    bytes_done: int = 0
+    pump_rounds: int = 0
+    peers_lost: int = 0
+    peers_connected: int = 0
+    stale_deliveries: int = 0
+
+
+class _Xfer:
+    """One chunk from acceptance until its final event (loop side). ``handles`` and ``states``
+    are written by the worker before its future completes; ``dropped`` by the loop."""
+
+    __slots__ = (
+        "chunk",
+        "dropped",
+        "due",
+        "dst",
+        "dst_aux",
+        "handles",
+        "key",
+        "nbytes",
+        "peer",
+        "src",
+        "src_aux",
+        "states",
+    )
+
+    def __init__(
+        self,
+        key: RoomKey,
+        chunk: int,
+        *,
+        peer: Peer,
+        src: Indices,
+        dst: Indices,
+        src_aux: Indices | None,
+        dst_aux: Indices | None,
+        nbytes: int,
+        due: float,
+    ) -> None:
+        self.key = key
+        self.chunk = chunk
+        self.peer = peer
+        self.src = src
+        self.dst = dst
+        self.src_aux = src_aux
+        self.dst_aux = dst_aux
+        self.nbytes = nbytes
+        self.due = due
+        self.handles: list[Any] = []
+        self.states: list[str] = []
+        self.dropped = False
+
+
+class NixlTransport:
+    """A ``CommandSink`` for a prefill engine: chunks become NIXL WRITEs into peers' pages.
+
+    Lifecycle: build an :class:`Agent` (blocking), wrap it here, hand this to a ``RoomEngine``
+    (``attach`` starts the pump), connect peers with :meth:`connect_peer`, run rooms;
+    ``engine.close()``, then :meth:`close` (releases anything left, then the agent's peers).
+    """
+
+    def __init__(
+        self,
+        agent: Agent,
+        control: CommandSink | None = None,
+        config: TransferConfig | None = None,
+    ) -> None:
+        self.agent = agent
+        self.config = config if config is not None else TransferConfig()
+        self.stats = TransportStats()
+        self._control = control
+        self._inbox: Inbox | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._pump_task: asyncio.Task[None] | None = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-nixl")
+        self._peers: dict[str, Peer] = {}
+        self._connecting: dict[str, asyncio.Future[Peer]] = {}
+        self._lost_at: dict[str, float] = {}
+        self._known: dict[str, tuple[bytes, LayoutSummary]] = {}
+        self._records: set[_Xfer] = set()  # accepted, final event not yet delivered
+        self._active: list[_Xfer] = []  # posted and still in progress: the pump's list
+        self._leaked: list[Any] = []  # handles whose release NIXL refused; retried at close
+        self._closed = False
+
+    # -- CommandSink (loop thread) -------------------------------------------------------------
+
+    def attach(self, inbox: Inbox) -> None:
+        if self._loop is not None or self._closed:
+            raise RuntimeError("a NixlTransport serves one engine, once")
+        if self._control is not None:
+            self._control.attach(inbox)
+        self._inbox = inbox
+        self._loop = loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._pump_task = loop.create_task(self._pump(), name="kvfsm-nixl-pump")
+        self._pump_task.add_done_callback(_pump_ended)
+
+    def submit(self, key: RoomKey, command: Command) -> None:
+        if isinstance(command, PostChunk):
+            self._accept(key, command)
+        elif isinstance(command, ReleaseHandles):
+            for record in self._records:
+                if record.key == key:
+                    record.dropped = True  # the worker skips it if not posted yet
+        elif self._control is not None:
+            self._control.submit(key, command)
+
+    # -- peers ---------------------------------------------------------------------------------
+
+    async def connect_peer(self, peer_id: str, metadata: bytes, summary: LayoutSummary) -> Peer:
+        """Connect (or reconnect, as a new generation) the peer ``peer_id``. Loop thread; the
+        blocking work runs on the worker. Concurrent calls for one peer share one attempt."""
+        loop = self._running_loop()
+        pending = self._connecting.get(peer_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Peer] = loop.create_future()
+        self._connecting[peer_id] = future
+        try:
+            old = self._peers.pop(peer_id, None)
+            peer = await loop.run_in_executor(
+                self._worker, self._reconnect_blocking, old, peer_id, metadata, summary
+            )
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it, nobody else must
+            raise
+        finally:
+            del self._connecting[peer_id]
+        self._peers[peer_id] = peer
+        self._known[peer_id] = (metadata, summary)
+        self.stats.peers_connected += 1
+        future.set_result(peer)
+        _log.info("peer %s connected (generation %d)", peer_id, peer.generation)
+        return peer
+
+    def _reconnect_blocking(
+        self, old: Peer | None, peer_id: str, metadata: bytes, summary: LayoutSummary
+    ) -> Peer:
+        if old is not None:
+            self.agent.disconnect(old)
+        return self.agent.connect(peer_id, metadata, summary)
+
+    def peer(self, peer_id: str) -> Peer | None:
+        return self._peers.get(peer_id)
+
+    def _peer_lost(self, peer: Peer, reason: str) -> None:
+        """The peer's agent reported a remote disconnect: fail its rooms, reconnect later."""
+        if self._peers.get(peer.peer_id) is not peer:
+            return  # an older generation; the current one is not condemned by it
+        del self._peers[peer.peer_id]
+        self.stats.peers_lost += 1
+        _log.warning("peer %s generation %d lost: %s", peer.peer_id, peer.generation, reason)
+        for record in list(self._records):
+            if record.peer is peer:
+                self._deliver(record.key, PeerLost(reason))
+        loop = self._running_loop()
+        loop.run_in_executor(self._worker, self.agent.disconnect, peer)
+        # NIXL drops a disconnected peer's metadata; reload it, rate-limited, in case the
+        # disconnect was transient. A restarted peer comes back through connect_peer instead.
+        last = self._lost_at.get(peer.peer_id, -1e9)
+        delay = max(0.0, last + self.config.reconnect_interval_s - loop.time())
+        self._lost_at[peer.peer_id] = loop.time() + delay
+        loop.call_later(delay, self._reload, peer.peer_id)
+
+    def _reload(self, peer_id: str) -> None:
+        if peer_id in self._peers or peer_id in self._connecting or self._closed:
+            return
+        known = self._known.get(peer_id)
+        if known is None:
+            return
+        task = self._running_loop().create_task(self.connect_peer(peer_id, *known))
+        task.add_done_callback(_log_reload_failure)
+
+    # -- accepting a chunk (loop thread) -------------------------------------------------------
+
+    def _accept(self, key: RoomKey, command: PostChunk) -> None:
+        loop = self._running_loop()
+        stats = self.stats
+        stats.chunks_posted += 1
+        peer = self._peers.get(command.peer)
+        try:
+            if peer is None:
+                raise LayoutError(f"no connected peer {command.peer!r}")
+            record = self._record(key, command, peer, loop.time())
+        except LayoutError as exc:
+            stats.chunks_rejected += 1
+            stats.chunks_failed += 1
+            loop.call_soon(self._deliver, key, ChunkFailed(command.chunk, str(exc)))
+            return
+        if record is None:  # nothing to move: an empty chunk without an aux row
+            stats.chunks_done += 1
+            loop.call_soon(self._deliver, key, ChunkDone(command.chunk))
+            return
+        self._records.add(record)
+        future = loop.run_in_executor(self._worker, self._post_blocking, record)
+        future.add_done_callback(functools.partial(self._posted, record))
+
+    def _record(self, key: RoomKey, command: PostChunk, peer: Peer, now: float) -> _Xfer | None:
+        """Validate and build a chunk's index arrays; raise ``LayoutError`` on bad input."""
+        local, remote = self.agent.layout, peer.summary
+        src = np.frombuffer(command.src, dtype=np.int32)
+        dst = np.frombuffer(command.dst, dtype=np.int32)
+        if src.size != dst.size:
+            raise LayoutError(f"{src.size} source pages but {dst.size} destination pages")
+        local.check_pages(src, "source page")
+        remote.check_pages(dst, "destination page")
+        src_aux = dst_aux = None
+        aux_bytes = 0
+        if command.is_last and command.src_aux >= 0 and command.dst_aux >= 0:
+            local.check_row(command.src_aux, "source aux row")
+            remote.check_row(command.dst_aux, "destination aux row")
+            src_aux = local.aux_index(command.src_aux)
+            dst_aux = remote.aux_index(command.dst_aux)
+            aux_bytes = local.aux_row_bytes()
+        if src.size == 0 and src_aux is None:
+            return None
+        if src.size > 1:
+            # Destination order makes contiguous runs consecutive, and NIXL merges them.
+            order = np.argsort(dst, kind="stable")
+            src, dst = src[order], dst[order]
+        nbytes = src.size * local.page_bytes() + aux_bytes
+        due = now + self.config.deadline_s(nbytes)
+        return _Xfer(
+            key,
+            command.chunk,
+            peer=peer,
+            src=src,
+            dst=dst,
+            src_aux=src_aux,
+            dst_aux=dst_aux,
+            nbytes=nbytes,
+            due=due,
+        )
+
+    # -- posting (worker thread) ---------------------------------------------------------------
+
+    def _post_blocking(self, record: _Xfer) -> None:
+        """Make and post the chunk's transfers; check each once. Raises what NIXL raised."""
+        if record.dropped:
+            return
+        nixl, peer, agent = self.agent.nixl, record.peer, self.agent
+        parts: list[tuple[Any, Indices, Any, Indices]] = []
+        if record.src.size:
+            layout, remote = agent.layout, peer.summary
+            parts.append(
+                (
+                    agent.local("kv"),
+                    layout.page_index(record.src),
+                    peer.kv,
+                    remote.page_index(record.dst),
+                )
+            )
+        if record.src_aux is not None and record.dst_aux is not None:
+            parts.append((agent.local("aux"), record.src_aux, peer.aux, record.dst_aux))
+        for local_list, local_idx, remote_list, remote_idx in parts:
+            handle = nixl.make_prepped_xfer("WRITE", local_list, local_idx, remote_list, remote_idx)
+            record.handles.append(handle)
+            self.stats.handles_created += 1
+            state = nixl.transfer(handle)
+            if state == "PROC":
+                state = nixl.check_xfer_state(handle)
+            record.states.append(state)
+
+    def _posted(self, record: _Xfer, future: Future[None] | asyncio.Future[None]) -> None:
+        """Loop thread: the worker is done with ``record``."""
+        if future.cancelled():
+            self._finish(record, ChunkFailed(record.chunk, "not posted: transport closing"))
+            return
+        exc = future.exception()
+        if exc is not None:
+            self._failed(record, exc)
+        elif not record.handles:
+            self.stats.chunks_dropped += 1
+            self._finish(record, ChunkFailed(record.chunk, "dropped: room failed before posting"))
+        elif all(state == "DONE" for state in record.states):
+            self.stats.done_at_post += 1
+            self._finish(record, ChunkDone(record.chunk))
+        else:
+            self._active.append(record)
+            wake = self._wake
+            assert wake is not None
+            wake.set()
+
+    # -- the pump (loop thread) ----------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        wake = self._wake
+        assert wake is not None
+        loop = asyncio.get_running_loop()
+        nixl = self.agent.nixl
+        check, progress = nixl.check_xfer_state, nixl.get_new_notifs
+        idle_rounds = 0
+        while True:
+            if not self._active:
+                wake.clear()
+                await wake.wait()
+                idle_rounds = 0
+                continue
+            try:
+                progress()  # answers peers' handshakes and flushes (no progress thread)
+            except Exception:
+                _log.exception("agent progress failed")
+            batch, self._active = self._active, []
+            now = loop.time()
+            pending = len(batch)
+            for record in batch:
+                if record not in self._records:
+                    continue  # finished meanwhile (peer lost)
+                try:
+                    done = all([check(h) == "DONE" for h in record.handles])
+                except Exception as exc:
+                    self._failed(record, exc)
+                    continue
+                if done:
+                    self._finish(record, ChunkDone(record.chunk))
+                elif now > record.due:
+                    self._stall(record, loop)
+                else:
+                    self._active.append(record)
+            self.stats.pump_rounds += 1
+            # Busy while transfers complete; when rounds keep finding nothing done (a slow or
+            # stalled peer), back off towards 1 ms so a stall does not spin the loop thread,
+            # whose CPU the scheduler thread pays for through the GIL.
+            idle_rounds = idle_rounds + 1 if len(self._active) == pending else 0
+            await asyncio.sleep(_backoff(idle_rounds))
+
+    def _failed(self, record: _Xfer, exc: BaseException) -> None:
+        reason = describe(exc)
+        if is_remote_disconnect(exc):
+            # The peer died: its rooms fail with a peer-lost reason first, then the errored
+            # handle settles the chunk (nothing more can be written by a dead peer's link).
+            self._peer_lost(record.peer, f"NIXL remote disconnect from {record.peer.peer_id}")
+        self._finish(record, ChunkFailed(record.chunk, reason))
+
+    def _stall(self, record: _Xfer, loop: asyncio.AbstractEventLoop) -> None:
+        self.stats.chunks_stalled += 1
+        self._release_all(record)
+        reason = f"in flight past its {self.config.deadline_s(record.nbytes):g}s deadline; released"
+        _log.warning("room %s chunk %d: %s", record.key.room, record.chunk, reason)
+        self._deliver(record.key, ChunkStalled(record.chunk, reason))
+        quarantined = ChunkFailed(
+            record.chunk, f"{reason}; quarantine of {self.config.quarantine_s:g}s over"
+        )
+        loop.call_later(self.config.quarantine_s, self._finish, record, quarantined)
+
+    def _finish(self, record: _Xfer, event: ChunkDone | ChunkFailed) -> None:
+        if record not in self._records:
+            return
+        self._release_all(record)
+        self._records.discard(record)
+        if isinstance(event, ChunkDone):
+            self.stats.chunks_done += 1
+            self.stats.bytes_done += record.nbytes
+        else:
+            self.stats.chunks_failed += 1
+        self._deliver(record.key, event)
+
+    def _release_all(self, record: _Xfer) -> None:
+        handles, record.handles = record.handles, []
+        for handle in handles:
+            self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self.agent.nixl.release_xfer_handle(handle)
+        except Exception:
+            _log.exception("release_xfer_handle failed; retrying at close()")
+            self._leaked.append(handle)
+            return
+        self.stats.handles_released += 1
+
+    def _deliver(self, key: RoomKey, event: Event) -> None:
+        inbox = self._inbox
+        if inbox is None or not inbox.deliver(key, event):
+            self.stats.stale_deliveries += 1
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("NixlTransport is not attached to an engine")
+        return self._loop
+
+    # -- reads and teardown --------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks accepted and not yet reported final (quarantined ones included)."""
+        return len(self._records)
+
+    def snapshot(self) -> dict[str, int]:
+        out = asdict(self.stats)
+        out["in_flight"] = self.in_flight
+        out["peers"] = len(self._peers)
+        return out
+
+    def close(self) -> None:
+        """After ``engine.close()``: release what is left, drop peers, stop the worker.
+        The agent itself is the caller's to close. Idempotent."""
+        if self._closed:
+            return
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            raise RuntimeError("close the RoomEngine before its NixlTransport")
+        self._closed = True
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        for record in list(self._records):
+            self._release_all(record)
+        self._records.clear()
+        self._active.clear()
+        leaked, self._leaked = self._leaked, []
+        for handle in leaked:
+            self._release(handle)
+        for peer in list(self._peers.values()):
+            self.agent.disconnect(peer)
+        self._peers.clear()
+
+
+def _backoff(idle_rounds: int) -> float:
+    """0 for the first rounds without progress, then 50 us doubling up to 1 ms."""
+    if idle_rounds < _BUSY_ROUNDS:
+        return 0.0
+    doublings = min(idle_rounds - _BUSY_ROUNDS, 5)
+    return min(_MAX_BACKOFF_S, 50e-6 * float(1 << doublings))
+
+
+def _pump_ended(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("NIXL pump crashed", exc_info=task.exception())
+
+
+def _log_reload_failure(task: asyncio.Task[Peer]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.warning("reloading a lost peer failed: %s", task.exception())

@@ -1,0 +1,146 @@
+"""A decode peer in its own OS process, for two-process transport tests.
+
+The process owns a real KV layout (``layers`` x K and V buffers of ``num_pages`` pages, and an aux
+buffer) registered with its own NIXL agent, hands its agent metadata and layout summary to the
+parent, then keeps its agent progressed (with progress threads off, a target that is never
+progressed leaves the writer's handles in progress) and answers the parent's questions about
+what landed. The parent may SIGKILL or SIGSTOP it; it exits by itself if the parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+import zlib
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.transport._layout import Layout, LayoutSummary, Region
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int = 4
+    num_pages: int = 512
+    page_bytes: int = 4096  # per K or V buffer
+    aux_rows: int = 64
+    aux_row_bytes: int = 256
+
+
+def make_buffers(shape: Shape) -> tuple[list[npt.NDArray[np.uint8]], npt.NDArray[np.uint8]]:
+    kv = [np.zeros((shape.num_pages, shape.page_bytes), np.uint8) for _ in range(2 * shape.layers)]
+    aux = np.zeros((shape.aux_rows, shape.aux_row_bytes), np.uint8)
+    return kv, aux
+
+
+def make_layout(kv: list[npt.NDArray[np.uint8]], aux: npt.NDArray[np.uint8]) -> Layout:
+    regions = tuple(
+        Region(f"{'kv'[i % 2]}{i // 2}", buf.ctypes.data, buf.nbytes, buf.shape[1])
+        for i, buf in enumerate(kv)
+    )
+    return Layout(kv=regions, aux=(Region("aux0", aux.ctypes.data, aux.nbytes, aux.shape[1]),))
+
+
+def page_digests(kv: list[npt.NDArray[np.uint8]], pages: npt.NDArray[np.int32]) -> list[int]:
+    """One CRC per page over that page in every K and V buffer, in order."""
+    out = []
+    for page in pages.tolist():
+        crc = 0
+        for buf in kv:
+            crc = zlib.crc32(buf[page].data, crc)
+        out.append(crc)
+    return out
+
+
+def _serve(conn: Connection, shape: Shape, name: str) -> None:
+    from kvfsm.transport._agent import Agent
+
+    parent = os.getppid()
+    kv, aux = make_buffers(shape)
+    layout = make_layout(kv, aux)
+    agent = Agent(name, layout)
+    conn.send((agent.metadata(), msgspec.msgpack.encode(layout.summary())))
+    progress = agent.nixl.get_new_notifs
+    try:
+        while True:
+            progress()
+            if conn.poll(0.0002):
+                request: Any = conn.recv()
+                op = request[0]
+                if op == "quit":
+                    break
+                if op == "fill":
+                    for buf in kv:
+                        buf.fill(request[1])
+                    aux.fill(request[1])
+                    conn.send(True)
+                elif op == "digests":
+                    conn.send(page_digests(kv, np.frombuffer(request[1], np.int32)))
+                elif op == "aux":
+                    conn.send(aux[request[1]].tobytes())
+                elif op == "pid":
+                    conn.send(os.getpid())
+            elif os.getppid() != parent:
+                break
+    except (EOFError, OSError):
+        pass
+    finally:
+        agent.close()
+
+
+class PeerProcess:
+    """Start with ``PeerProcess(shape)``; ``metadata`` and ``summary`` describe its agent."""
+
+    def __init__(self, shape: Shape, name: str = "decode") -> None:
+        ctx = mp.get_context("spawn")
+        self.shape = shape
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, shape, name), daemon=True)
+        self.process.start()
+        child.close()
+        if not self._conn.poll(60):
+            self.kill()
+            raise TimeoutError("decode peer did not start")
+        metadata, summary = self._conn.recv()
+        self.metadata: bytes = metadata
+        self.summary = msgspec.msgpack.decode(summary, type=LayoutSummary)
+
+    def ask(self, *request: object, timeout: float = 30.0) -> Any:
+        self._conn.send(request)
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"decode peer did not answer {request[0]!r}")
+        return self._conn.recv()
+
+    @property
+    def pid(self) -> int:
+        pid = self.process.pid
+        assert pid is not None
+        return pid
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(("quit",))
+            self.process.join(10)
+        self.kill()
+        self._conn.close()
+
+
+def wait_for(predicate: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.001)

@@ -1,0 +1,254 @@
+"""The NIXL data path between two OS processes, DRAM to DRAM, on real NIXL (UCX).
+
+The prefill side is this process: a ``RoomEngine`` whose sink is a ``NixlTransport``. The decode
+side is ``tests/transport/peer.py`` in its own process, with its own agent and pages. Rooms are
+driven through the real facades; the decode side reports what landed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
+from kvfsm.rooms._actor import Inbox, RoomKey
+from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, ReportOutcome
+from kvfsm.transport._agent import Agent
+from kvfsm.transport._transport import NixlTransport, TransferConfig
+from tests.transport.peer import (
+    PeerProcess,
+    Shape,
+    make_buffers,
+    make_layout,
+    page_digests,
+    wait_for,
+)
+
+SHAPE = Shape()
+
+
+class RecordingControl:
+    """Stands in for the control channel: records what rooms tell their peer."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.log: list[tuple[RoomKey, Command]] = []
+
+    def attach(self, inbox: Inbox) -> None:
+        pass
+
+    def submit(self, key: RoomKey, command: Command) -> None:
+        with self.lock:
+            self.log.append((key, command))
+
+    def outcomes(self, key: RoomKey) -> list[Command]:
+        with self.lock:
+            return [c for k, c in self.log if k == key and isinstance(c, ReportOutcome)]
+
+
+class Prefill:
+    """This process's side: source pages full of random bytes, an agent, a transport, an engine."""
+
+    def __init__(self, config: TransferConfig | None = None) -> None:
+        self.kv, self.aux = make_buffers(SHAPE)
+        rng = np.random.default_rng(1)
+        for buf in [*self.kv, self.aux]:
+            buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+        self.agent = Agent(f"prefill-{os.getpid()}-{id(self)}", make_layout(self.kv, self.aux))
+        self.control = RecordingControl()
+        self.transport = NixlTransport(self.agent, self.control, config)
+        self.engine = RoomEngine(self.transport, RoomConfig()).start()
+
+    def connect(self, peer: PeerProcess, peer_id: str = "decode") -> int:
+        connected = self.engine.call(
+            self.transport.connect_peer(peer_id, peer.metadata, peer.summary)
+        )
+        return int(connected.generation)
+
+    def room(  # noqa: PLR0917 - reads like the scheduler's own call sequence
+        self,
+        room: int,
+        src: list[int],
+        dst: list[int],
+        chunks: int = 1,
+        aux: tuple[int, int] = (0, 0),
+        peer_id: str = "decode",
+    ) -> SenderRoom:
+        """Create a sender, hand it decode's pages, init and send it in ``chunks`` chunks."""
+        sender = self.engine.sender(room)
+        packed = np.asarray(dst, np.int32).tobytes()
+        self.engine.post(sender.key, DestinationReceived(packed, aux[1], peer=peer_id))
+        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        sender.init(len(src), aux[0])
+        bounds = sorted(
+            {0, len(src), *random.sample(range(len(src) + 1), min(chunks - 1, len(src)))}
+        )
+        for lo, hi in itertools.pairwise(bounds):
+            sender.send(np.asarray(src[lo:hi], np.int32))
+        if len(bounds) == 1:  # no pages at all: one empty, last chunk
+            sender.send(np.empty(0, np.int32))
+        return sender
+
+    def close(self) -> None:
+        self.engine.close()
+        self.transport.close()
+        stats = self.transport.snapshot()
+        self.agent.close()
+        assert stats["handles_created"] == stats["handles_released"], stats
+        assert stats["in_flight"] == 0, stats
+
+
+@pytest.fixture
+def peer() -> Iterator[PeerProcess]:
+    process = PeerProcess(SHAPE)
+    yield process
+    process.close()
+
+
+@pytest.fixture
+def prefill(peer: PeerProcess) -> Iterator[Prefill]:
+    side = Prefill()
+    side.connect(peer)
+    yield side
+    side.close()
+
+
+def expected(prefill: Prefill, src: list[int]) -> list[int]:
+    return page_digests(prefill.kv, np.asarray(src, np.int32))
+
+
+def test_many_concurrent_rooms_land_every_byte(prefill: Prefill, peer: PeerProcess) -> None:
+    rng = random.Random(3)
+    free = list(range(SHAPE.num_pages))
+    rng.shuffle(free)
+    rooms = []
+    for room in range(40):
+        n = rng.randint(0, 12)
+        dst = [free.pop() for _ in range(n)]
+        src = rng.sample(range(SHAPE.num_pages), n)
+        aux = (rng.randrange(SHAPE.aux_rows), room)  # decode aux row = room id: all distinct
+        rooms.append((prefill.room(room, src, dst, rng.randint(1, 4), aux), src, dst, aux))
+    wait_for(lambda: all(s.poll() in TERMINAL for s, *_ in rooms))
+    for sender, src, dst, (src_aux, dst_aux) in rooms:
+        assert sender.poll() is KVPoll.Success, sender.reason
+        assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(prefill, src)
+        assert peer.ask("aux", dst_aux) == prefill.aux[src_aux].tobytes()
+        assert prefill.control.outcomes(sender.key) == [ReportOutcome(KVPoll.Success)]
+    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+    stats = prefill.transport.snapshot()
+    assert stats["chunks_failed"] == 0
+    assert stats["in_flight"] == 0
+
+
+def test_out_of_range_page_fails_that_room_only(prefill: Prefill, peer: PeerProcess) -> None:
+    good = prefill.room(1, [1, 2, 3], [10, 11, 12])
+    bad = prefill.room(2, [4, 5], [13, SHAPE.num_pages + 7])
+    bad_src = prefill.room(3, [SHAPE.num_pages], [20])
+    also_good = prefill.room(4, [6], [21], aux=(2, 4))
+    wait_for(lambda: all(s.poll() in TERMINAL for s in (good, bad, bad_src, also_good)))
+    assert good.poll() is KVPoll.Success
+    assert also_good.poll() is KVPoll.Success
+    assert bad.poll() is KVPoll.Failed
+    assert f"destination page index {SHAPE.num_pages + 7} out of range" in bad.reason
+    assert bad_src.poll() is KVPoll.Failed
+    assert f"source page index {SHAPE.num_pages} out of range" in bad_src.reason
+    assert prefill.transport.stats.chunks_rejected == 2
+    # The rejected chunks never reached NIXL: only the two good rooms' kv and aux handles did.
+    assert prefill.transport.stats.handles_created == 4
+    assert peer.ask("digests", np.asarray([10, 11, 12], np.int32).tobytes()) == expected(
+        prefill, [1, 2, 3]
+    )
+
+
+def test_peer_killed_fails_its_rooms_and_a_restarted_peer_serves_new_ones(
+    peer: PeerProcess,
+) -> None:
+    prefill = Prefill()
+    try:
+        assert prefill.connect(peer) == 1
+        warm = prefill.room(1, [1], [1])
+        wait_for(lambda: warm.poll() is KVPoll.Success)
+        peer.kill()
+        killed_at = time.monotonic()
+        doomed = [prefill.room(10 + i, [i, i + 1], [30 + 2 * i, 31 + 2 * i], 2) for i in range(8)]
+        wait_for(lambda: all(s.poll() in TERMINAL for s in doomed), timeout=10)
+        elapsed = time.monotonic() - killed_at
+        assert all(s.poll() is KVPoll.Failed for s in doomed)
+        reasons = {s.reason for s in doomed}
+        assert any("peer lost: NIXL remote disconnect" in r for r in reasons), reasons
+        assert elapsed < 5.0
+        wait_for(lambda: all(s.settled for s in doomed))
+        assert prefill.transport.stats.peers_lost >= 1
+
+        restarted = PeerProcess(SHAPE)
+        try:
+            assert prefill.connect(restarted) >= 2  # a new generation of the same peer id
+            fresh = prefill.room(100, [5, 6, 7], [40, 41, 42], 2, aux=(1, 9))
+            wait_for(lambda: fresh.poll() in TERMINAL)
+            assert fresh.poll() is KVPoll.Success, fresh.reason
+            digests = restarted.ask("digests", np.asarray([40, 41, 42], np.int32).tobytes())
+            assert digests == expected(prefill, [5, 6, 7])
+            assert restarted.ask("aux", 9) == prefill.aux[1].tobytes()
+        finally:
+            wait_for(lambda: prefill.engine.stats()["live"] == 0)
+            prefill.close()
+            restarted.close()
+    except BaseException:
+        prefill.engine.close()
+        raise
+
+
+def read_remote_pages(pid: int, peer: PeerProcess, pages: list[int]) -> bytes:
+    """Read a (stopped) process's KV pages straight from its memory."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        out = [
+            os.pread(fd, item, addr + page * item)
+            for addr, _nbytes, item, _device in peer.summary.kv
+            for page in pages
+        ]
+    finally:
+        os.close(fd)
+    return b"".join(out)
+
+
+def test_stalled_peer_hits_the_chunk_deadline_and_no_byte_lands_after_settle(
+    peer: PeerProcess,
+) -> None:
+    config = TransferConfig(deadline_base_s=0.3, floor_bandwidth_bps=1e12, quarantine_s=0.5)
+    prefill = Prefill(config)
+    pages = [0, 1, 2, 3]
+    try:
+        prefill.connect(peer)
+        assert peer.ask("fill", 0xAB)  # canary bytes in decode's pages
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            senders = [prefill.room(i, [i + 8], [i]) for i in pages]
+            wait_for(lambda: all(s.poll() in TERMINAL for s in senders), timeout=10)
+            failed_after = time.monotonic() - start
+            # A stopped peer cannot acknowledge a WRITE: every chunk hits its deadline, the room
+            # fails at once with the reason, and its pages stay quarantined a while longer.
+            for sender in senders:
+                assert sender.poll() is KVPoll.Failed
+                assert "stalled" in sender.reason, sender.reason
+                assert not sender.settled
+            assert failed_after < 0.3 + 2.0
+            wait_for(lambda: all(s.settled for s in senders), timeout=10)
+            at_settle = read_remote_pages(peer.pid, peer, pages)
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        time.sleep(0.5)  # anything still buffered for the peer would land now
+        assert read_remote_pages(peer.pid, peer, pages) == at_settle, "late write after settle"
+        assert prefill.transport.stats.chunks_stalled == len(pages)
+    finally:
+        wait_for(lambda: prefill.engine.stats()["live"] == 0)
+        prefill.close()
