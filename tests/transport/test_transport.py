@@ -23,7 +23,7 @@ from kvfsm.rooms._actor import Inbox, RoomKey
 from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, ReportOutcome
 from kvfsm.transport._agent import Agent
 from kvfsm.transport._transport import NixlTransport, TransferConfig
-from tests.transport.peer import (
+from kvfsm.transport._peer import (
     PeerProcess,
     Shape,
     make_buffers,

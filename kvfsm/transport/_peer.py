@@ -1,4 +1,5 @@
-"""A decode peer in its own OS process, for two-process transport tests.
+"""A passive decode rank in its own OS process: the far end of the data path until the control
+plane and receiver rooms run there (tests, ``kvfsm run`` and the benchmarks use it).
 
 The process owns a real KV layout (``layers`` x K and V buffers of ``num_pages`` pages, and an aux
 buffer) registered with its own NIXL agent, hands its agent metadata and layout summary to the
