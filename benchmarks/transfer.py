@@ -12,9 +12,12 @@ benchmark's source buffer to a destination buffer:
              (NIXL merges contiguous runs), ``transfer()``, busy ``check_xfer_state`` until DONE,
              ``release_xfer_handle``. Up to ``window`` rooms have their chunks in flight at once
              (posted together, then polled round-robin). No actors, no asyncio.
-* kvfsm    - not here yet: kvfsm end to end plugs in next to these (see "Plug-in point" below)
-             once its two-process NIXL transport exists. Whenever a case has both a kvfsm and a
-             raw_nixl row, the report prints the kvfsm/raw ratios.
+* kvfsm    - kvfsm end to end against the same peer: sender rooms driven through the public
+             facade from this thread (create, decode's pages, ``init``, a ``send`` per chunk,
+             ``poll``), the room actors on the engine's loop thread, ``NixlTransport`` posting
+             from its worker thread and the pump polling. ``cpu_us_per_chunk`` is the *loop
+             thread's* CPU (the thread that shares the GIL with a scheduler), per chunk.
+             Whenever a case has both a kvfsm and a raw_nixl row the report prints the ratios.
 
 Cases (sizes are options; the defaults run everything in well under two minutes on 2 vCPUs):
 
@@ -547,12 +550,119 @@ def run_raw_nixl(case: Case, bench: Bench) -> Result:
     return bench.resource("raw_nixl", lambda: RawNixl(bench)).run(case)
 
 
+# -- runner: kvfsm end to end -------------------------------------------------------------------
+
+
+class Kvfsm:
+    """kvfsm end to end for one page size: an ``Agent`` with the source registered as one KV
+    region of ``case.pages`` pages, a ``NixlTransport`` connected to the shared peer, and a
+    ``RoomEngine``. Rooms are driven through the public sender facade from this thread the way
+    a scheduler would: create, receive decode's pages, ``init``, one ``send`` per chunk, poll.
+    (Decode's page list is posted straight into the room: the control plane is not measured.)"""
+
+    def __init__(self, bench: Bench, page_bytes: int, pages: int) -> None:
+        from kvfsm.rooms import RoomEngine
+        from kvfsm.transport import Agent, Layout, LayoutSummary, NixlTransport, Region
+
+        self.bench = bench
+        peer = bench.peer
+        source = Region("kv0", bench.src.ctypes.data, pages * page_bytes, page_bytes)
+        self.layout = Layout(kv=(source,))
+        self.agent = Agent(f"bench-kvfsm-{os.getpid()}-{page_bytes}", self.layout)
+        self.transport = NixlTransport(self.agent)
+        self.engine = RoomEngine(self.transport).start()
+        remote = LayoutSummary(kv=((peer.base, pages * page_bytes, page_bytes, 0),))
+        self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote))
+        self._rooms = 0
+
+    def close(self) -> None:
+        self.engine.close()
+        self.transport.close()
+        self.agent.close()
+
+    def _loop_cpu(self) -> float:
+        async def read() -> float:
+            return time.thread_time()
+
+        return float(self.engine.call(read()))
+
+    def run(self, case: Case) -> Result:
+        return measure(
+            "kvfsm",
+            case,
+            self.bench,
+            reset=self.bench.peer.clear,
+            go=lambda: self._send(case),
+            checksum=lambda: self.bench.peer.checksum(case),
+        )
+
+    def _send(self, case: Case) -> dict[str, float]:
+        from kvfsm import KVPoll
+        from kvfsm.states import TERMINAL, DestinationReceived
+
+        engine = self.engine
+        stats0 = self.transport.snapshot()
+        cpu0 = self._loop_cpu()
+        rooms, window = case.rooms, case.window
+        live: list[tuple[Any, Room, bool]] = []  # (sender, its chunks, chunks handed over)
+        next_room = 0
+        while next_room < len(rooms) or live:
+            while len(live) < window and next_room < len(rooms):
+                room = rooms[next_room]
+                next_room += 1
+                self._rooms += 1
+                sender = engine.sender(self._rooms)
+                dst = np.concatenate([d for _, d in room]).astype(np.int32).tobytes()
+                engine.post(sender.key, DestinationReceived(dst, 0, peer="decode"))
+                live.append((sender, room, False))
+            moved = False
+            keep = []
+            for sender, room, handed in live:
+                status = sender.poll()
+                sent = handed
+                if not sent and status is KVPoll.WaitingForInput:
+                    sender.init(sum(int(src.size) for src, _ in room), -1)
+                    for src, _ in room:
+                        sender.send(src)
+                    sent = moved = True
+                if status in TERMINAL:
+                    if status is not KVPoll.Success:
+                        raise BenchError(f"kvfsm room failed: {sender.reason}")
+                    sender.clear()
+                    moved = True
+                    continue
+                keep.append((sender, room, sent))
+            live = keep
+            if not moved:
+                time.sleep(0)
+        cpu = self._loop_cpu() - cpu0
+        stats = self.transport.snapshot()
+        chunks = stats["chunks_posted"] - stats0["chunks_posted"]
+        return {
+            "cpu_s": cpu,
+            "done_at_post_pct": 100.0
+            * (stats["done_at_post"] - stats0["done_at_post"])
+            / max(chunks, 1),
+            "pump_rounds": float(stats["pump_rounds"] - stats0["pump_rounds"]),
+        }
+
+
+def run_kvfsm(case: Case, bench: Bench) -> Result:
+    runner = bench.resource(
+        f"kvfsm-{case.page_bytes}-{case.pages}",
+        lambda: Kvfsm(bench, case.page_bytes, case.pages),
+    )
+    runner.bench_ref = bench
+    return runner.run(case)
+
+
 Runner = Callable[[Case, Bench], Result]
 
 # The rows, in report order. Plug-in point: add "kvfsm" here (see the module docstring).
 RUNNERS: dict[str, Runner] = {
     "copy": run_copy,
     "raw_nixl": run_raw_nixl,
+    "kvfsm": run_kvfsm,
 }
 
 # (numerator, denominator): printed whenever a case has both rows.
@@ -667,10 +777,12 @@ def _row(r: Result) -> str:
     cpu = f"{r.cpu_us_per_chunk:,.1f}" if r.cpu_us_per_chunk is not None else "-"
     notes = []
     if "done_at_post_pct" in r.extra:
-        notes.append(
-            f"DONE at post {r.extra['done_at_post_pct']:.0f}%, "
-            f"{r.extra['polls_per_chunk']:.2f} polls/chunk"
-        )
+        note = f"DONE at post {r.extra['done_at_post_pct']:.0f}%"
+        if "polls_per_chunk" in r.extra:
+            note += f", {r.extra['polls_per_chunk']:.2f} polls/chunk"
+        if "pump_rounds" in r.extra:
+            note += f", {r.extra['pump_rounds']:.0f} pump rounds"
+        notes.append(note)
     notes.append("verified" if r.verified else "NOT VERIFIED")
     return (
         f"{r.case:<14} {r.runner:<9} {r.bytes / 2**20:>5.0f} {r.chunks:>6} {r.window:>4} "

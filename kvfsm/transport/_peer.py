@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm.transport._agent import Agent
 from kvfsm.transport._layout import Layout, LayoutSummary, Region
 
 
@@ -61,8 +62,6 @@ def page_digests(kv: list[npt.NDArray[np.uint8]], pages: npt.NDArray[np.int32]) 
 
 
 def _serve(conn: Connection, shape: Shape, name: str) -> None:
-    from kvfsm.transport._agent import Agent
-
     parent = os.getppid()
     kv, aux = make_buffers(shape)
     layout = make_layout(kv, aux)

@@ -11,9 +11,10 @@ Who runs what:
   **pump**: one coroutine that polls every in-flight handle, busy while anything is in flight
   and parked on an event when nothing is. The pump also progresses the agent
   (``get_new_notifs``): with progress threads off, nobody else answers a peer's handshakes.
-* one **worker thread** makes and posts the transfers (``make_prepped_xfer`` + ``transfer`` +
-  one check) and connects peers. ``transfer()`` copies synchronously on shared-memory paths,
-  and ``add_remote_agent`` takes milliseconds: neither may run on the loop.
+* the **poster thread** (:mod:`kvfsm.transport._poster`) makes and posts the transfers
+  (``make_prepped_xfer`` + ``transfer`` + one check), and a **peer thread** connects peers.
+  ``transfer()`` copies synchronously on shared-memory paths, and ``add_remote_agent`` takes
+  milliseconds: neither may run on the loop.
 
 Handles belong to the pump, not to rooms. A room that fails still has its posted handles
 drained; a chunk not yet posted when its room asks to release is dropped. Each chunk has a
@@ -26,9 +27,8 @@ long (law 4). Every handle is released explicitly, on every path.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ from kvfsm.states import (
 from kvfsm.transport._agent import Agent, Peer
 from kvfsm.transport._layout import LayoutError, LayoutSummary
 from kvfsm.transport._nixl import describe, is_remote_disconnect
+from kvfsm.transport._poster import Poster
 
 __all__ = ["NixlTransport", "TransferConfig", "TransportStats"]
 
@@ -170,7 +171,11 @@ class NixlTransport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-nixl")
+        # Peer set-up (milliseconds per add_remote_agent) and chunk posting (copies on shared
+        # memory) are both blocking; each gets its own thread so a connecting peer never delays
+        # another peer's chunks.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-nixl-peers")
+        self._poster: Poster[_Xfer] = Poster(self._post_blocking, self._posted)
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
         self._lost_at: dict[str, float] = {}
@@ -190,6 +195,7 @@ class NixlTransport:
         self._inbox = inbox
         self._loop = loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._poster.start(loop)
         self._pump_task = loop.create_task(self._pump(), name="kvfsm-nixl-pump")
         self._pump_task.add_done_callback(_pump_ended)
 
@@ -291,8 +297,7 @@ class NixlTransport:
             loop.call_soon(self._deliver, key, ChunkDone(command.chunk))
             return
         self._records.add(record)
-        future = loop.run_in_executor(self._worker, self._post_blocking, record)
-        future.add_done_callback(functools.partial(self._posted, record))
+        self._poster.submit(record)
 
     def _record(self, key: RoomKey, command: PostChunk, peer: Peer, now: float) -> _Xfer | None:
         """Validate and build a chunk's index arrays; raise ``LayoutError`` on bad input."""
@@ -360,22 +365,22 @@ class NixlTransport:
                 state = nixl.check_xfer_state(handle)
             record.states.append(state)
 
-    def _posted(self, record: _Xfer, future: Future[None] | asyncio.Future[None]) -> None:
-        """Loop thread: the worker is done with ``record``."""
-        if future.cancelled():
-            self._finish(record, ChunkFailed(record.chunk, "not posted: transport closing"))
-            return
-        exc = future.exception()
-        if exc is not None:
-            self._failed(record, exc)
-        elif not record.handles:
-            self.stats.chunks_dropped += 1
-            self._finish(record, ChunkFailed(record.chunk, "dropped: room failed before posting"))
-        elif all(state == "DONE" for state in record.states):
-            self.stats.done_at_post += 1
-            self._finish(record, ChunkDone(record.chunk))
-        else:
-            self._active.append(record)
+    def _posted(self, batch: list[tuple[_Xfer, BaseException | None]]) -> None:
+        """Loop thread: the poster is done with these records."""
+        for record, exc in batch:
+            if exc is not None:
+                self._failed(record, exc)
+            elif not record.handles:
+                self.stats.chunks_dropped += 1
+                self._finish(
+                    record, ChunkFailed(record.chunk, "dropped: room failed before posting")
+                )
+            elif all(state == "DONE" for state in record.states):
+                self.stats.done_at_post += 1
+                self._finish(record, ChunkDone(record.chunk))
+            else:
+                self._active.append(record)
+        if self._active:
             wake = self._wake
             assert wake is not None
             wake.set()
@@ -500,6 +505,7 @@ class NixlTransport:
         if loop is not None and loop.is_running():
             raise RuntimeError("close the RoomEngine before its NixlTransport")
         self._closed = True
+        self._poster.close()
         self._worker.shutdown(wait=True, cancel_futures=True)
         for record in list(self._records):
             self._release_all(record)

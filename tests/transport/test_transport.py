@@ -22,7 +22,6 @@ from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
 from kvfsm.rooms._actor import Inbox, RoomKey
 from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, ReportOutcome
 from kvfsm.transport._agent import Agent
-from kvfsm.transport._transport import NixlTransport, TransferConfig
 from kvfsm.transport._peer import (
     PeerProcess,
     Shape,
@@ -31,6 +30,7 @@ from kvfsm.transport._peer import (
     page_digests,
     wait_for,
 )
+from kvfsm.transport._transport import NixlTransport, TransferConfig
 
 SHAPE = Shape()
 
