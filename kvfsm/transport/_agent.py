@@ -98,6 +98,12 @@ class Agent:
         self._registrations: list[Any] = []
         self._local: dict[str, Any] = {}
         self._closed = False
+        #: Prepared descriptor lists made and released, and remote agents added and removed:
+        #: after close() each pair must match (tests check it).
+        self.dlists_prepped = 0
+        self.dlists_released = 0
+        self.peers_added = 0
+        self.peers_removed = 0
         self.nixl = self._create()
         try:
             self._register()
@@ -139,7 +145,9 @@ class Agent:
             self._local["state"] = self._prep(_LOCAL, layout.state_descs(), layout.state[0].kind)
 
     def _prep(self, agent: str, descs: npt.NDArray[np.uint64], kind: MemKind) -> Any:
-        return self.nixl.prep_xfer_dlist(agent, descs, kind.value)
+        dlist = self.nixl.prep_xfer_dlist(agent, descs, kind.value)
+        self.dlists_prepped += 1
+        return dlist
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -162,6 +170,7 @@ class Agent:
         name = self.nixl.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
+        self.peers_added += 1
         lists: list[Any] = []
         try:
             kv = self._prep(name, summary.kv_descs(), MemKind(summary.kv_kind))
@@ -202,12 +211,16 @@ class Agent:
             self.nixl.release_dlist_handle(dlist)
         except Exception:
             _log.exception("%s: release_dlist_handle failed", self.name)
+        else:
+            self.dlists_released += 1
 
     def _remove_remote(self, name: str) -> None:
         try:
             self.nixl.remove_remote_agent(name)
         except Exception:
             _log.exception("%s: remove_remote_agent(%s) failed", self.name, name)
+        else:
+            self.peers_removed += 1
 
     # -- teardown ------------------------------------------------------------------------------
 

@@ -178,6 +178,7 @@ class NixlTransport:
         self._poster: Poster[_Xfer] = Poster(self._post_blocking, self._posted)
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
+        self._attempts: dict[str, bytes] = {}  # metadata of each connection in progress
         self._lost_at: dict[str, float] = {}
         self._known: dict[str, tuple[bytes, LayoutSummary]] = {}
         self._records: set[_Xfer] = set()  # accepted, final event not yet delivered
@@ -215,22 +216,37 @@ class NixlTransport:
         """Connect (or reconnect, as a new generation) the peer ``peer_id``. Loop thread; the
         blocking work runs on the worker. Concurrent calls for one peer share one attempt."""
         loop = self._running_loop()
-        pending = self._connecting.get(peer_id)
-        if pending is not None:
-            return await asyncio.shield(pending)
+        while (pending := self._connecting.get(peer_id)) is not None:
+            # Share an attempt with the same metadata. Wait out one with other metadata (a
+            # reload of a dead incarnation racing the restarted peer's registration), then
+            # make our own.
+            same = self._attempts.get(peer_id) == metadata
+            try:
+                shared = await asyncio.shield(pending)
+            except Exception:
+                if same:
+                    raise
+                continue
+            if same:
+                return shared
         future: asyncio.Future[Peer] = loop.create_future()
         self._connecting[peer_id] = future
+        self._attempts[peer_id] = metadata
         try:
             old = self._peers.pop(peer_id, None)
             peer = await loop.run_in_executor(
                 self._worker, self._reconnect_blocking, old, peer_id, metadata, summary
             )
         except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: waiters re-raise it, nobody else must
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()
+            else:
+                future.set_exception(exc)
+                future.exception()  # retrieved: waiters re-raise it, nobody else must
             raise
         finally:
             del self._connecting[peer_id]
+            del self._attempts[peer_id]
         self._peers[peer_id] = peer
         self._known[peer_id] = (metadata, summary)
         self.stats.peers_connected += 1
@@ -300,14 +316,14 @@ class NixlTransport:
         self._poster.submit(record)
 
     def _record(self, key: RoomKey, command: PostChunk, peer: Peer, now: float) -> _Xfer | None:
-        """Validate and build a chunk's index arrays; raise ``LayoutError`` on bad input."""
+        """The chunk as a record, after the O(1) checks; raise ``LayoutError`` on bad input.
+        Page ranges are checked (and pages sorted) on the poster thread: for a chunk of
+        thousands of pages that is a millisecond the loop thread should not spend."""
         local, remote = self.agent.layout, peer.summary
         src = np.frombuffer(command.src, dtype=np.int32)
         dst = np.frombuffer(command.dst, dtype=np.int32)
         if src.size != dst.size:
             raise LayoutError(f"{src.size} source pages but {dst.size} destination pages")
-        local.check_pages(src, "source page")
-        remote.check_pages(dst, "destination page")
         src_aux = dst_aux = None
         aux_bytes = 0
         if command.is_last and command.src_aux >= 0 and command.dst_aux >= 0:
@@ -318,10 +334,6 @@ class NixlTransport:
             aux_bytes = local.aux_row_bytes()
         if src.size == 0 and src_aux is None:
             return None
-        if src.size > 1:
-            # Destination order makes contiguous runs consecutive, and NIXL merges them.
-            order = np.argsort(dst, kind="stable")
-            src, dst = src[order], dst[order]
         nbytes = src.size * local.page_bytes() + aux_bytes
         due = now + self.config.deadline_s(nbytes)
         return _Xfer(
@@ -344,15 +356,18 @@ class NixlTransport:
             return
         nixl, peer, agent = self.agent.nixl, record.peer, self.agent
         parts: list[tuple[Any, Indices, Any, Indices]] = []
-        if record.src.size:
+        src, dst = record.src, record.dst
+        if src.size:
             layout, remote = agent.layout, peer.summary
+            # Bad input fails this chunk (LayoutError) before anything reaches NIXL.
+            layout.check_pages(src, "source page")
+            remote.check_pages(dst, "destination page")
+            if src.size > 1:
+                # Destination order makes contiguous runs consecutive, and NIXL merges them.
+                order = np.argsort(dst, kind="stable")
+                src, dst = src[order], dst[order]
             parts.append(
-                (
-                    agent.local("kv"),
-                    layout.page_index(record.src),
-                    peer.kv,
-                    remote.page_index(record.dst),
-                )
+                (agent.local("kv"), layout.page_index(src), peer.kv, remote.page_index(dst))
             )
         if record.src_aux is not None and record.dst_aux is not None:
             parts.append((agent.local("aux"), record.src_aux, peer.aux, record.dst_aux))
@@ -368,7 +383,10 @@ class NixlTransport:
     def _posted(self, batch: list[tuple[_Xfer, BaseException | None]]) -> None:
         """Loop thread: the poster is done with these records."""
         for record, exc in batch:
-            if exc is not None:
+            if isinstance(exc, LayoutError):
+                self.stats.chunks_rejected += 1
+                self._finish(record, ChunkFailed(record.chunk, str(exc)))
+            elif exc is not None:
                 self._failed(record, exc)
             elif not record.handles:
                 self.stats.chunks_dropped += 1

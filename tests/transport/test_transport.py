@@ -104,6 +104,9 @@ class Prefill:
         self.agent.close()
         assert stats["handles_created"] == stats["handles_released"], stats
         assert stats["in_flight"] == 0, stats
+        agent = self.agent
+        assert agent.dlists_prepped == agent.dlists_released > 0
+        assert agent.peers_added == agent.peers_removed > 0
 
 
 @pytest.fixture
@@ -251,4 +254,40 @@ def test_stalled_peer_hits_the_chunk_deadline_and_no_byte_lands_after_settle(
         assert prefill.transport.stats.chunks_stalled == len(pages)
     finally:
         wait_for(lambda: prefill.engine.stats()["live"] == 0)
+        prefill.close()
+
+
+def test_concurrent_connects_of_one_peer_share_one_attempt(peer: PeerProcess) -> None:
+    prefill = Prefill()
+    try:
+        transport = prefill.transport
+
+        async def both() -> tuple[int, int]:
+            import asyncio
+
+            a, b = await asyncio.gather(
+                transport.connect_peer("decode", peer.metadata, peer.summary),
+                transport.connect_peer("decode", peer.metadata, peer.summary),
+            )
+            return a.generation, b.generation
+
+        first, second = prefill.engine.call(both())
+        assert first == second
+        assert prefill.agent.peers_added == 1
+        assert prefill.connect(peer) == first + 1  # a later connect is a new generation
+    finally:
+        prefill.close()
+
+
+def test_incompatible_layout_is_refused_with_a_reason(peer: PeerProcess) -> None:
+    from kvfsm.transport import LayoutSummary
+
+    prefill = Prefill()
+    try:
+        wrong = LayoutSummary(kv=peer.summary.kv[:2], aux=peer.summary.aux)
+        with pytest.raises(ValueError, match="incompatible"):
+            prefill.engine.call(prefill.transport.connect_peer("odd", peer.metadata, wrong))
+        assert prefill.transport.peer("odd") is None
+        prefill.connect(peer)  # the engine and the transport are fine
+    finally:
         prefill.close()
