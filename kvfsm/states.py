@@ -154,6 +154,8 @@ class DestinationReceived(Event, frozen=True):
     pages: bytes
     aux_index: int
     peer: str = ""
+    #: The receiver's state rows (packed int32), empty when the model has no per-request state.
+    state: bytes = b""
 
 
 class Initialized(Event, frozen=True):
@@ -166,9 +168,11 @@ class Initialized(Event, frozen=True):
 
 
 class ChunkSubmitted(Event, frozen=True):
-    """Sender: the caller's ``send`` of one chunk of source pages (packed int32; may be empty)."""
+    """Sender: the caller's ``send`` of one chunk of source pages (packed int32; may be empty).
+    The last chunk may carry the source state rows (packed int32) to copy with it."""
 
     pages: bytes
+    state: bytes = b""
 
 
 class ChunkDone(Event, frozen=True):
@@ -201,10 +205,12 @@ class PeerResolved(Event, frozen=True):
 
 
 class MetadataSubmitted(Event, frozen=True):
-    """Receiver: the caller's ``send_metadata``: destination pages (packed int32) and aux row."""
+    """Receiver: the caller's ``send_metadata``: destination pages (packed int32), aux row, and
+    state rows (packed int32; hybrid models' per-request state, empty for none)."""
 
     pages: bytes
     aux_index: int
+    state: bytes = b""
 
 
 class TransferConfirmed(Event, frozen=True):
@@ -410,6 +416,9 @@ class PostChunk(Command, frozen=True):
     dst_aux: int = -1
     #: The transport peer to write to (``DestinationReceived.peer``).
     peer: str = ""
+    #: On the last chunk: state rows to copy (packed int32, equal counts), else empty.
+    src_state: bytes = b""
+    dst_state: bytes = b""
 
 
 class ReleaseHandles(Command, frozen=True):
@@ -424,10 +433,12 @@ class ResolvePeer(Command, frozen=True):
 
 
 class SendMetadata(Command, frozen=True):
-    """Receiver: tell the sender where to write (packed int32 pages) and which aux row to fill."""
+    """Receiver: tell the sender where to write (packed int32 pages), which aux row and which
+    state rows (packed int32, maybe empty) to fill."""
 
     pages: bytes
     aux_index: int
+    state: bytes = b""
 
 
 class ReportOutcome(Command, frozen=True):

@@ -95,6 +95,7 @@ class RoomCore:
         "_dst_pages",
         "_dst_aux",
         "_dst_peer",
+        "_dst_state",
         "_num_pages",
         "_src_aux",
         "_submitted_pages",
@@ -122,6 +123,7 @@ class RoomCore:
         self._dst_pages = 0
         self._dst_aux = -1
         self._dst_peer = ""
+        self._dst_state = b""
         self._num_pages = -1  # -1 until the caller's init
         self._src_aux = -1
         self._submitted_pages = 0
@@ -256,6 +258,7 @@ class RoomCore:
     def _check_pages(self, event: DestinationReceived | MetadataSubmitted) -> str | None:
         try:
             page_count(event.pages)
+            page_count(event.state)
         except ValueError as exc:
             return str(exc)
         if event.aux_index < 0:
@@ -285,6 +288,14 @@ class RoomCore:
                 f"chunk of {n} pages overruns init: {self._submitted_pages} of "
                 f"{self._num_pages} pages already sent"
             )
+        if event.state:
+            if self._submitted_pages + n != self._num_pages:
+                return "state rows sent with a chunk that is not the last"
+            if len(event.state) != len(self._dst_state):
+                return (
+                    f"{len(event.state) // _PAGE_BYTES} state rows sent but the receiver "
+                    f"reserved {len(self._dst_state) // _PAGE_BYTES}"
+                )
         return None
 
     def _check_chunk_done(self, event: ChunkDone) -> str | None:
@@ -299,6 +310,7 @@ class RoomCore:
         self._dst_pages = len(event.pages) // _PAGE_BYTES
         self._dst_aux = event.aux_index
         self._dst_peer = event.peer
+        self._dst_state = event.state
         return _NO_COMMANDS
 
     def _on_sender_init(self, event: Initialized) -> tuple[Command, ...]:
@@ -307,7 +319,7 @@ class RoomCore:
         return _NO_COMMANDS
 
     def _on_chunk(self, event: ChunkSubmitted) -> tuple[Command, ...]:
-        return (self._post(event.pages),)
+        return (self._post(event.pages, event.state),)
 
     def _on_sender_completed(self, event: TransferCompleted) -> tuple[Command, ...]:
         return (ReportOutcome(KVPoll.Success),)
@@ -322,9 +334,9 @@ class RoomCore:
 
     def _on_metadata(self, event: MetadataSubmitted) -> tuple[Command, ...]:
         self._exposed = True
-        return (SendMetadata(event.pages, event.aux_index),)
+        return (SendMetadata(event.pages, event.aux_index, event.state),)
 
-    def _post(self, src: bytes) -> PostChunk:
+    def _post(self, src: bytes, src_state: bytes) -> PostChunk:
         start = self._submitted_pages * _PAGE_BYTES
         self._submitted_pages += len(src) // _PAGE_BYTES
         chunk = self._next_chunk
@@ -340,6 +352,8 @@ class RoomCore:
             src_aux=self._src_aux if last else -1,
             dst_aux=self._dst_aux if last else -1,
             peer=self._dst_peer,
+            src_state=src_state if last else b"",
+            dst_state=self._dst_state if last else b"",
         )
 
 

@@ -157,12 +157,14 @@ class SenderRoom(_RoomFacade):
         """Announce how many pages will be sent in total and the aux row to copy at the end."""
         self._post(self.key, Initialized(num_pages=int(num_pages), aux_index=int(aux_index)))
 
-    def send(self, page_indices: PageIndices) -> None:
+    def send(self, page_indices: PageIndices, state_indices: PageIndices | None = None) -> None:
         """Send one chunk of source pages. The chunk that brings the total to ``num_pages`` is
-        the last one and also carries the aux row; it may be empty."""
+        the last one and also carries the aux row and, if given, the state rows; it may be
+        empty."""
         packed = self._pack(page_indices)
-        if packed is not None:
-            self._post(self.key, ChunkSubmitted(packed))
+        state = b"" if state_indices is None else self._pack(state_indices)
+        if packed is not None and state is not None:
+            self._post(self.key, ChunkSubmitted(packed, state))
 
 
 class ReceiverRoom(_RoomFacade):
@@ -175,8 +177,11 @@ class ReceiverRoom(_RoomFacade):
         """Name the prefill rank that serves this room; the engine resolves it."""
         self._post(self.key, Initialized(peer_rank=int(peer_rank)))
 
-    def send_metadata(self, page_indices: PageIndices, aux_index: int) -> None:
-        """Tell the sender which pages to write and which aux row to fill."""
+    def send_metadata(
+        self, page_indices: PageIndices, aux_index: int, state_indices: PageIndices | None = None
+    ) -> None:
+        """Tell the sender which pages to write, which aux row and which state rows to fill."""
         packed = self._pack(page_indices)
-        if packed is not None:
-            self._post(self.key, MetadataSubmitted(packed, int(aux_index)))
+        state = b"" if state_indices is None else self._pack(state_indices)
+        if packed is not None and state is not None:
+            self._post(self.key, MetadataSubmitted(packed, int(aux_index), state))

@@ -59,7 +59,11 @@ class LoopbackSink:
         elif isinstance(command, ResolvePeer):
             registry.deliver(key, PeerResolved(command.peer_rank))
         elif isinstance(command, SendMetadata):
-            self._to_peer(key, Role.SENDER, DestinationReceived(command.pages, command.aux_index))
+            self._to_peer(
+                key,
+                Role.SENDER,
+                DestinationReceived(command.pages, command.aux_index, state=command.state),
+            )
         elif isinstance(command, ReportOutcome):
             self._report(key, command)
         elif isinstance(command, ReportSettled):

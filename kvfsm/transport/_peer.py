@@ -34,6 +34,8 @@ class Shape:
     page_bytes: int = 4096  # per K or V buffer
     aux_rows: int = 64
     aux_row_bytes: int = 256
+    state_rows: int = 0  # per-request state rows (hybrid models); 0: no state buffer
+    state_row_bytes: int = 512
 
 
 def make_buffers(shape: Shape) -> tuple[list[npt.NDArray[np.uint8]], npt.NDArray[np.uint8]]:
@@ -42,12 +44,29 @@ def make_buffers(shape: Shape) -> tuple[list[npt.NDArray[np.uint8]], npt.NDArray
     return kv, aux
 
 
-def make_layout(kv: list[npt.NDArray[np.uint8]], aux: npt.NDArray[np.uint8]) -> Layout:
+def make_state(shape: Shape) -> npt.NDArray[np.uint8] | None:
+    if not shape.state_rows:
+        return None
+    return np.zeros((shape.state_rows, shape.state_row_bytes), np.uint8)
+
+
+def make_layout(
+    kv: list[npt.NDArray[np.uint8]],
+    aux: npt.NDArray[np.uint8],
+    state: npt.NDArray[np.uint8] | None = None,
+) -> Layout:
     regions = tuple(
         Region(f"{'kv'[i % 2]}{i // 2}", buf.ctypes.data, buf.nbytes, buf.shape[1])
         for i, buf in enumerate(kv)
     )
-    return Layout(kv=regions, aux=(Region("aux0", aux.ctypes.data, aux.nbytes, aux.shape[1]),))
+    states: tuple[Region, ...] = ()
+    if state is not None:
+        states = (Region("state0", state.ctypes.data, state.nbytes, state.shape[1]),)
+    return Layout(
+        kv=regions,
+        aux=(Region("aux0", aux.ctypes.data, aux.nbytes, aux.shape[1]),),
+        state=states,
+    )
 
 
 def page_digests(kv: list[npt.NDArray[np.uint8]], pages: npt.NDArray[np.int32]) -> list[int]:
@@ -64,7 +83,8 @@ def page_digests(kv: list[npt.NDArray[np.uint8]], pages: npt.NDArray[np.int32]) 
 def _serve(conn: Connection, shape: Shape, name: str) -> None:
     parent = os.getppid()
     kv, aux = make_buffers(shape)
-    layout = make_layout(kv, aux)
+    state = make_state(shape)
+    layout = make_layout(kv, aux, state)
     agent = Agent(name, layout)
     conn.send((agent.metadata(), msgspec.msgpack.encode(layout.summary())))
     progress = agent.nixl.get_new_notifs
@@ -85,6 +105,8 @@ def _serve(conn: Connection, shape: Shape, name: str) -> None:
                     conn.send(page_digests(kv, np.frombuffer(request[1], np.int32)))
                 elif op == "aux":
                     conn.send(aux[request[1]].tobytes())
+                elif op == "state":
+                    conn.send(b"" if state is None else state[request[1]].tobytes())
                 elif op == "pid":
                     conn.send(os.getpid())
             elif os.getppid() != parent:

@@ -113,12 +113,14 @@ class _Xfer:
         "due",
         "dst",
         "dst_aux",
+        "dst_state",
         "handles",
         "key",
         "nbytes",
         "peer",
         "src",
         "src_aux",
+        "src_state",
         "states",
     )
 
@@ -132,6 +134,8 @@ class _Xfer:
         dst: Indices,
         src_aux: Indices | None,
         dst_aux: Indices | None,
+        src_state: Indices,
+        dst_state: Indices,
         nbytes: int,
         due: float,
     ) -> None:
@@ -142,6 +146,8 @@ class _Xfer:
         self.dst = dst
         self.src_aux = src_aux
         self.dst_aux = dst_aux
+        self.src_state = src_state
+        self.dst_state = dst_state
         self.nbytes = nbytes
         self.due = due
         self.handles: list[Any] = []
@@ -332,9 +338,19 @@ class NixlTransport:
             src_aux = local.aux_index(command.src_aux)
             dst_aux = remote.aux_index(command.dst_aux)
             aux_bytes = local.aux_row_bytes()
-        if src.size == 0 and src_aux is None:
+        src_state = np.frombuffer(command.src_state, dtype=np.int32)
+        dst_state = np.frombuffer(command.dst_state, dtype=np.int32)
+        if src_state.size != dst_state.size:
+            raise LayoutError(
+                f"{src_state.size} source state rows but {dst_state.size} destination"
+            )
+        if src.size == 0 and src_aux is None and src_state.size == 0:
             return None
-        nbytes = src.size * local.page_bytes() + aux_bytes
+        nbytes = (
+            src.size * local.page_bytes()
+            + aux_bytes
+            + (src_state.size * local.state_row_bytes() if src_state.size else 0)
+        )
         due = now + self.config.deadline_s(nbytes)
         return _Xfer(
             key,
@@ -344,6 +360,8 @@ class NixlTransport:
             dst=dst,
             src_aux=src_aux,
             dst_aux=dst_aux,
+            src_state=src_state,
+            dst_state=dst_state,
             nbytes=nbytes,
             due=due,
         )
@@ -371,6 +389,18 @@ class NixlTransport:
             )
         if record.src_aux is not None and record.dst_aux is not None:
             parts.append((agent.local("aux"), record.src_aux, peer.aux, record.dst_aux))
+        if record.src_state.size:
+            layout, remote = agent.layout, peer.summary
+            local_rows = [layout.state_index(int(r)) for r in record.src_state]
+            remote_rows = [remote.state_index(int(r)) for r in record.dst_state]
+            parts.append(
+                (
+                    agent.local("state"),
+                    np.concatenate(local_rows).astype(np.int32),
+                    peer.state,
+                    np.concatenate(remote_rows).astype(np.int32),
+                )
+            )
         for local_list, local_idx, remote_list, remote_idx in parts:
             handle = nixl.make_prepped_xfer("WRITE", local_list, local_idx, remote_list, remote_idx)
             record.handles.append(handle)

@@ -27,6 +27,7 @@ from kvfsm.transport._peer import (
     Shape,
     make_buffers,
     make_layout,
+    make_state,
     page_digests,
     wait_for,
 )
@@ -57,12 +58,14 @@ class RecordingControl:
 class Prefill:
     """This process's side: source pages full of random bytes, an agent, a transport, an engine."""
 
-    def __init__(self, config: TransferConfig | None = None) -> None:
-        self.kv, self.aux = make_buffers(SHAPE)
+    def __init__(self, config: TransferConfig | None = None, shape: Shape = SHAPE) -> None:
+        self.kv, self.aux = make_buffers(shape)
+        self.state = make_state(shape)
         rng = np.random.default_rng(1)
-        for buf in [*self.kv, self.aux]:
+        for buf in [*self.kv, self.aux, *([] if self.state is None else [self.state])]:
             buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
-        self.agent = Agent(f"prefill-{os.getpid()}-{id(self)}", make_layout(self.kv, self.aux))
+        layout = make_layout(self.kv, self.aux, self.state)
+        self.agent = Agent(f"prefill-{os.getpid()}-{id(self)}", layout)
         self.control = RecordingControl()
         self.transport = NixlTransport(self.agent, self.control, config)
         self.engine = RoomEngine(self.transport, RoomConfig()).start()
@@ -291,3 +294,42 @@ def test_incompatible_layout_is_refused_with_a_reason(peer: PeerProcess) -> None
         prefill.connect(peer)  # the engine and the transport are fine
     finally:
         prefill.close()
+
+
+def test_state_rows_travel_with_the_last_chunk() -> None:
+    shape = Shape(state_rows=16)
+    peer = PeerProcess(shape)
+    prefill = Prefill(shape=shape)
+    try:
+        prefill.connect(peer)
+        sender = prefill.engine.sender(1)
+        dst_state = np.asarray([3, 9], np.int32).tobytes()
+        prefill.engine.post(
+            sender.key,
+            DestinationReceived(np.asarray([5, 6], np.int32).tobytes(), 2, "decode", dst_state),
+        )
+        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+        sender.init(2, 1)
+        sender.send([1], state_indices=[7])  # not the last chunk: refused, the room fails
+        wait_for(lambda: sender.poll() is KVPoll.Failed)
+        assert "state rows sent with a chunk that is not the last" in sender.reason
+
+        good = prefill.engine.sender(2)
+        prefill.engine.post(
+            good.key,
+            DestinationReceived(np.asarray([5, 6], np.int32).tobytes(), 2, "decode", dst_state),
+        )
+        wait_for(lambda: good.poll() is KVPoll.WaitingForInput)
+        good.init(2, 1)
+        good.send([1])
+        good.send([2], state_indices=[7, 0])
+        wait_for(lambda: good.poll() in TERMINAL)
+        assert good.poll() is KVPoll.Success, good.reason
+        assert prefill.state is not None
+        assert peer.ask("state", 3) == prefill.state[7].tobytes()
+        assert peer.ask("state", 9) == prefill.state[0].tobytes()
+        assert peer.ask("aux", 2) == prefill.aux[1].tobytes()
+        wait_for(lambda: prefill.engine.stats()["live"] == 0)
+    finally:
+        prefill.close()
+        peer.close()
