@@ -87,8 +87,9 @@ class TransferConfig:
 class TransportStats:
     """Counters; each field is written by one thread at a time."""
 
-    handles_created: int = 0
-    handles_released: int = 0
+    handles_created: int = 0  # poster thread
+    handles_released: int = 0  # loop thread (and close())
+    handles_released_at_post: int = 0  # poster thread: done inside transfer()
     chunks_posted: int = 0
     chunks_done: int = 0
     chunks_failed: int = 0
@@ -409,6 +410,14 @@ class NixlTransport:
             if state == "PROC":
                 state = nixl.check_xfer_state(handle)
             record.states.append(state)
+        if all(state == "DONE" for state in record.states):
+            # The common case on shared memory: the copy finished inside transfer(). Release
+            # here: release_xfer_handle holds the GIL, and freeing a large handle's
+            # descriptors is work the loop thread should not do.
+            while record.handles:
+                nixl.release_xfer_handle(record.handles[-1])  # if it raises, the loop retries
+                record.handles.pop()
+                self.stats.handles_released_at_post += 1
 
     def _posted(self, batch: list[tuple[_Xfer, BaseException | None]]) -> None:
         """Loop thread: the poster is done with these records."""
@@ -418,7 +427,7 @@ class NixlTransport:
                 self._finish(record, ChunkFailed(record.chunk, str(exc)))
             elif exc is not None:
                 self._failed(record, exc)
-            elif not record.handles:
+            elif not record.states:
                 self.stats.chunks_dropped += 1
                 self._finish(
                     record, ChunkFailed(record.chunk, "dropped: room failed before posting")
@@ -540,6 +549,7 @@ class NixlTransport:
 
     def snapshot(self) -> dict[str, int]:
         out = asdict(self.stats)
+        out["handles_released"] += out.pop("handles_released_at_post")
         out["in_flight"] = self.in_flight
         out["peers"] = len(self._peers)
         return out
