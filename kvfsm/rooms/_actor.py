@@ -76,6 +76,10 @@ class CommandSink(Protocol):
 
     ``attach`` is called once on the loop thread before any room exists; ``submit`` is called on
     the loop thread and must not block (queue the work, answer later with events).
+
+    Optional hooks, looked up by name: ``room_spawned(key, role)`` right after a room's task is
+    created (a control channel may hold a message for it), and ``async aclose()`` at engine
+    shutdown, after the rooms, on the loop (stop background tasks).
     """
 
     def attach(self, inbox: Inbox) -> None: ...

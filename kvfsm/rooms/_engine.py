@@ -80,6 +80,12 @@ class RoomEngine:
         self._thread.ready()
         await stop.wait()
         await self._registry.shutdown()
+        closer = getattr(self._sink, "aclose", None)
+        if callable(closer):  # background tasks of the sink (a pump, a listener) stop here
+            try:
+                await closer()
+            except Exception:
+                _log.exception("sink shutdown failed")
 
     # -- callers' side (any thread, non-blocking) ----------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from kvfsm.rooms._actor import CommandSink, Publication, Room, RoomKey
 from kvfsm.rooms._config import RoomConfig
@@ -41,6 +42,8 @@ class Registry:
         self._closing = False
         self._idle = asyncio.Event()
         self._idle.set()
+        hook = getattr(sink, "room_spawned", None)
+        self._on_spawn: Callable[[RoomKey, Role], None] | None = hook if callable(hook) else None
         sink.attach(self)
 
     # -- spawning ------------------------------------------------------------------------------
@@ -77,6 +80,9 @@ class Registry:
         room.task = asyncio.get_running_loop().create_task(
             room.run(), name=f"kvfsm-{role.value}-{key.room}-{key.generation}"
         )
+        if self._on_spawn is not None:
+            # The control plane may hold a message that arrived before this room existed.
+            self._on_spawn(key, role)
         return room
 
     def spawn_or_refuse(self, key: RoomKey, role: Role, publication: Publication) -> None:

@@ -27,6 +27,7 @@ long (law 4). Every handle is released explicitly, on every path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -553,6 +554,14 @@ class NixlTransport:
         out["in_flight"] = self.in_flight
         out["peers"] = len(self._peers)
         return out
+
+    async def aclose(self) -> None:
+        """Engine shutdown hook (loop thread): stop the pump; handles are released in close()."""
+        task = self._pump_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def close(self) -> None:
         """After ``engine.close()``: release what is left, drop peers, stop the worker.
