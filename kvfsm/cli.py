@@ -1,49 +1,85 @@
 """The ``kvfsm`` command line.
 
-``kvfsm run`` is the main job: a prefill-decode pair inside one process moving real KV bytes over
-NIXL (UCX, DRAM to DRAM) through the room engine. One caller thread drives many rooms the way
-SGLang's scheduler does: every iteration it polls every live room and never blocks on one.
-Each room reserves destination pages from a free pool (live rooms never share one), sends random
-source pages in 1..4 chunks through the public facades, and is checked byte for byte on success.
-The exit status is 1 if any room failed, mismatched, wedged or left its pages unsettled.
+``kvfsm run`` is the main job: prefill rooms in this process move real KV bytes over NIXL (UCX,
+DRAM to DRAM) into a decode rank that runs in its own OS process with its own agent and pages.
+One caller thread drives many rooms the way SGLang's scheduler does: every iteration it polls
+every live room and never blocks on one. Each room takes decode pages from a free pool (live rooms
+never share one; pages come back only once the room is terminal and settled), sends random source
+pages in 1..4 chunks, and on success is checked against the decode process's per-page digests.
+With --abort-rate, some rooms are aborted at a random point; they must fail with the abort
+reason, or succeed if the abort lost the race, and never wedge.
+The exit status is 1 if a room failed for any other reason, mismatched, wedged or left its pages
+unsettled, and 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import logging
+import multiprocessing as mp
+import os
+import re
+import signal
 import sys
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from kvfsm import KVPoll
-from kvfsm.rooms import ReceiverRoom, RoomEngine, SenderRoom
-from kvfsm.transport import NixlPairSink
+from kvfsm.rooms import RoomEngine, SenderRoom
+from kvfsm.states import DestinationReceived
+
+# NIXL binds its log handler to sys.stdout when first imported, and logs there at once if
+# NIXL_LOG_LEVEL is set; stdout is the summary's (--json), so bind it to stderr instead.
+with contextlib.redirect_stdout(sys.stderr):
+    from kvfsm.transport import Agent, NixlTransport
+    from kvfsm.transport._peer import PeerProcess, Shape, make_buffers, make_layout, page_digests
 
 __all__ = ["RunOptions", "main", "run_job"]
 
+_log = logging.getLogger("kvfsm.cli")
+
 Pages = npt.NDArray[np.int32]
 
-_POISON = 0xA5  # destination bytes are set to this before each room, so a missed write shows
+#: Bytes per element of the KV dtypes ``--dtype`` accepts.
+DTYPES: Final = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+#: The reason the run gives the rooms it aborts on purpose (``--abort-rate``).
+ABORT_REASON: Final = "requested by --abort-rate"
+_PEER_ID: Final = "decode"
+#: ``NIXL_LOG_LEVEL`` for the decode process, by the level name of our ``nixl`` logger.
+_NIXL_LEVELS: Final = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARN", "ERROR": "ERROR"}
 
 
 @dataclass(frozen=True, slots=True)
 class RunOptions:
     rooms: int = 200
     concurrency: int = 16
-    num_pages: int = 4096
-    #: 64 KiB: e.g. 16 tokens x 8 KV heads x 128 dims x bf16 x K+V of one layer.
-    page_bytes: int = 64 * 1024
+    #: Pages in each side's pool (decode's free pool, prefill's source pages).
+    num_pages: int = 1024
+    #: Each layer has a K and a V buffer; a page spans all of them.
+    layers: int = 8
+    page_tokens: int = 16
+    kv_heads: int = 2
+    head_dim: int = 128
+    dtype: str = "bf16"
+    #: Bytes of one page in one K or V buffer; ``None``: tokens x heads x head_dim x dtype.
+    page_bytes: int | None = None
     aux_rows: int = 256
     aux_row_bytes: int = 4096
-    max_room_pages: int = 64
+    max_room_pages: int = 32
     max_chunks: int = 4
+    #: Probability that a room is aborted at a random point of its life.
+    abort_rate: float = 0.0
     #: A room not terminal this long after it started is counted wedged and aborted.
     room_timeout_s: float = 30.0
     #: Extra time a terminal room gets to settle before its pages are written off as unsettled.
@@ -52,71 +88,137 @@ class RunOptions:
     idle_sleep_s: float = 0.0
     seed: int | None = None
 
+    @property
+    def buffer_page_bytes(self) -> int:
+        """Bytes of one page in one K or V buffer."""
+        if self.page_bytes is not None:
+            return self.page_bytes
+        return self.page_tokens * self.kv_heads * self.head_dim * DTYPES.get(self.dtype, 0)
+
+    @property
+    def total_page_bytes(self) -> int:
+        """Bytes one page moves: its slice of every layer's K and V buffer."""
+        return 2 * self.layers * self.buffer_page_bytes
+
+    def shape(self) -> Shape:
+        return Shape(
+            layers=self.layers,
+            num_pages=self.num_pages,
+            page_bytes=self.buffer_page_bytes,
+            aux_rows=self.aux_rows,
+            aux_row_bytes=self.aux_row_bytes,
+        )
+
     def validate(self) -> None:
+        """Raise ``ValueError`` naming the flag that is out of range."""
         if self.rooms < 0 or self.concurrency < 1:
             raise ValueError("--rooms must be >= 0 and --concurrency >= 1")
+        for flag, value in (
+            ("--layers", self.layers),
+            ("--pages", self.num_pages),
+            ("--page-tokens", self.page_tokens),
+            ("--kv-heads", self.kv_heads),
+            ("--head-dim", self.head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for flag, value in (
+            ("--page-bytes", self.buffer_page_bytes),
+            ("--aux-row-bytes", self.aux_row_bytes),
+        ):
+            if value < 8 or value % 8:
+                raise ValueError(f"{flag} must be a positive multiple of 8, got {value}")
         if not 1 <= self.max_room_pages <= self.num_pages:
             raise ValueError("--max-room-pages must be in [1, --pages]")
         if self.max_chunks < 1:
             raise ValueError("--max-chunks must be >= 1")
         if self.aux_rows < self.concurrency:
             raise ValueError("--aux-rows must be >= --concurrency (one live row per room)")
+        if not 0.0 <= self.abort_rate <= 1.0:
+            raise ValueError(f"--abort-rate must be in [0, 1], got {self.abort_rate}")
+        if not (self.room_timeout_s > 0 and self.settle_grace_s > 0 and self.idle_sleep_s >= 0):
+            raise ValueError("--room-timeout must be > 0 and --idle-sleep >= 0")
 
 
 class _Phase(enum.IntEnum):
-    BOOTSTRAP = 0  # receiver initialised, waiting for WaitingForInput
-    WAIT_SENDER = 1  # metadata sent, waiting for the sender's WaitingForInput
-    SENDING = 2  # one chunk per scheduler iteration
-    FINISHING = 3  # all chunks sent, waiting for both sides to be terminal
-    SETTLING = 4  # outcome recorded and rooms cleared, waiting for both to settle
-    DONE = 5
+    BOOTSTRAP = 0  # destination pages posted, waiting for WaitingForInput to init
+    SENDING = 1  # one chunk per scheduler iteration
+    FINISHING = 2  # all chunks sent, waiting for a terminal status
+    SETTLING = 3  # outcome recorded and room cleared, waiting for it to settle
+    DONE = 4
 
 
 @dataclass(slots=True)
 class _Room:
     rid: int
     sender: SenderRoom
-    receiver: ReceiverRoom
     src: Pages
     dst: Pages
     src_aux: int
     dst_aux: int
     chunks: list[Pages]
     started: float
+    #: Chunks sent before the run aborts this room (-1: before its destination arrives,
+    #: len(chunks): right after the last chunk, the seed race); None: never.
+    abort_at: int | None
     phase: _Phase = _Phase.BOOTSTRAP
     next_chunk: int = 0
+    aborted: bool = False
     ended: float = 0.0
-    outcome: str = ""
-    reason: str = ""
 
 
 @dataclass(slots=True)
 class _Tally:
     succeeded: int = 0
     failed: int = 0
+    #: Failures that are not the run's own aborts: these make the exit status non-zero.
+    failed_unexpectedly: int = 0
+    failed_by_reason: Counter[str] = field(default_factory=Counter)
+    aborts_requested: int = 0
+    #: Rooms the run aborted that had reached Success first (checked like any other).
+    aborts_too_late: int = 0
     mismatched: int = 0
     wedged: int = 0
     unsettled: int = 0
+    #: Rooms never started because unsettled rooms kept too many pages out of the pool.
+    not_started: int = 0
     bytes: int = 0
+    verify_s: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
 
 class _Scheduler:
-    """Drives rooms from the calling thread like SGLang's scheduler: poll all, never block."""
+    """Drives prefill rooms from the calling thread like SGLang's scheduler: poll all, never
+    block on one. The decode side is passive: this thread hands each sender its destination
+    pages (``DestinationReceived``, standing in for the control channel) and asks the decode
+    process what landed."""
 
-    def __init__(self, engine: RoomEngine, sink: NixlPairSink, opts: RunOptions, seed: int) -> None:
+    def __init__(
+        self,
+        engine: RoomEngine,
+        peer: PeerProcess,
+        opts: RunOptions,
+        rng: np.random.Generator,
+        *,
+        src_kv: list[npt.NDArray[np.uint8]],
+        src_aux: npt.NDArray[np.uint8],
+    ) -> None:
         self.engine = engine
-        self.sink = sink
+        self.peer = peer
         self.opts = opts
-        self.rng = np.random.default_rng(seed)
-        self.free_pages = np.ones(sink.num_pages, dtype=bool)
-        self.free_aux = np.ones(sink.aux_rows, dtype=bool)
+        self.rng = rng
+        self.src_aux = src_aux
+        #: Digest of every source page, computed once: verification then only asks decode.
+        self.src_digests = np.asarray(
+            page_digests(src_kv, np.arange(opts.num_pages, dtype=np.int32)), dtype=np.uint32
+        )
+        self.free_pages = np.ones(opts.num_pages, dtype=bool)
+        self.free_aux = np.ones(opts.aux_rows, dtype=bool)
         self.tally = _Tally()
-
-    def fill_sources(self) -> None:
-        _fill_random(self.rng, self.sink.src_kv)
-        _fill_random(self.rng, self.sink.src_aux)
+        self._landed: list[_Room] = []  # Success seen this iteration, verified at its end
 
     def run(self) -> None:
         opts = self.opts
@@ -126,22 +228,27 @@ class _Scheduler:
             progressed = False
             while len(live) < opts.concurrency and next_id < opts.rooms:
                 room = self._start(next_id)
+                if room is None and not live:
+                    # Every free page is free for good: rooms written off as unsettled hold
+                    # the rest. Stop rather than spin; the summary shows what did not run.
+                    self.tally.not_started = opts.rooms - next_id
+                    self._note_text("pool exhausted by unsettled rooms' pages")
+                    return
                 if room is None:
                     break  # not enough free pages until a live room settles
                 live.append(room)
                 next_id += 1
                 progressed = True
             now = time.perf_counter()
-            still: list[_Room] = []
             for room in live:
                 progressed |= self._step(room, now)
-                if room.phase is not _Phase.DONE:
-                    still.append(room)
-            live = still
+            if self._landed:
+                self._verify()
+            live = [room for room in live if room.phase is not _Phase.DONE]
             if not progressed:
                 time.sleep(opts.idle_sleep_s)
 
-    # -- one room --------------------------------------------------------------------------
+    # -- one room ------------------------------------------------------------------------------
 
     def _pick(self, free: npt.NDArray[np.bool_], n: int) -> Pages | None:
         """``n`` free indices from a random offset: mostly contiguous like a fresh allocator,
@@ -158,7 +265,7 @@ class _Scheduler:
         return picked
 
     def _start(self, rid: int) -> _Room | None:
-        opts, sink, rng = self.opts, self.sink, self.rng
+        opts, rng = self.opts, self.rng
         n = int(rng.integers(0, opts.max_room_pages + 1))  # 0: an aux-only room
         dst = self._pick(self.free_pages, n)
         aux = self._pick(self.free_aux, 1)
@@ -167,9 +274,7 @@ class _Scheduler:
         dst_aux = int(aux[0])
         self.free_pages[dst] = False
         self.free_aux[dst_aux] = False
-        sink.dst_kv[dst] = _POISON
-        sink.dst_aux[dst_aux] = _POISON
-        src = ((int(rng.integers(sink.num_pages)) + np.arange(n)) % sink.num_pages).astype(np.int32)
+        src = ((int(rng.integers(opts.num_pages)) + np.arange(n)) % opts.num_pages).astype(np.int32)
         if rng.random() < 0.5:
             rng.shuffle(src)
         # Cuts below n: middle chunks may be empty, the last one is not (the chunk that brings
@@ -177,94 +282,137 @@ class _Scheduler:
         extra = int(rng.integers(opts.max_chunks)) if n > 0 else 0
         cuts = np.sort(rng.integers(0, max(n, 1), size=extra))
         chunks = np.split(src, cuts)
-        sender = self.engine.sender(rid)  # spawned first, so the metadata finds it
-        receiver = self.engine.receiver(rid)
+        abort_at = None
+        if opts.abort_rate > 0 and rng.random() < opts.abort_rate:
+            abort_at = int(rng.integers(-1, len(chunks) + 1))
+        sender = self.engine.sender(rid)
         room = _Room(
             rid=rid,
             sender=sender,
-            receiver=receiver,
             src=src,
             dst=dst,
-            src_aux=int(rng.integers(sink.aux_rows)),
+            src_aux=int(rng.integers(opts.aux_rows)),
             dst_aux=dst_aux,
             chunks=chunks,
             started=time.perf_counter(),
+            abort_at=abort_at,
         )
-        receiver.init(0)
+        # What decode's control frame would deliver: its pages, its aux row, its agent.
+        self.engine.post(sender.key, DestinationReceived(dst.tobytes(), dst_aux, peer=_PEER_ID))
+        if abort_at == -1:
+            self._abort(room)
         return room
 
+    def _abort(self, room: _Room) -> None:
+        room.aborted = True
+        self.tally.aborts_requested += 1
+        room.sender.abort(ABORT_REASON)
+
     def _step(self, room: _Room, now: float) -> bool:
-        s, r = room.sender, room.receiver
+        s = room.sender
         if room.phase is _Phase.SETTLING:
-            if s.settled and r.settled:
+            if s.settled:
                 self.free_pages[room.dst] = True
                 self.free_aux[room.dst_aux] = True
                 room.phase = _Phase.DONE
                 return True
-            if now - room.started > self.opts.room_timeout_s + self.opts.settle_grace_s:
+            if now - room.ended > self.opts.settle_grace_s:
                 self.tally.unsettled += 1  # its pages stay reserved: never reused
-                self._note(room, f"unsettled (sender {s.settled}, receiver {r.settled})")
+                self._note(room, f"unsettled {now - room.ended:.1f}s after it ended")
                 room.phase = _Phase.DONE
                 return True
             return False
-        ps, pr = s.poll(), r.poll()
-        if ps is KVPoll.Failed or pr is KVPoll.Failed:
-            self.tally.failed += 1
-            self._note(room, f"sender {ps.name} {s.reason!r}; receiver {pr.name} {r.reason!r}")
+        if room.phase is _Phase.DONE:
+            return False
+        status = s.poll()
+        if status is KVPoll.Success:
+            room.ended = now
+            room.phase = _Phase.SETTLING  # after verification, which needs the pages unfreed
+            self._landed.append(room)
+            return True
+        if status is KVPoll.Failed:
+            self._failed(room)
             self._end(room, now)
             return True
         if now - room.started > self.opts.room_timeout_s:
             self.tally.wedged += 1
-            self._note(room, f"wedged: sender {ps.name}, receiver {pr.name}, {room.phase.name}")
+            self._note(room, f"wedged: {status.name} after {room.phase.name}")
             s.abort("wedged")
-            r.abort("wedged")
             self._end(room, now)
             return True
         if room.phase is _Phase.BOOTSTRAP:
-            if pr is KVPoll.WaitingForInput:
-                r.send_metadata(room.dst, room.dst_aux)
-                room.phase = _Phase.WAIT_SENDER
-                return True
-        elif room.phase is _Phase.WAIT_SENDER:
-            if ps is KVPoll.WaitingForInput:
-                s.init(room.src.size, room.src_aux)
-                room.phase = _Phase.SENDING
+            if status is KVPoll.WaitingForInput:
+                if room.abort_at == 0:
+                    self._abort(room)
+                else:
+                    s.init(room.src.size, room.src_aux)
+                    room.phase = _Phase.SENDING
                 return True
         elif room.phase is _Phase.SENDING:
+            if room.abort_at == room.next_chunk:  # between two chunks
+                self._abort(room)
+                return True
             s.send(room.chunks[room.next_chunk])
             room.next_chunk += 1
             if room.next_chunk == len(room.chunks):
                 room.phase = _Phase.FINISHING
-            return True
-        elif ps is KVPoll.Success and pr is KVPoll.Success:
-            self._verify(room, now)
-            self._end(room, now)
+                if room.abort_at == room.next_chunk:  # while the last chunk is in flight
+                    self._abort(room)
             return True
         return False
 
-    def _verify(self, room: _Room, now: float) -> None:
-        sink = self.sink
-        pages_ok = _same_rows(sink.dst_kv, room.dst, sink.src_kv, room.src)
-        aux_ok = _same_rows(sink.dst_aux, [room.dst_aux], sink.src_aux, [room.src_aux])
-        if pages_ok and aux_ok:
-            self.tally.succeeded += 1
-            self.tally.bytes += room.src.size * sink.page_bytes + sink.aux_row_bytes
-            self.tally.latencies_ms.append((now - room.started) * 1e3)
-        else:
-            self.tally.mismatched += 1
-            pages = "ok" if pages_ok else "differ"
-            aux = "ok" if aux_ok else "differs"
-            self._note(room, f"mismatch: pages {pages}, aux row {aux}")
+    def _failed(self, room: _Room) -> None:
+        reason = room.sender.reason or "failed without a reason"
+        self.tally.failed += 1
+        self.tally.failed_by_reason[_reason_class(reason)] += 1
+        if not (room.aborted and ABORT_REASON in reason):
+            self.tally.failed_unexpectedly += 1
+            self._note(room, f"failed: {reason}")
+
+    def _verify(self) -> None:
+        """Check every room that succeeded this iteration: one digest request to decode for all
+        their pages, one aux request per room. Then clear them; their pages return to the pool
+        once settled. A room whose abort lost the race is checked too: Success means landed."""
+        rooms, self._landed = self._landed, []
+        t0 = time.perf_counter()
+        dst = np.concatenate([room.dst for room in rooms])
+        got = np.asarray(self.peer.ask("digests", dst.tobytes()), dtype=np.uint32)
+        want = self.src_digests[np.concatenate([room.src for room in rooms])]
+        offset = 0
+        for room in rooms:
+            n = room.src.size
+            pages_ok = bool(np.array_equal(got[offset : offset + n], want[offset : offset + n]))
+            offset += n
+            aux_ok = self.peer.ask("aux", room.dst_aux) == self.src_aux[room.src_aux].tobytes()
+            if pages_ok and aux_ok:
+                self.tally.succeeded += 1
+                self.tally.aborts_too_late += room.aborted
+                self.tally.bytes += n * self.opts.total_page_bytes + self.opts.aux_row_bytes
+                self.tally.latencies_ms.append((room.ended - room.started) * 1e3)
+            else:
+                self.tally.mismatched += 1
+                pages = "ok" if pages_ok else "differ"
+                aux = "ok" if aux_ok else "differs"
+                self._note(room, f"mismatch: pages {pages}, aux row {aux}")
+            room.sender.clear()
+        self.tally.verify_s += time.perf_counter() - t0
 
     def _end(self, room: _Room, now: float) -> None:
         room.sender.clear()
-        room.receiver.clear()
         room.ended = now
         room.phase = _Phase.SETTLING
 
     def _note(self, room: _Room, text: str) -> None:
+        self._note_text(f"room {room.rid}: {text}")
+
+    def _note_text(self, text: str) -> None:
         if len(self.tally.failures) < 10:
-            self.tally.failures.append(f"room {room.rid}: {text}")
+            self.tally.failures.append(text)
+
+
+def _reason_class(reason: str) -> str:
+    """A failure reason with its numbers (chunk ids, sizes, seconds) blanked, for counting."""
+    return re.sub(r"\d+(\.\d+)?", "#", reason)
 
 
 def _fill_random(rng: np.random.Generator, array: npt.NDArray[np.uint8]) -> None:
@@ -276,78 +424,220 @@ def _fill_random(rng: np.random.Generator, array: npt.NDArray[np.uint8]) -> None
         flat[:] = np.frombuffer(rng.bytes(flat.size), dtype=np.uint8)
 
 
-def _same_rows(
-    dst: npt.NDArray[np.uint8],
-    dst_rows: Pages | list[int],
-    src: npt.NDArray[np.uint8],
-    src_rows: Pages | list[int],
-) -> bool:
-    """``dst[dst_rows[i]] == src[src_rows[i]]`` for every i, byte for byte. Row by row (a
-    memcmp each) is ~5x faster than comparing two fancy-indexed copies."""
-    return all(
-        dst[d].tobytes() == src[s].tobytes() for d, s in zip(dst_rows, src_rows, strict=True)
-    )
-
-
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
+
+
+# -- process plumbing --------------------------------------------------------------------------
+
+
+def _start_peer(shape: Shape) -> PeerProcess:
+    """Start the decode process so that it neither hears the terminal's Ctrl-C (this process
+    stops it, after the engine and the transport) nor writes to our stdout (NIXL logs INFO lines
+    there, which would corrupt ``--json``).
+
+    A child inherits what holds when it is forked: it is forked with SIGINT ignored (the one
+    disposition that survives exec; a blocked signal mask does not), with fd 1 on our stderr
+    and, unless ``NIXL_LOG_LEVEL`` is set, with NIXL logging at the level of our ``nixl``
+    logger. ``PeerProcess`` forks and then waits for the child's agent, so it runs on a helper
+    thread: this thread restores SIGINT and stdout as soon as the child exists and waits
+    interruptibly, so a Ctrl-C while decode starts up still stops the run."""
+    level = logging.getLevelName(logging.getLogger("nixl").getEffectiveLevel())
+    nixl_level = _NIXL_LEVELS.get(level, "WARN")
+    env = {} if "NIXL_LOG_LEVEL" in os.environ else {"NIXL_LOG_LEVEL": nixl_level}
+    name = f"{_PEER_ID}-{os.getpid()}"
+    in_main = threading.current_thread() is threading.main_thread()
+    lock = threading.Lock()
+    outcome: list[PeerProcess | BaseException] = []
+    abandoned = False
+
+    def build() -> None:
+        try:
+            peer: PeerProcess | BaseException = PeerProcess(shape, name=name)
+        except BaseException as exc:
+            peer = exc
+        with lock:
+            if not abandoned:
+                outcome.append(peer)
+                return
+        if isinstance(peer, PeerProcess):
+            peer.close()  # the caller gave up meanwhile
+
+    before = {child.pid for child in mp.active_children()}
+    helper = threading.Thread(target=build, name="kvfsm-peer-start", daemon=True)
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        os.dup2(2, 1)
+        with _environ(env):
+            helper.start()
+            while helper.is_alive() and all(c.pid in before for c in mp.active_children()):
+                time.sleep(0.001)
+    finally:
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+        if in_main:  # last: from here on a Ctrl-C interrupts this thread
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    try:
+        helper.join()
+    except BaseException:
+        with lock:
+            abandoned = True
+            ready = list(outcome)
+        for peer in ready:
+            if isinstance(peer, PeerProcess):
+                peer.close()
+        raise
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Teardown is bounded (engine and peer joins have timeouts); a Ctrl-C during it waits
+    until it is over instead of leaving the agent registered or the peer running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hits: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        hits.append(signum)
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if hits:
+        raise KeyboardInterrupt
+
+
+def _shutdown(
+    engine: RoomEngine | None,
+    transport: NixlTransport | None,
+    agent: Agent | None,
+    peer: PeerProcess | None,
+) -> None:
+    """Engine, then transport, then agent, then the decode process. Each step runs even if an
+    earlier one failed, except the agent: with the transport not cleanly closed, handles may
+    still use its registrations, so it is left to process exit."""
+    clean = True
+    for name, close in (
+        ("engine", engine.close if engine is not None else None),
+        ("transport", transport.close if transport is not None else None),
+    ):
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception:
+            clean = False
+            _log.exception("closing the %s failed", name)
+    if agent is not None and clean:
+        try:
+            agent.close()
+        except Exception:
+            _log.exception("closing the agent failed")
+    if peer is not None:
+        try:
+            peer.close()
+        except Exception:
+            _log.exception("stopping the decode process failed")
 
 
 def run_job(opts: RunOptions) -> dict[str, Any]:
     """Run the main job and return its summary as a JSON-able dict.
 
-    Counts: ``succeeded`` (both sides Success and every byte checked), ``failed`` (either side
-    Failed), ``mismatched`` (Success but the bytes differ), ``wedged`` (not terminal within
-    ``room_timeout_s``), ``unsettled`` (terminal but not settled within the grace). Rates:
-    ``gb_per_s`` over the bytes of succeeded rooms and the run's wall time; ``p50_ms``/``p99_ms``
-    from a room's ``receiver.init`` to both sides Success. Plus the sink's and engine's counters.
-    Closes the engine, then the sink, whatever happens (Ctrl-C included)."""
+    Counts: ``succeeded`` (Success and every page digest and the aux row checked), ``failed``
+    (Failed; ``failed_by_reason`` counts them by reason, numbers blanked;
+    ``failed_unexpectedly`` those that are not the run's own aborts), ``mismatched`` (Success but
+    the bytes differ), ``wedged`` (not terminal within ``room_timeout_s``), ``unsettled``
+    (terminal but not settled within the grace). Rates: ``gbps`` (alias ``gb_per_s``) over the
+    bytes of succeeded rooms and the run's wall time; ``p50_ms``/``p99_ms`` from a room's
+    creation to its Success. Plus the transport's (``nixl``) and engine's counters.
+    Closes the engine, the transport, the agent and the decode process in that order, whatever
+    happens (Ctrl-C included)."""
     opts.validate()
     seed = (
         opts.seed if opts.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
     )
-    t_setup = time.perf_counter()
-    sink = NixlPairSink(
-        num_pages=opts.num_pages,
-        page_bytes=opts.page_bytes,
-        aux_rows=opts.aux_rows,
-        aux_row_bytes=opts.aux_row_bytes,
-    )
+    rng = np.random.default_rng(seed)
+    peer: PeerProcess | None = None
+    agent: Agent | None = None
+    transport: NixlTransport | None = None
     engine: RoomEngine | None = None
+    t_setup = time.perf_counter()
     try:
-        engine = RoomEngine(sink).start()
-        scheduler = _Scheduler(engine, sink, opts, seed)
-        scheduler.fill_sources()
+        shape = opts.shape()
+        peer = _start_peer(shape)
+        src_kv, src_aux = make_buffers(shape)
+        for buf in [*src_kv, src_aux]:
+            _fill_random(rng, buf)
+        agent = Agent(f"prefill-{os.getpid()}", make_layout(src_kv, src_aux))
+        transport = NixlTransport(agent)  # no control channel yet: outcomes go nowhere
+        engine = RoomEngine(transport).start()
+        engine.call(transport.connect_peer(_PEER_ID, peer.metadata, peer.summary))
+        scheduler = _Scheduler(engine, peer, opts, rng, src_kv=src_kv, src_aux=src_aux)
         setup_s = time.perf_counter() - t_setup
         t0 = time.perf_counter()
         scheduler.run()
         seconds = time.perf_counter() - t0
         engine_stats = engine.stats()
+        nixl = transport.snapshot()
+        peer_pid = peer.pid
     finally:
-        try:
-            if engine is not None:
-                engine.close()
-        finally:
-            sink.close()
+        with _sigint_deferred():
+            _shutdown(engine, transport, agent, peer)
     tally = scheduler.tally
-    nixl = sink.stats()
+    gbps = round(tally.bytes / seconds / 1e9, 4) if seconds > 0 else 0.0
     return {
         "rooms": opts.rooms,
         "succeeded": tally.succeeded,
         "failed": tally.failed,
+        "failed_by_reason": dict(tally.failed_by_reason.most_common()),
+        "failed_unexpectedly": tally.failed_unexpectedly,
+        "aborts_requested": tally.aborts_requested,
+        "aborts_too_late": tally.aborts_too_late,
         "mismatched": tally.mismatched,
         "wedged": tally.wedged,
         "unsettled": tally.unsettled,
+        "not_started": tally.not_started,
         "seconds": round(seconds, 4),
         "setup_seconds": round(setup_s, 4),
+        "verify_seconds": round(tally.verify_s, 4),
         "bytes": tally.bytes,
-        "gb_per_s": round(tally.bytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
+        "gbps": gbps,
+        "gb_per_s": gbps,
         "rooms_per_s": round(opts.rooms / seconds, 1) if seconds > 0 else 0.0,
         "p50_ms": round(_percentile(tally.latencies_ms, 50), 3),
         "p99_ms": round(_percentile(tally.latencies_ms, 99), 3),
         "concurrency": opts.concurrency,
-        "page_bytes": opts.page_bytes,
+        "abort_rate": opts.abort_rate,
+        "layers": opts.layers,
         "num_pages": opts.num_pages,
+        "buffer_page_bytes": opts.buffer_page_bytes,
+        "page_bytes": opts.total_page_bytes,
+        "aux_row_bytes": opts.aux_row_bytes,
+        "layout": _describe_layout(opts),
+        "peer_pid": peer_pid,
         "seed": seed,
         "handles_created": nixl["handles_created"],
         "handles_released": nixl["handles_released"],
@@ -360,29 +650,57 @@ def run_job(opts: RunOptions) -> dict[str, Any]:
 
 def _ok(summary: dict[str, Any]) -> bool:
     return bool(
-        summary["succeeded"] == summary["rooms"]
-        and summary["failed"] == summary["mismatched"] == 0
+        summary["succeeded"] + summary["failed"] == summary["rooms"]
+        and summary["failed_unexpectedly"] == summary["mismatched"] == 0
         and summary["wedged"] == summary["unsettled"] == 0
         and summary["handles_created"] == summary["handles_released"]
         and summary["in_flight"] == 0
     )
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % (scale // 16) == 0:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _describe_layout(opts: RunOptions) -> str:
+    per_buffer = (
+        f"{_size(opts.buffer_page_bytes)}"
+        if opts.page_bytes is not None
+        else f"{opts.page_tokens} tokens x {opts.kv_heads} KV heads x {opts.head_dim} dims "
+        f"{opts.dtype} = {_size(opts.buffer_page_bytes)}"
+    )
+    pool = opts.num_pages * opts.total_page_bytes
+    return (
+        f"{opts.layers} layers x K,V; a page is {per_buffer} per buffer, "
+        f"{_size(opts.total_page_bytes)} in all; {opts.num_pages} pages "
+        f"({_size(pool)} of KV per side); aux {opts.aux_rows} x {_size(opts.aux_row_bytes)}"
+    )
+
+
 def _print_text(summary: dict[str, Any]) -> None:
     s = summary
+    aborts = f", abort rate {s['abort_rate']:g}" if s["abort_rate"] else ""
     print(
-        f"kvfsm run: {s['rooms']} rooms, {s['concurrency']} in flight, real NIXL WRITEs "
-        f"(UCX, DRAM->DRAM, prefill and decode agents in one process), "
-        f"{s['page_bytes'] // 1024} KiB pages, seed {s['seed']}"
+        f"kvfsm run: {s['rooms']} rooms, {s['concurrency']} in flight{aborts}, real NIXL WRITEs "
+        f"(UCX, DRAM->DRAM) from this process into a decode process (pid {s['peer_pid']}), "
+        f"seed {s['seed']}"
     )
+    print(f"  layout: {s['layout']}")
     print(
         f"  succeeded {s['succeeded']}  failed {s['failed']}  mismatched {s['mismatched']}  "
         f"wedged {s['wedged']}  unsettled {s['unsettled']}"
+        + (f"  not started {s['not_started']}" if s["not_started"] else "")
     )
+    for reason, count in s["failed_by_reason"].items():
+        print(f"    failed {count}: {reason}")
     print(
-        f"  moved {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.2f} s: {s['gb_per_s']:.2f} GB/s, "
+        f"  moved {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.2f} s: {s['gbps']:.2f} GB/s, "
         f"{s['rooms_per_s']:.0f} rooms/s; per room p50 {s['p50_ms']:.2f} ms, "
-        f"p99 {s['p99_ms']:.2f} ms (setup {s['setup_seconds']:.2f} s)"
+        f"p99 {s['p99_ms']:.2f} ms (setup {s['setup_seconds']:.2f} s, "
+        f"verify {s['verify_seconds']:.2f} s)"
     )
     print(
         f"  nixl: {s['handles_created']} handles created, {s['handles_released']} released, "
@@ -403,16 +721,33 @@ def _parser() -> argparse.ArgumentParser:
     d = RunOptions()
     run = sub.add_parser(
         "run",
-        help="the main job: many rooms moving real KV over NIXL (DRAM), every byte checked",
+        help="the main job: many rooms moving real KV over NIXL (DRAM) into a decode process, "
+        "every byte checked",
         description=__doc__.split("\n\n")[1],
     )
     run.add_argument("--rooms", type=int, default=d.rooms, help="rooms to run (%(default)s)")
     run.add_argument(
         "--concurrency", type=int, default=d.concurrency, help="rooms in flight (%(default)s)"
     )
-    run.add_argument("--pages", type=int, default=d.num_pages, help="KV pages (%(default)s)")
     run.add_argument(
-        "--page-bytes", type=int, default=d.page_bytes, help="bytes per page (%(default)s)"
+        "--pages", type=int, default=d.num_pages, help="KV pages per side (%(default)s)"
+    )
+    run.add_argument(
+        "--layers", type=int, default=d.layers, help="layers, each a K and a V buffer (%(default)s)"
+    )
+    run.add_argument(
+        "--page-tokens", type=int, default=d.page_tokens, help="tokens per page (%(default)s)"
+    )
+    run.add_argument("--kv-heads", type=int, default=d.kv_heads, help="KV heads (%(default)s)")
+    run.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim (%(default)s)")
+    run.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=d.dtype, help="KV dtype (%(default)s)"
+    )
+    run.add_argument(
+        "--page-bytes",
+        type=int,
+        default=None,
+        help="bytes of one page in one K or V buffer (default: tokens x heads x dim x dtype)",
     )
     run.add_argument("--aux-rows", type=int, default=d.aux_rows, help="aux rows (%(default)s)")
     run.add_argument("--aux-row-bytes", type=int, default=d.aux_row_bytes, help="bytes per aux row")
@@ -421,6 +756,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--max-chunks", type=int, default=d.max_chunks, help="chunks per room, at most"
+    )
+    run.add_argument(
+        "--abort-rate",
+        type=float,
+        default=d.abort_rate,
+        help="probability that a room is aborted at a random point (%(default)s)",
     )
     run.add_argument(
         "--room-timeout",
@@ -436,6 +777,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    # Also after ``run``; SUPPRESS keeps a count given before ``run`` from being reset.
+    run.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging"
+    )
     return parser
 
 
@@ -461,23 +806,38 @@ def main(argv: list[str] | None = None) -> int:
         rooms=args.rooms,
         concurrency=args.concurrency,
         num_pages=args.pages,
+        layers=args.layers,
+        page_tokens=args.page_tokens,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
         page_bytes=args.page_bytes,
         aux_rows=args.aux_rows,
         aux_row_bytes=args.aux_row_bytes,
         max_room_pages=args.max_room_pages,
         max_chunks=args.max_chunks,
+        abort_rate=args.abort_rate,
         room_timeout_s=args.room_timeout,
         idle_sleep_s=args.idle_sleep,
         seed=args.seed,
     )
     try:
-        summary = run_job(opts)
+        opts.validate()
     except ValueError as exc:
         print(f"kvfsm run: {exc}", file=sys.stderr)
         return 2
+    try:
+        summary = run_job(opts)
     except KeyboardInterrupt:
         print("kvfsm run: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        _log.debug("run failed", exc_info=True)
+        print(
+            f"kvfsm run: error: {type(exc).__name__}: {exc} (-vv for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
     if args.json:
         print(json.dumps(summary))
     else:

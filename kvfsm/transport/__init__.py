@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from kvfsm.transport._agent import Agent, AgentConfig, Peer
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
-from kvfsm.transport._nixl_pair import NixlPairSink
 from kvfsm.transport._transport import NixlTransport, TransferConfig, TransportStats
 
 __all__ = [
@@ -15,7 +14,6 @@ __all__ = [
     "LayoutError",
     "LayoutSummary",
     "MemKind",
-    "NixlPairSink",
     "NixlTransport",
     "Peer",
     "Region",

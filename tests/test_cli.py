@@ -1,0 +1,130 @@
+"""``kvfsm run``, the main job, as a user runs it: a subprocess moving real KV over NIXL (UCX,
+DRAM) from this machine's prefill process into a decode process, every byte checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "kvfsm.cli"]
+
+
+def kvfsm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_json(*args: str) -> tuple[int, dict[str, Any], str]:
+    proc = kvfsm("run", "--json", *args)
+    # stdout is the summary alone: NIXL's log lines (both processes) go to stderr.
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    return proc.returncode, json.loads(lines[0]), proc.stderr
+
+
+def test_every_room_lands_every_byte() -> None:
+    status, s, stderr = run_json("--rooms", "40")
+    assert status == 0, (s, stderr)
+    assert s["rooms"] == s["succeeded"] == 40, s
+    assert s["failed"] == s["mismatched"] == s["wedged"] == s["unsettled"] == 0, s
+    assert s["failed_by_reason"] == {}
+    assert s["handles_created"] == s["handles_released"] > 0
+    assert s["in_flight"] == 0
+    assert s["bytes"] > 0
+    assert s["gbps"] > 0
+    assert 0 < s["p50_ms"] <= s["p99_ms"]
+    assert s["engine"]["spawned"] == s["engine"]["reaped"] == 40
+    assert s["engine"]["live"] == 0
+    assert s["peer_pid"] != os.getpid()
+
+
+def test_aborted_rooms_fail_with_the_abort_or_succeed_and_never_wedge() -> None:
+    status, s, stderr = run_json("--rooms", "60", "--abort-rate", "0.3", "--seed", "7")
+    assert s["wedged"] == s["mismatched"] == s["unsettled"] == 0, s
+    assert s["succeeded"] + s["failed"] == 60, s
+    assert s["failed"] > 0, s  # seed 7 aborts some rooms before their last chunk
+    assert sum(s["failed_by_reason"].values()) == s["failed"]
+    for reason in s["failed_by_reason"]:
+        assert reason.startswith("aborted (local)"), s["failed_by_reason"]
+    assert s["failed_unexpectedly"] == 0
+    assert s["failed"] + s["aborts_too_late"] == s["aborts_requested"], s
+    assert s["handles_created"] == s["handles_released"]
+    assert s["in_flight"] == 0
+    # The run's own aborts are not errors.
+    assert status == 0, (s, stderr)
+
+
+def test_bad_flags_exit_non_zero_with_a_message() -> None:
+    proc = kvfsm("run", "--rooms", "many")
+    assert proc.returncode == 2
+    assert "--rooms: invalid int value: 'many'" in proc.stderr
+    proc = kvfsm("run", "--abort-rate", "1.5")
+    assert proc.returncode == 2
+    assert "--abort-rate must be in [0, 1]" in proc.stderr
+    proc = kvfsm("run", "--no-such-flag")
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in proc.stderr
+    assert proc.stdout == ""
+
+
+def group_members(pgid: int) -> dict[int, str]:
+    """Live (not zombie) processes of a process group, from /proc: pid -> command line."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members[int(entry.name)] = cmdline
+    return members
+
+
+def test_ctrl_c_stops_the_run_cleanly_with_130() -> None:
+    # A terminal's Ctrl-C goes to the whole foreground process group, decode process included.
+    proc = subprocess.Popen(
+        [*CLI, "run", "--rooms", "1000000"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not any("spawn_main" in cmd for cmd in group_members(proc.pid).values()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "decode process did not start"
+            time.sleep(0.05)
+        time.sleep(1.0)  # rooms are moving now
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    assert "kvfsm run: interrupted" in stderr
+    assert "Traceback" not in stderr, stderr
+    assert stdout == ""
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid):
+        assert time.monotonic() < deadline, f"left running: {group_members(proc.pid)}"
+        time.sleep(0.05)
