@@ -232,13 +232,14 @@ class RoomCore:
         commands: list[Command] = []
         if self._in_flight:
             commands.append(ReleaseHandles())
-        if self._peer_known():
-            # Tell the peer, unless it is the one that told us or it is gone. A receiver's
-            # Failed is an abort that the sender acknowledges with ReportSettled.
-            if not _from_peer(event):
-                commands.append(ReportOutcome(KVPoll.Failed, self.reason))
-            if self.role is Role.SENDER and not self._in_flight:
-                commands.append(ReportSettled())
+        # Tell the peer, unless it is the one that told us or it is gone. A receiver's Failed is
+        # an abort that the sender acknowledges with ReportSettled. A sender that fails before
+        # it knows its receiver reports too: the control channel keeps the outcome for the
+        # receiver's page list that may still be on its way.
+        if not _from_peer(event) and (self._peer_known() or self.role is Role.SENDER):
+            commands.append(ReportOutcome(KVPoll.Failed, self.reason))
+        if self._peer_known() and self.role is Role.SENDER and not self._in_flight:
+            commands.append(ReportSettled())
         return tuple(commands)
 
     def _peer_known(self) -> bool:
