@@ -1,0 +1,533 @@
+"""The control channel's wire format: typed frames, their envelope, a codec and a stream reader.
+
+Rule 1: a frame on the wire is ``length:u32 big-endian | body``, ``1 <= length <= max_frame_bytes``
+        (``MAX_FRAME_BYTES``, 16 MiB, by default). A length above the limit is fatal: it is refused
+        as soon as its four bytes are read, before a byte of its body is buffered.
+Rule 2: ``body = auth:u8 | mac | payload``. ``auth`` 0: no MAC, ``mac`` is empty. ``auth`` 1:
+        ``mac`` is the 32-byte HMAC-SHA256 of ``payload`` under the shared secret
+        (``kvfsm.bootstrap._auth.sign(secret, payload)``). No other ``auth`` value exists.
+Rule 3: ``payload`` is one msgpack map: the frame's fields by name plus ``"t"``, the frame's class
+        name. Decoding it against the tagged union of the frame classes *is* the validation:
+        types, ranges and lengths are declared on the fields, and nothing downstream re-checks.
+Rule 4: the first frame each way on a new connection is ``Hello``; its ``version`` must equal
+        ``PROTOCOL_VERSION`` (``check_hello``). There is no negotiation.
+Rule 5: this module is sans-IO. It turns frames into bytes and bytes into frames or
+        ``FrameError`` values; sockets, time and the choice of reply belong to the caller.
+
+Frames
+------
+
+    frame          direction         meaning
+    Hello          both, first       version, role, rank, NIXL agent name and metadata, layout,
+                                     incarnation
+    Heartbeat      both              a sign of life on an idle connection (any frame is one)
+    RoomMetadata   decode -> prefill where to write: destination pages, aux row, state rows
+    RoomOutcome    prefill -> decode the sender room's end: 4 (Success) or 0 (Failed) + reason
+    RoomAbort      both              this side failed or aborted the room
+    RoomSettled    prefill -> decode every transfer handle touching the room settled (abort ack)
+    Error          both              the frame you sent was rejected; names its room if it had one
+
+Every room frame carries ``(room, generation)``, the room's identity (law 5). Page lists and state
+rows are packed little-endian int32 (``np.asarray(ids, "<i4").tobytes()``): one million pages are
+4 MiB and cost one copy to decode, where a msgpack list of ints costs one Python int per page. The
+codec checks that their length is a multiple of 4; whether each index is inside the peer's pool is
+for the transport, which knows the pool.
+
+Validation
+----------
+
+Frames are frozen ``msgspec.Struct`` classes, tagged by class name in the field ``"t"``, with
+``forbid_unknown_fields``: a field this version does not know is an error, not a silent drop.
+Constraints live in the annotations (``Room``, ``Reason``, ...), so msgspec's own error message
+names the field: ``Expected `int` >= 0 - at `$.room```. The few rules msgspec cannot express
+(packed int32 lengths, the two outcome statuses) are ``__post_init__`` checks, which run both when
+a frame is built in Python and when one is decoded. Range constraints run only on decode: a frame
+built locally with a bad value is caught by the peer, which fails the room it names.
+
+The payload is a map, not ``array_like``: positional arrays are cheaper (0.72 against 1.13 us per
+round trip in ``design-anchors.md`` section 2.2), but then errors would say ``$[1]`` instead of
+``$.room``, and a rejected frame could not be read for its room (below).
+
+Errors and law 7
+----------------
+
+``FrameCodec.decode`` returns a frame or raises ``FrameError(reason, room, fatal)``:
+
+* *fatal* (the connection must be dropped, which the channel treats as peer loss): an oversized
+  or empty body, an unknown ``auth`` byte, a missing, unexpected or wrong MAC, and any rejected
+  ``Hello`` (a wrong version included). These mean the peer does not speak this protocol with this
+  secret, so nothing it sends can be trusted, its room numbers included.
+* *not fatal* (skip the frame, reply ``Error``, keep the connection): malformed msgpack, an
+  unknown frame type, a missing or unknown field, a wrong type or an out-of-range value.
+
+A non-fatal rejection reads the payload a second time, with a permissive decoder (``_Probe``:
+``t``, ``room``, ``generation`` and ``version`` typed ``Any``, every other field skipped). If it
+is a map whose ``room`` (and ``generation``) are integers in range, the error names them, so the
+caller fails exactly that room and no other (law 7); an invalid ``room`` names nothing. The probe
+costs nothing on the happy path, and a payload whose MAC failed is never read at all. Reasons are
+clipped (a hostile peer chooses the field names and values msgspec quotes), so every reason fits
+an ``Error`` frame. A caller never answers a rejected ``Error`` frame (``FrameError.tag ==
+"Error"``) with another ``Error``: two peers would echo each other forever.
+
+Authentication
+--------------
+
+With a secret (at least ``_auth.MIN_SECRET_BYTES``), every frame is signed and every frame read
+must carry a valid MAC; without one, frames go unsigned and a signed frame is *refused*: one side
+configured with a secret and the other without is a misconfiguration, reported on the first
+``Hello`` rather than papered over. A 1-byte ``auth`` tag and a fixed-offset MAC replace a msgpack
+envelope: no second msgpack pass and no copy of the payload just to unwrap it. The MAC proves that
+a holder of the secret wrote the payload and that it was not altered. It does not prove freshness:
+a recorded frame replayed on another connection verifies. Room frames are bound to
+``(room, generation)``, so a replayed one reaches a dead room and is dropped (law 5); a
+per-connection nonce in ``Hello`` would close the rest and is not part of version 1. No encryption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Annotated, Any, Final, Literal, TypeAlias
+
+import msgspec
+
+from kvfsm.bootstrap import _auth
+
+__all__ = [
+    "FRAME_TYPES",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "AnyFrame",
+    "Error",
+    "Frame",
+    "FrameCodec",
+    "FrameError",
+    "FrameReader",
+    "Heartbeat",
+    "Hello",
+    "RoomAbort",
+    "RoomMetadata",
+    "RoomOutcome",
+    "RoomSettled",
+    "check_hello",
+]
+
+#: The version this module speaks. Peers with another version are refused at ``Hello``.
+PROTOCOL_VERSION: Final = 1
+#: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
+#: list of a four-million-page room.
+MAX_FRAME_BYTES: Final = 16 * 2**20
+
+_PREFIX: Final = struct.Struct(">I")
+_PREFIX_BYTES: Final = _PREFIX.size
+_MAX_LIMIT: Final = 2**32 - 1  # what a u32 length can say
+_AUTH_NONE: Final = 0
+_AUTH_HMAC_SHA256: Final = 1
+_MAC_BYTES: Final = 32
+_UNSIGNED: Final = bytes([_AUTH_NONE])
+_SIGNED: Final = bytes([_AUTH_HMAC_SHA256])
+_COPY_MAX: Final = 4096  # below this, slicing a payload out of its body copies it
+_INT63_MAX: Final = 2**63 - 1
+_REASON_MAX: Final = 1024
+
+# Field types. The constraints are checked by the decoder, and its messages name the field.
+Room: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_INT63_MAX)]
+Generation: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_INT63_MAX)]
+Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_INT63_MAX)]
+Index: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Reason: TypeAlias = Annotated[str, msgspec.Meta(max_length=_REASON_MAX)]
+AgentName: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+PeerRole: TypeAlias = Literal["prefill", "decode"]
+
+_SUCCESS: Final = 4  # KVPoll.Success
+_FAILED: Final = 0  # KVPoll.Failed
+
+
+def _check_packed(name: str, value: bytes) -> None:
+    if len(value) % 4:
+        raise ValueError(f"`{name}` is {len(value)} bytes, not a multiple of 4 (packed int32)")
+
+
+class Frame(
+    msgspec.Struct, frozen=True, tag=True, tag_field="t", gc=False, forbid_unknown_fields=True
+):
+    """Base of every frame. Never sent itself."""
+
+
+class Hello(Frame, frozen=True):
+    """First frame each way on a new connection: who is talking, and what it can be sent."""
+
+    version: int
+    role: PeerRole
+    rank: Index
+    #: The sender's NIXL agent name.
+    agent: AgentName
+    #: Its NIXL agent metadata (``get_agent_metadata()``); empty from prefill.
+    agent_metadata: bytes
+    #: Its memory layout, an opaque msgpack blob (``LayoutSummary``); empty from prefill.
+    layout: bytes
+    #: Changes every time the rank's process starts: a new incarnation is a new peer.
+    incarnation: Count
+
+
+class Heartbeat(Frame, frozen=True):
+    """A sign of life on an otherwise idle connection."""
+
+    seq: Count
+
+
+class RoomMetadata(Frame, frozen=True):
+    """Decode → prefill: where to write this room's KV (packed int32 page ids), which aux row,
+    and which state rows (packed int32, empty when the model keeps no per-request state)."""
+
+    room: Room
+    generation: Generation
+    pages: bytes
+    aux_index: Index
+    state: bytes = b""
+
+    def __post_init__(self) -> None:
+        _check_packed("pages", self.pages)
+        _check_packed("state", self.state)
+
+
+class RoomOutcome(Frame, frozen=True):
+    """Prefill → decode: the sender room ended. ``status`` is 4 (Success: every chunk and the
+    aux row landed) or 0 (Failed, ``reason`` says why)."""
+
+    room: Room
+    generation: Generation
+    status: int
+    reason: Reason = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in (_SUCCESS, _FAILED):
+            raise ValueError(f"`status` must be 4 (Success) or 0 (Failed), not {self.status!r}")
+
+
+class RoomAbort(Frame, frozen=True):
+    """Either direction: this side failed or aborted the room. Prefill answers a decode abort
+    with ``RoomSettled`` once no transfer can still write into the room's pages."""
+
+    room: Room
+    generation: Generation
+    reason: Reason
+
+
+class RoomSettled(Frame, frozen=True):
+    """Prefill → decode: every transfer handle touching this room has settled, so its pages may
+    be reused (the abort acknowledgement, law 4)."""
+
+    room: Room
+    generation: Generation
+
+
+class Error(Frame, frozen=True):
+    """Reply to a rejected frame: ``reason`` is the rejection, ``room`` (and ``generation``) name
+    the room the rejected frame named, when it could be read that far."""
+
+    room: Room | None
+    reason: Reason
+    generation: Generation | None = None
+
+
+AnyFrame: TypeAlias = (
+    Hello | Heartbeat | RoomMetadata | RoomOutcome | RoomAbort | RoomSettled | Error
+)
+#: Every frame class, in the order of the table in the module docstring.
+FRAME_TYPES: Final[tuple[type[Frame], ...]] = (
+    Hello,
+    Heartbeat,
+    RoomMetadata,
+    RoomOutcome,
+    RoomAbort,
+    RoomSettled,
+    Error,
+)
+_TAGS: Final = frozenset(cls.__name__ for cls in FRAME_TYPES)
+
+
+class FrameError(Exception):
+    """A frame that could not be accepted. ``str(error) == error.reason``.
+
+    ``room``/``generation``: the room the bad frame named, when its payload could be read that
+    far (fail that room and no other); ``None`` otherwise. ``fatal``: the connection can no longer
+    be trusted and must be dropped. ``tag``: the frame type the payload claimed, if any.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        room: int | None = None,
+        fatal: bool = False,
+        *,
+        generation: int | None = None,
+        tag: str | None = None,
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.room = room
+        self.fatal = fatal
+        self.generation = generation
+        self.tag = tag
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.reason, self.room, self.fatal),
+            {"generation": self.generation, "tag": self.tag},
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"FrameError({self.reason!r}, room={self.room!r}, fatal={self.fatal!r}, "
+            f"generation={self.generation!r}, tag={self.tag!r})"
+        )
+
+
+class _Probe(msgspec.Struct):
+    """What a rejected payload is read for: lenient types, unknown fields ignored."""
+
+    t: Any = None
+    room: Any = None
+    generation: Any = None
+    version: Any = None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _int63(value: Any) -> int | None:
+    if type(value) is int and 0 <= value <= _INT63_MAX:
+        return value
+    return None
+
+
+def check_hello(hello: Hello) -> None:
+    """Raise a fatal ``FrameError`` unless the peer's ``Hello`` speaks ``PROTOCOL_VERSION``."""
+    if hello.version != PROTOCOL_VERSION:
+        raise FrameError(_version_mismatch(hello.version), None, True, tag="Hello")
+
+
+def _version_mismatch(theirs: object) -> str:
+    return (
+        f"protocol version mismatch: the peer speaks version {theirs!r}, "
+        f"this side speaks version {PROTOCOL_VERSION}"
+    )
+
+
+class FrameCodec:
+    """Encode frames to wire bytes and decode frame bodies, with an optional shared secret.
+
+    One codec may serve many connections: it holds no per-connection state. ``secret``: sign
+    every frame and require a valid MAC on every frame read (``ValueError`` if shorter than
+    ``_auth.MIN_SECRET_BYTES``). ``max_frame_bytes``: the largest body accepted or produced.
+    """
+
+    __slots__ = ("_decoder", "_encoder", "_mac", "_overhead", "_probe", "max_frame_bytes", "secret")
+
+    def __init__(self, secret: bytes | None = None, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        if not 1 + _MAC_BYTES <= max_frame_bytes <= _MAX_LIMIT:
+            raise ValueError(
+                f"max_frame_bytes must be in [{1 + _MAC_BYTES}, {_MAX_LIMIT}], "
+                f"not {max_frame_bytes}"
+            )
+        self.secret = None if secret is None else _auth.check_secret(secret)
+        # HMAC-SHA256 keyed once; each frame copies the keyed state (cheaper than re-keying).
+        # The MAC equals ``_auth.sign(secret, payload)``.
+        self._mac = None if secret is None else hmac.new(secret, digestmod=hashlib.sha256)
+        self.max_frame_bytes = max_frame_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(AnyFrame)
+        self._probe = msgspec.msgpack.Decoder(_Probe)
+        # Body bytes before the payload: the auth byte and the MAC.
+        self._overhead = 1 if secret is None else 1 + _MAC_BYTES
+
+    def encode(self, frame: Frame) -> bytes:
+        """The wire bytes of ``frame``, length prefix included.
+
+        Raises ``FrameError`` (not fatal, naming the frame's room if it has one) if the body would
+        exceed ``max_frame_bytes``: the peer would drop the connection for it.
+        """
+        payload = self._encoder.encode(frame)
+        size = self._overhead + len(payload)
+        if size > self.max_frame_bytes:
+            raise FrameError(
+                f"{type(frame).__name__} of {size} bytes exceeds the frame limit of "
+                f"{self.max_frame_bytes} bytes",
+                getattr(frame, "room", None),
+                False,
+                generation=getattr(frame, "generation", None),
+                tag=type(frame).__name__,
+            )
+        if self._mac is None:
+            return b"".join((_PREFIX.pack(size), _UNSIGNED, payload))
+        mac = self._mac.copy()
+        mac.update(payload)
+        return b"".join((_PREFIX.pack(size), _SIGNED, mac.digest(), payload))
+
+    def decode(self, body: bytes | bytearray | memoryview) -> Frame:
+        """The frame in ``body`` (the bytes after the length prefix).
+
+        Raises ``FrameError`` for anything else; see the module docstring for which errors are
+        fatal and when the error names a room. Never raises another exception type.
+        """
+        size = len(body)
+        if size > self.max_frame_bytes:
+            raise FrameError(
+                f"frame of {size} bytes exceeds the limit of {self.max_frame_bytes} bytes",
+                None,
+                True,
+            )
+        if size == 0:
+            raise FrameError("empty frame body (no auth byte)", None, True)
+        # Never keep a view of a buffer the caller may change.
+        data = bytes(body) if isinstance(body, bytearray) else body
+        auth = data[0]
+        payload: bytes | memoryview
+        if self._mac is None:
+            if auth != _AUTH_NONE:
+                raise FrameError(
+                    "the peer signs its frames but no secret is configured here"
+                    if auth == _AUTH_HMAC_SHA256
+                    else f"unknown auth byte {auth}",
+                    None,
+                    True,
+                )
+            # Small payloads: a copy is cheaper than a view. Large ones: a view, no copy.
+            payload = data[1:] if size <= _COPY_MAX else memoryview(data)[1:]
+        else:
+            if auth != _AUTH_HMAC_SHA256:
+                raise FrameError(
+                    "unsigned frame: a secret is configured here and every frame must carry a MAC"
+                    if auth == _AUTH_NONE
+                    else f"unknown auth byte {auth}",
+                    None,
+                    True,
+                )
+            if size < 1 + _MAC_BYTES:
+                raise FrameError(f"frame of {size} bytes is too short for its MAC", None, True)
+            view = memoryview(data)
+            payload = view[1 + _MAC_BYTES :]
+            mac = self._mac.copy()
+            mac.update(payload)
+            if not hmac.compare_digest(mac.digest(), view[1 : 1 + _MAC_BYTES]):
+                raise FrameError("bad MAC: frame altered or signed with another secret", None, True)
+        try:
+            frame: Frame = self._decoder.decode(payload)
+        except (msgspec.MsgspecError, RecursionError) as exc:
+            raise self._rejected(payload, exc) from None
+        return frame
+
+    def _rejected(self, payload: bytes | memoryview, exc: BaseException) -> FrameError:
+        """Turn a decode failure into a ``FrameError``, naming the room if the payload can."""
+        try:
+            probe = self._probe.decode(payload)
+        except (msgspec.MsgspecError, RecursionError):
+            probe = _Probe()
+        tag = _clip(probe.t, 64) if type(probe.t) is str else None
+        room, generation = _int63(probe.room), _int63(probe.generation)
+        # msgspec quotes offending values and field names, which a hostile peer chooses.
+        detail = _clip(str(exc), 256)
+        if isinstance(exc, RecursionError):
+            reason = "malformed frame: nested too deeply"
+        elif not isinstance(exc, msgspec.ValidationError):
+            reason = f"malformed frame: {detail}"
+        elif tag is not None and tag not in _TAGS:
+            reason = f"unknown frame type {tag!r}"
+        elif tag is not None:
+            reason = f"invalid {tag} frame: {detail}"
+        else:
+            reason = f"invalid frame: {detail}"
+        fatal = False
+        if tag == "Hello":
+            fatal = True
+            if type(probe.version) is int and probe.version != PROTOCOL_VERSION:
+                reason = _version_mismatch(probe.version)
+        return FrameError(reason, room, fatal, generation=generation, tag=tag)
+
+
+class FrameReader:
+    """Incremental reader for one connection's byte stream (sans-IO).
+
+    ``feed(data)`` takes whatever the socket returned and gives back, in order, every frame that
+    became complete, or a ``FrameError`` in its place. Frames may be split across reads and one
+    read may hold several. After a fatal error the reader is dead: that list ends with the error,
+    the buffer is dropped, and every later ``feed`` returns ``[error]`` again.
+    """
+
+    __slots__ = ("_failed", "_need", "_pending", "codec")
+
+    def __init__(self, codec: FrameCodec | None = None) -> None:
+        self.codec = FrameCodec() if codec is None else codec
+        #: The start of a frame that is not complete yet.
+        self._pending = bytearray()
+        self._need = _PREFIX_BYTES  # nothing can complete before this many bytes are pending
+        self._failed: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for a frame that is not complete yet."""
+        return len(self._pending)
+
+    @property
+    def failed(self) -> FrameError | None:
+        """The fatal error that killed this reader, if one did."""
+        return self._failed
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame | FrameError]:
+        """Add ``data`` to the stream; return the frames (or errors) it completed."""
+        if self._failed is not None:
+            return [self._failed]
+        if not data:
+            return []
+        # A read that starts on a frame boundary is parsed in place (no copy). A partial frame
+        # waits in a bytearray (amortised O(1) per read, compact even if it trickles in a byte at
+        # a time) and is copied out once, when it is complete.
+        if self._pending:
+            self._pending += data
+            if len(self._pending) < self._need:
+                return []
+            buf = bytes(self._pending)
+            self._pending = bytearray()
+        else:
+            buf = data if type(data) is bytes else bytes(data)
+        view = memoryview(buf)
+        end, pos = len(buf), 0
+        limit, decode = self.codec.max_frame_bytes, self.codec.decode
+        out: list[Frame | FrameError] = []
+        need = _PREFIX_BYTES
+        while end - pos >= _PREFIX_BYTES:
+            (size,) = _PREFIX.unpack_from(buf, pos)
+            if size > limit:
+                return self._die(
+                    out,
+                    FrameError(
+                        f"frame length {size} exceeds the limit of {limit} bytes",
+                        None,
+                        True,
+                    ),
+                )
+            if end - pos - _PREFIX_BYTES < size:
+                need = _PREFIX_BYTES + size
+                break
+            start = pos + _PREFIX_BYTES
+            pos = start + size
+            try:
+                out.append(decode(view[start:pos]))
+            except FrameError as exc:
+                if exc.fatal:
+                    return self._die(out, exc)
+                out.append(exc)
+        if pos < end:
+            self._pending = bytearray(view[pos:])
+        self._need = need
+        return out
+
+    def _die(self, out: list[Frame | FrameError], error: FrameError) -> list[Frame | FrameError]:
+        self._failed = error
+        self._pending = bytearray()
+        out.append(error)
+        return out

@@ -1,0 +1,180 @@
+"""A prefill rank in its own OS process, for control-plane tests: an engine with a NixlTransport
+and a listening ControlPlane, driven by a scripted scheduler that the parent commands over a pipe.
+
+Commands: ``("send", room, src_pages, chunks, src_aux)``: create a sender room for ``room`` and,
+once decode's metadata has made it WaitingForInput, init it and send its pages in ``chunks``
+chunks; ``("abort", room)``; ``("status", room)`` -> (status int, reason, settled);
+``("quit",)``. The sources are deterministic: page p of buffer b holds bytes derived from (b, p),
+so the parent can check what landed without asking.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
+from kvfsm.rooms import RoomEngine, SenderRoom
+from kvfsm.states import KVPoll
+from kvfsm.transport import Agent, NixlTransport
+from kvfsm.transport._peer import Shape, make_buffers, make_layout
+
+SHAPE = Shape(layers=2, num_pages=256, page_bytes=2048, aux_rows=32, aux_row_bytes=128)
+
+
+def fill_sources(kv: list[npt.NDArray[np.uint8]], aux: npt.NDArray[np.uint8]) -> None:
+    for b, buf in enumerate(kv):
+        pages = np.arange(buf.shape[0], dtype=np.uint32)[:, None]
+        cols = np.arange(buf.shape[1], dtype=np.uint32)[None, :]
+        buf[:] = ((pages * 7 + cols * 13 + b * 101) & 0xFF).astype(np.uint8)
+    rows = np.arange(aux.shape[0], dtype=np.uint32)[:, None]
+    aux[:] = ((rows * 31 + np.arange(aux.shape[1], dtype=np.uint32)[None, :]) & 0xFF).astype(
+        np.uint8
+    )
+
+
+def _drive(
+    engine: RoomEngine,
+    rooms: dict[int, tuple[SenderRoom, list[int], int, int, bool]],
+    lock: threading.Lock,
+    stop: threading.Event,
+) -> None:
+    """The scheduler: init and send each room once decode's pages arrived."""
+    while not stop.is_set():
+        with lock:
+            for room, (sender, src, chunks, src_aux, sent) in list(rooms.items()):
+                if not sent and sender.poll() is KVPoll.WaitingForInput:
+                    sender.init(len(src), src_aux)
+                    cuts = np.array_split(np.asarray(src, np.int32), max(1, chunks))
+                    for part in cuts:
+                        sender.send(part)
+                    rooms[room] = (sender, src, chunks, src_aux, True)
+        time.sleep(0.0005)
+
+
+def _register(control: ControlPlane, url: str) -> Any:
+    """Start keeping this rank registered (on the engine loop); returns the task."""
+    import asyncio
+
+    from kvfsm.bootstrap._discovery import Registration
+    from kvfsm.bootstrap._registry import BootstrapClient
+
+    async def start() -> Any:
+        client = BootstrapClient(url)
+        registration = Registration(client, control, engine="test", interval_s=0.5)
+        await registration.register_once()
+
+        async def keep() -> None:
+            try:
+                await registration.run()
+            finally:
+                await client.close()
+
+        return asyncio.get_running_loop().create_task(keep())
+
+    return start()
+
+
+def _serve(conn: Connection, config: ChannelConfig, bootstrap_url: str | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    kv, aux = make_buffers(SHAPE)
+    fill_sources(kv, aux)
+    agent = Agent(f"prefill-{os.getpid()}", make_layout(kv, aux))
+    transport = NixlTransport(agent)
+    control = ControlPlane("prefill", 0, agent, transport=transport, config=config)
+    engine = RoomEngine(control).start()
+    engine.call(control.started())
+    registration = None
+    if bootstrap_url is not None:
+        registration = engine.call(_register(control, bootstrap_url))
+    conn.send(control.port)
+    rooms: dict[int, tuple[SenderRoom, list[int], int, int, bool]] = {}
+    lock, stop = threading.Lock(), threading.Event()
+    driver = threading.Thread(target=_drive, args=(engine, rooms, lock, stop), daemon=True)
+    driver.start()
+    parent = os.getppid()
+    try:
+        while True:
+            if not conn.poll(0.05):
+                if os.getppid() != parent:
+                    break
+                continue
+            request: Any = conn.recv()
+            op = request[0]
+            if op == "quit":
+                break
+            if op == "send":
+                _, room, src, chunks, src_aux = request
+                with lock:
+                    rooms[room] = (engine.sender(room), list(src), chunks, src_aux, False)
+                conn.send(True)
+            elif op == "hold":  # a room that receives decode's pages but is never sent
+                with lock:
+                    rooms[request[1]] = (engine.sender(request[1]), [], 0, 0, True)
+                conn.send(True)
+            elif op == "abort":
+                with lock:
+                    rooms[request[1]][0].abort("prefill aborted it")
+                conn.send(True)
+            elif op == "status":
+                sender = rooms[request[1]][0]
+                conn.send((int(sender.poll()), sender.reason, sender.settled))
+            elif op == "stats":
+                conn.send(dict(control.stats))
+    except (EOFError, OSError):
+        pass
+    finally:
+        stop.set()
+        if registration is not None:
+            engine.loop.call_soon_threadsafe(registration.cancel)
+        engine.close()
+        transport.close()
+        agent.close()
+
+
+class PrefillProcess:
+    def __init__(self, config: ChannelConfig, bootstrap_url: str | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, config, bootstrap_url), daemon=True)
+        self.process.start()
+        child.close()
+        if not self._conn.poll(60):
+            self.kill()
+            raise TimeoutError("prefill process did not start")
+        self.port: int = self._conn.recv()
+
+    def ask(self, *request: object, timeout: float = 30.0) -> Any:
+        self._conn.send(request)
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"prefill process did not answer {request[0]!r}")
+        return self._conn.recv()
+
+    @property
+    def pid(self) -> int:
+        pid = self.process.pid
+        assert pid is not None
+        return pid
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(("quit",))
+                self.process.join(15)
+            except OSError:
+                pass
+        self.kill()
+        self._conn.close()

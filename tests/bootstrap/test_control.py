@@ -1,0 +1,284 @@
+"""The control plane between two OS processes on loopback: this process is the decode rank
+(receiver rooms, a real NIXL agent whose pages the prefill process writes), the other is a
+prefill rank (tests/bootstrap/prefill_process.py). Real sockets, real NIXL, real frames."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
+from kvfsm.rooms import ReceiverRoom, RoomEngine
+from kvfsm.states import TERMINAL, KVPoll
+from kvfsm.transport import Agent
+from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from tests.bootstrap.prefill_process import SHAPE, PrefillProcess, fill_sources
+
+FAST = ChannelConfig(heartbeat_s=0.2)
+
+
+class Decode:
+    def __init__(self, port: dict[str, int], config: ChannelConfig = FAST) -> None:
+        self.kv, self.aux = make_buffers(SHAPE)
+        self.expected_kv, self.expected_aux = make_buffers(SHAPE)
+        fill_sources(self.expected_kv, self.expected_aux)
+        self.agent = Agent(f"decode-{os.getpid()}-{id(self)}", make_layout(self.kv, self.aux))
+
+        async def resolve(rank: int) -> tuple[str, int]:
+            return "127.0.0.1", port["port"]
+
+        self.control = ControlPlane("decode", 0, self.agent, resolver=resolve, config=config)
+        self.engine = RoomEngine(self.control).start()
+        self.engine.call(self.control.started())
+
+    def receive(self, room: int, dst: list[int], aux_row: int) -> ReceiverRoom:
+        receiver = self.engine.receiver(room)
+        receiver.init(0)
+        wait_for(lambda: receiver.poll() is not KVPoll.Bootstrapping, timeout=10)
+        receiver.send_metadata(np.asarray(dst, np.int32), aux_row)
+        return receiver
+
+    def landed(self, src: list[int], dst: list[int], src_aux: int, dst_aux: int) -> bool:
+        pages_ok = all(
+            np.array_equal(self.kv[b][d], self.expected_kv[b][s])
+            for b in range(len(self.kv))
+            for s, d in zip(src, dst, strict=True)
+        )
+        return pages_ok and np.array_equal(self.aux[dst_aux], self.expected_aux[src_aux])
+
+    def close(self) -> None:
+        self.engine.close()
+        self.agent.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[PrefillProcess, Decode]]:
+    prefill = PrefillProcess(FAST)
+    decode = Decode({"port": prefill.port})
+    yield prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def test_rooms_exchange_metadata_move_bytes_and_report_success(
+    pair: tuple[PrefillProcess, Decode],
+) -> None:
+    prefill, decode = pair
+    plans = []
+    for room in range(12):
+        src = [room * 8 + i for i in range(6)]
+        dst = [200 - room * 8 - i for i in range(6)]
+        # Half the rooms: decode's metadata arrives before prefill created the room.
+        if room % 2:
+            receiver = decode.receive(room, dst, aux_row=room)
+            prefill.ask("send", room, src, 1 + room % 3, room + 1)
+        else:
+            prefill.ask("send", room, src, 1 + room % 3, room + 1)
+            receiver = decode.receive(room, dst, aux_row=room)
+        plans.append((receiver, src, dst, room + 1, room))
+    wait_for(lambda: all(r.poll() in TERMINAL for r, *_ in plans), timeout=20)
+    for receiver, src, dst, src_aux, dst_aux in plans:
+        assert receiver.poll() is KVPoll.Success, receiver.reason
+        assert decode.landed(src, dst, src_aux, dst_aux)
+        assert prefill.ask("status", receiver.room)[0] == KVPoll.Success
+    wait_for(lambda: decode.engine.stats()["live"] == 0)
+
+
+def test_decode_abort_reaches_prefill_and_is_acknowledged(
+    pair: tuple[PrefillProcess, Decode],
+) -> None:
+    prefill, decode = pair
+    receiver = decode.receive(1, [1, 2], aux_row=0)
+    receiver.abort("client went away")
+    assert receiver.poll() is KVPoll.Failed
+    prefill.ask("send", 1, [3, 4], 1, 0)
+    wait_for(lambda: prefill.ask("status", 1)[0] == KVPoll.Failed, timeout=10)
+    _, reason, _ = prefill.ask("status", 1)
+    assert reason.startswith("aborted (peer)")
+    assert "client went away" in reason
+    wait_for(lambda: receiver.settled, timeout=10)  # the prefill's RoomSettled came back
+
+
+def test_prefill_abort_fails_the_decode_room(pair: tuple[PrefillProcess, Decode]) -> None:
+    prefill, decode = pair
+    prefill.ask("send", 5, [1, 2, 3], 1, 0)
+    prefill.ask("abort", 5)
+    receiver = decode.receive(5, [7, 8, 9], aux_row=1)
+    wait_for(lambda: receiver.poll() is KVPoll.Failed, timeout=10)
+    assert "peer failed" in receiver.reason
+    assert "prefill aborted it" in receiver.reason
+    wait_for(lambda: receiver.settled, timeout=10)
+
+
+@pytest.fixture
+def registry_url() -> Iterator[str]:
+    """A real bootstrap registry in its own process."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvfsm.bootstrap._cli",
+            "--port",
+            str(port),
+            "--expected-ranks",
+            "1",
+            "--ttl",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _listening(port), timeout=20)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+class RegistryDecode(Decode):
+    """A decode rank that finds prefill ranks through the bootstrap registry."""
+
+    def __init__(self, url: str) -> None:
+        from kvfsm.bootstrap._discovery import registry_resolver
+        from kvfsm.bootstrap._registry import BootstrapClient
+
+        self.client = BootstrapClient(url)
+        super().__init__({"port": 0})
+        self.control._resolver = registry_resolver(self.client, "test")
+
+    def close(self) -> None:
+        self.engine.call(self.client.close())
+        super().close()
+
+
+def test_prefill_found_through_the_registry_killed_then_restarted(registry_url: str) -> None:
+    prefill = PrefillProcess(FAST, registry_url)
+    decode = RegistryDecode(registry_url)
+    try:
+        warm = decode.receive(1, [1], aux_row=0)
+        prefill.ask("send", 1, [2], 1, 0)
+        wait_for(lambda: warm.poll() is KVPoll.Success, timeout=10)
+        waiting = [decode.receive(10 + i, [20 + i], aux_row=i) for i in range(4)]
+        prefill.kill()
+        killed = time.monotonic()
+        wait_for(lambda: all(r.poll() is KVPoll.Failed for r in waiting), timeout=10)
+        assert time.monotonic() - killed < FAST.silence_s + 1.0
+        assert all("peer lost" in r.reason for r in waiting)
+
+        # The restarted rank registers its new port and incarnation; decode finds it again.
+        prefill = PrefillProcess(FAST, registry_url)
+        fresh = decode.receive(50, [60, 61], aux_row=3)
+        prefill.ask("send", 50, [70, 71], 2, 4)
+        wait_for(lambda: fresh.poll() in TERMINAL, timeout=15)
+        assert fresh.poll() is KVPoll.Success, fresh.reason
+        assert decode.landed([70, 71], [60, 61], 4, 3)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_garbage_on_the_listener_never_hurts_the_engine(
+    pair: tuple[PrefillProcess, Decode],
+) -> None:
+    prefill, decode = pair
+    for payload in (b"\x00\x00\x00\x05hello", b"\xff" * 64, b"\x7f\xff\xff\xff", b""):
+        with socket.create_connection(("127.0.0.1", prefill.port), timeout=5) as sock:
+            sock.sendall(payload)
+            time.sleep(0.05)
+    receiver = decode.receive(3, [5], aux_row=2)
+    prefill.ask("send", 3, [6], 1, 2)
+    wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
+    assert receiver.poll() is KVPoll.Success, receiver.reason
+
+
+def test_with_a_secret_unsigned_peers_are_refused() -> None:
+    signed = ChannelConfig(heartbeat_s=0.2, secret=b"a shared secret of 32 bytes.....")
+    prefill = PrefillProcess(signed)
+    stranger = Decode({"port": prefill.port}, ChannelConfig(heartbeat_s=0.2))
+    friend = Decode({"port": prefill.port}, signed)
+    try:
+        refused = stranger.engine.receiver(1)
+        refused.init(0)
+        wait_for(lambda: refused.poll() is KVPoll.Failed, timeout=10)
+        assert "peer lost" in refused.reason
+        accepted = friend.receive(2, [4], aux_row=0)
+        prefill.ask("send", 2, [5], 1, 0)
+        wait_for(lambda: accepted.poll() in TERMINAL, timeout=10)
+        assert accepted.poll() is KVPoll.Success, accepted.reason
+    finally:
+        stranger.close()
+        friend.close()
+        prefill.close()
+
+
+def test_a_stopped_prefill_is_lost_within_twice_the_heartbeat(
+    pair: tuple[PrefillProcess, Decode],
+) -> None:
+    prefill, decode = pair
+    waiting = [decode.receive(10 + i, [20 + i], aux_row=i) for i in range(3)]
+    os.kill(prefill.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_for(lambda: all(r.poll() is KVPoll.Failed for r in waiting), timeout=10)
+        detected = time.monotonic() - stopped
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    assert all("silent for more than" in r.reason for r in waiting), [r.reason for r in waiting]
+    # Heartbeat silence is the only sign here; allow scheduling slack on a busy 2-vCPU VM.
+    assert detected < FAST.silence_s + 0.5
+
+
+def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
+    prefill = PrefillProcess(FAST)
+    decode = Decode({"port": prefill.port})
+    try:
+        prefill.ask("hold", 7)  # a prefill room that will never be sent
+        prefill.ask("hold", 8)
+        cut = decode.receive(7, [1, 2], aux_row=0)
+        graceful = decode.receive(8, [3], aux_row=1)
+        wait_for(lambda: prefill.ask("status", 7)[0] == KVPoll.WaitingForInput, timeout=10)
+        wait_for(lambda: prefill.ask("status", 8)[0] == KVPoll.WaitingForInput, timeout=10)
+        # The connection is cut without a goodbye: prefill notices the closed socket.
+        decode.engine.call(decode.control.drop_links("test cut the connection"))
+        wait_for(lambda: prefill.ask("status", 7)[0] == KVPoll.Failed, timeout=10)
+        assert "peer lost" in prefill.ask("status", 7)[1]
+        assert "peer lost" in prefill.ask("status", 8)[1]
+        assert cut.poll() is KVPoll.Failed
+        assert graceful.poll() is KVPoll.Failed
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_decode_shutting_down_aborts_its_rooms_on_prefill() -> None:
+    prefill = PrefillProcess(FAST)
+    decode = Decode({"port": prefill.port})
+    try:
+        prefill.ask("hold", 9)
+        decode.receive(9, [4], aux_row=0)
+        wait_for(lambda: prefill.ask("status", 9)[0] == KVPoll.WaitingForInput, timeout=10)
+        decode.close()  # engine shutdown aborts live rooms; the aborts reach prefill first
+        wait_for(lambda: prefill.ask("status", 9)[0] == KVPoll.Failed, timeout=10)
+        assert "engine shutting down" in prefill.ask("status", 9)[1]
+    finally:
+        prefill.close()
