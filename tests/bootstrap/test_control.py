@@ -215,18 +215,24 @@ def test_with_a_secret_unsigned_peers_are_refused() -> None:
     signed = ChannelConfig(heartbeat_s=0.2, secret=b"a shared secret of 32 bytes.....")
     prefill = PrefillProcess(signed)
     stranger = Decode({"port": prefill.port}, ChannelConfig(heartbeat_s=0.2))
+    forger = Decode(
+        {"port": prefill.port},
+        ChannelConfig(heartbeat_s=0.2, secret=b"a different secret, 32 bytes...."),
+    )
     friend = Decode({"port": prefill.port}, signed)
     try:
-        refused = stranger.engine.receiver(1)
-        refused.init(0)
-        wait_for(lambda: refused.poll() is KVPoll.Failed, timeout=10)
-        assert "peer lost" in refused.reason
+        for outsider in (stranger, forger):
+            refused = outsider.engine.receiver(1)
+            refused.init(0)
+            wait_for(lambda: refused.poll() is KVPoll.Failed, timeout=10)  # noqa: B023
+            assert "peer lost" in refused.reason
         accepted = friend.receive(2, [4], aux_row=0)
         prefill.ask("send", 2, [5], 1, 0)
         wait_for(lambda: accepted.poll() in TERMINAL, timeout=10)
         assert accepted.poll() is KVPoll.Success, accepted.reason
     finally:
         stranger.close()
+        forger.close()
         friend.close()
         prefill.close()
 
@@ -265,6 +271,16 @@ def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
         assert "peer lost" in prefill.ask("status", 8)[1]
         assert cut.poll() is KVPoll.Failed
         assert graceful.poll() is KVPoll.Failed
+        # A new decode incarnation (a restarted process) is served at once.
+        restarted = Decode({"port": prefill.port})
+        try:
+            fresh = restarted.receive(70, [40, 41], aux_row=5)
+            prefill.ask("send", 70, [50, 51], 2, 6)
+            wait_for(lambda: fresh.poll() in TERMINAL, timeout=10)
+            assert fresh.poll() is KVPoll.Success, fresh.reason
+            assert restarted.landed([50, 51], [40, 41], 6, 5)
+        finally:
+            restarted.close()
     finally:
         decode.close()
         prefill.close()
