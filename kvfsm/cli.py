@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm import KVPoll
+from kvfsm.bootstrap import _cli as bootstrap_cli
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import DestinationReceived
 
@@ -718,6 +719,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    bootstrap_cli.add_parser(sub)
     d = RunOptions()
     run = sub.add_parser(
         "run",
@@ -800,6 +802,8 @@ def _configure_logging(verbosity: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _configure_logging(args.verbose)
+    if args.command == "bootstrap":
+        return bootstrap_cli.run(args)
     if args.command != "run":  # pragma: no cover - argparse enforces the choices
         return 2
     opts = RunOptions(

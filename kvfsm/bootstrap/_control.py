@@ -336,6 +336,7 @@ class ControlPlane:
     # -- both sides: a connection's life -------------------------------------------------------
 
     async def _run(self, started: asyncio.Future[None]) -> None:
+        listener: Any = None
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -353,6 +354,10 @@ class ControlPlane:
             if not started.done():
                 started.set_exception(exc)
             raise
+        finally:
+            if listener is not None:
+                with anyio.CancelScope(shield=True):
+                    await listener.aclose()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         tg = self._tg
