@@ -1,9 +1,13 @@
 """Discovery and control plane: the bootstrap registry (HTTP) where prefill ranks publish their
-addresses and decode ranks find them, and the HMAC helpers that authenticate both."""
+addresses and decode ranks find them, the control channel between them (typed frames, heartbeats),
+and the HMAC helpers that authenticate both."""
 
 from __future__ import annotations
 
 from kvfsm.bootstrap._auth import AuthError, sign, verify
+from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
+from kvfsm.bootstrap._discovery import Registration, registry_resolver
+from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameError, FrameReader
 from kvfsm.bootstrap._registry import (
     BootstrapClient,
     BootstrapError,
@@ -19,18 +23,27 @@ from kvfsm.bootstrap._registry import (
 )
 
 __all__ = [
+    "PROTOCOL_VERSION",
     "AuthError",
     "BootstrapClient",
     "BootstrapError",
     "BootstrapServer",
+    "ChannelConfig",
+    "ControlPlane",
+    "FrameCodec",
+    "FrameError",
+    "FrameReader",
     "Health",
     "NotFoundError",
     "NotReadyError",
     "RankInfo",
     "Registered",
+    "Registration",
     "RejectedError",
+    "Resolver",
     "UnauthorizedError",
     "UnreachableError",
+    "registry_resolver",
     "sign",
     "verify",
 ]

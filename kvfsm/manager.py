@@ -1,0 +1,279 @@
+"""The engine API: one manager per rank, built from a layout, a bootstrap address and options.
+
+A manager owns everything a rank needs: its NIXL agent with the layout registered, the room
+engine (the loop thread and the room tasks), the control channel and, on prefill, the data path
+and the registration in the bootstrap registry. Rooms are handed out as facades whose calls
+mirror SGLang's scheduler sequence:
+
+    prefill   sender(room) -> poll until WaitingForInput -> init(num_pages, aux_index)
+              -> send(page_indices) per chunk (the last may be empty) -> poll -> clear
+    decode    receiver(room) -> init(prefill_rank) -> poll until WaitingForInput
+              -> send_metadata(page_indices, aux_index) -> poll -> clear
+
+``abort()`` and ``failure_exception()`` exist on both. Thread-safety: every facade call may be
+made from any thread and never blocks (``poll`` reads a published value; the rest post an event
+and return). Building and closing a manager block (NIXL registration, binding sockets, the
+first registration) and belong to setup and teardown.
+
+Tensor parallelism: each TP rank runs its own manager; rank ``r`` of prefill serves rank ``r`` of
+decode (equal TP), and the caller all-reduces ``poll()`` over its ranks with MIN, as SGLang does.
+The room id travels on every frame, so unequal TP (a decode rank reading from several prefill
+ranks) only needs the receiver to wait for several confirmations; that is not done yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
+from kvfsm.bootstrap._discovery import Registration, registry_resolver
+from kvfsm.bootstrap._registry import BootstrapClient
+from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine, SenderRoom
+from kvfsm.transport import Agent, AgentConfig, Layout, NixlTransport, TransferConfig
+
+__all__ = ["DecodeManager", "ManagerConfig", "PrefillManager"]
+
+_log = logging.getLogger("kvfsm.manager")
+_names = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    """Everything configurable about a rank, with production defaults."""
+
+    rooms: RoomConfig = field(default_factory=RoomConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    #: Shared secret for the registry and the control channel (overrides channel.secret).
+    secret: bytes | None = None
+    #: How often a prefill rank refreshes its registration (keep well under the registry TTL).
+    register_interval_s: float = 5.0
+    use_uvloop: bool = True
+
+    def channel_config(self) -> ChannelConfig:
+        if self.secret is None:
+            return self.channel
+        c = self.channel
+        return ChannelConfig(
+            host=c.host,
+            port=c.port,
+            heartbeat_s=c.heartbeat_s,
+            liveness_factor=c.liveness_factor,
+            connect_timeout_s=c.connect_timeout_s,
+            reconnect_max_s=c.reconnect_max_s,
+            secret=self.secret,
+            pending_max=c.pending_max,
+            pending_ttl_s=c.pending_ttl_s,
+            progress_interval_s=c.progress_interval_s,
+        )
+
+
+class _Manager:
+    """What both roles share: the agent, the engine and the bootstrap client."""
+
+    def __init__(
+        self,
+        role: str,
+        layout: Layout,
+        bootstrap_url: str,
+        *,
+        engine_id: str,
+        rank: int,
+        config: ManagerConfig | None,
+        name: str | None,
+    ) -> None:
+        self.config = config if config is not None else ManagerConfig()
+        self.engine_id = engine_id
+        self.rank = rank
+        self.bootstrap_url = bootstrap_url
+        agent_name = name or f"kvfsm-{role}-{engine_id}-{rank}-{next(_names)}"
+        self.agent = Agent(agent_name, layout, self.config.agent)
+        self._client: BootstrapClient | None = None
+        self._closed = False
+        self.engine: RoomEngine | None = None
+        self.control: ControlPlane | None = None
+
+    def _bootstrap_client(self) -> BootstrapClient:
+        # Built anywhere; its aiohttp session opens on first use, on the engine's loop.
+        if self._client is None:
+            self._client = BootstrapClient(self.bootstrap_url, secret=self.config.secret)
+        return self._client
+
+    def _start(self, control: ControlPlane) -> None:
+        self.control = control
+        self.engine = RoomEngine(
+            control,
+            self.config.rooms,
+            use_uvloop=self.config.use_uvloop,
+            name=f"kvfsm-{control.role}-{self.rank}",
+        ).start()
+        self.engine.call(control.started())
+
+    def _engine(self) -> RoomEngine:
+        if self.engine is None:
+            raise RuntimeError("manager is not started")
+        return self.engine
+
+    def stats(self) -> dict[str, Any]:
+        """Room counters and control-channel counters (any thread)."""
+        out: dict[str, Any] = {"rooms": self._engine().stats()}
+        if self.control is not None:
+            out["control"] = dict(self.control.stats)
+        return out
+
+    def close(self) -> None:
+        """Abort live rooms, let them settle, stop the loop, release NIXL. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        engine = self.engine
+        if engine is not None:
+            if self._client is not None:
+                try:
+                    engine.call(self._client.close(), timeout=10)
+                except Exception:
+                    _log.exception("closing the bootstrap client failed")
+            engine.close()
+        self._close_data_path()
+        self.agent.close()
+
+    def _close_data_path(self) -> None:
+        pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class PrefillManager(_Manager):
+    """A prefill rank: listens for decode ranks, registers itself, sends rooms' KV."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        bootstrap_url: str,
+        *,
+        engine_id: str = "default",
+        rank: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dp_rank: int = 0,
+        pp_rank: int = 0,
+        config: ManagerConfig | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(
+            "prefill",
+            layout,
+            bootstrap_url,
+            engine_id=engine_id,
+            rank=rank,
+            config=config,
+            name=name,
+        )
+        self.transport = NixlTransport(self.agent, config=self.config.transfer)
+        self._registration_task: asyncio.Task[None] | None = None
+        try:
+            control = ControlPlane(
+                "prefill",
+                rank,
+                self.agent,
+                transport=self.transport,
+                config=self.config.channel_config(),
+            )
+            self._start(control)
+            registration = Registration(
+                self._bootstrap_client(),
+                control,
+                engine=engine_id,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                dp_rank=dp_rank,
+                pp_rank=pp_rank,
+                interval_s=self.config.register_interval_s,
+            )
+            self._registration_task = self._engine().call(self._keep_registered(registration))
+        except BaseException:
+            self.close()
+            raise
+
+    async def _keep_registered(self, registration: Registration) -> asyncio.Task[None]:
+        await registration.register_once()  # the first one must succeed: fail fast
+        return asyncio.get_running_loop().create_task(registration.run())
+
+    @property
+    def port(self) -> int:
+        """The control channel's listening port."""
+        assert self.control is not None
+        return self.control.port
+
+    def sender(self, room: int) -> SenderRoom:
+        """A new prefill room (non-blocking; a duplicate live room id is published Failed)."""
+        return self._engine().sender(room)
+
+    def close(self) -> None:
+        task, engine = self._registration_task, self.engine
+        if task is not None and engine is not None and not self._closed:
+            engine.loop.call_soon_threadsafe(task.cancel)
+        super().close()
+
+    def _close_data_path(self) -> None:
+        self.transport.close()
+
+
+class DecodeManager(_Manager):
+    """A decode rank: finds prefill ranks through the registry, receives rooms' KV."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        bootstrap_url: str,
+        *,
+        engine_id: str = "default",
+        rank: int = 0,
+        resolver: Resolver | None = None,
+        config: ManagerConfig | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(
+            "decode",
+            layout,
+            bootstrap_url,
+            engine_id=engine_id,
+            rank=rank,
+            config=config,
+            name=name,
+        )
+
+        async def resolve(peer_rank: int) -> tuple[str, int]:
+            return await registry_resolver(self._bootstrap_client(), engine_id)(peer_rank)
+
+        try:
+            control = ControlPlane(
+                "decode",
+                rank,
+                self.agent,
+                resolver=resolver or resolve,
+                config=self.config.channel_config(),
+            )
+            self._start(control)
+        except BaseException:
+            self.close()
+            raise
+
+    def receiver(self, room: int) -> ReceiverRoom:
+        """A new decode room (non-blocking; a duplicate live room id is published Failed)."""
+        return self._engine().receiver(room)
