@@ -487,9 +487,11 @@ class ControlPlane:
         # Decode is a WRITE target; with progress threads off its UCX worker only advances when
         # polled, and the writer's completion flushes wait for it.
         progress = self.agent.nixl.get_new_notifs
+        busy, idle = self.config.progress_interval_s, max(self.config.progress_interval_s, 0.05)
         while True:
             progress()
-            await anyio.sleep(self.config.progress_interval_s)
+            # Fast only while some room expects writes; an idle decode rank costs ~nothing.
+            await anyio.sleep(busy if self._room_link else idle)
 
     def _lose(self, link: _Link, reason: str) -> None:
         if link.closed:

@@ -98,6 +98,7 @@ class Agent:
         self._registrations: list[Any] = []
         self._local: dict[str, Any] = {}
         self._closed = False
+        self._metadata: bytes | None = None
         #: Prepared descriptor lists made and released, and remote agents added and removed:
         #: after close() each pair must match (tests check it).
         self.dlists_prepped = 0
@@ -108,6 +109,7 @@ class Agent:
         try:
             self._register()
             self._prepare_local()
+            self.metadata()
         except BaseException:
             self.close()
             raise
@@ -152,8 +154,11 @@ class Agent:
     # -- reads ---------------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        """This agent's metadata, for a peer's :meth:`connect` (its registrations included)."""
-        return bytes(self.nixl.get_agent_metadata())
+        """This agent's metadata, for a peer's :meth:`connect` (its registrations included).
+        Read once: registrations never change after construction, and the loop thread asks."""
+        if self._metadata is None:
+            self._metadata = bytes(self.nixl.get_agent_metadata())
+        return self._metadata
 
     def local(self, what: str) -> Any:
         """The local prepared list for ``"kv"``, ``"aux"`` or ``"state"``."""
