@@ -72,7 +72,7 @@ import functools
 import itertools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, cast
 
 import msgspec
@@ -330,11 +330,17 @@ class Layout:
     ``aux``: SGLang's per-request metadata buffers, all with ``aux_rows`` rows.
     ``state``: optional per-request state buffers (hybrid models), all with ``state_rows`` rows.
     Any sequence is accepted for a group and stored as a tuple.
+
+    ``keepalive``: objects that own the memory (tensors, arrays). A layout only holds addresses;
+    if the buffers were freed while an agent still has them registered, every transfer would
+    fail (NIXL reports it as a remote disconnect). :meth:`from_tensors` fills it in; callers who
+    build regions from raw pointers keep their buffers alive themselves. Not compared.
     """
 
     kv: tuple[Region, ...]
     aux: tuple[Region, ...] = ()
     state: tuple[Region, ...] = ()
+    keepalive: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         groups: tuple[tuple[Group, object], ...] = (
@@ -510,6 +516,7 @@ class Layout:
             kv=_regions_from_tensors("kv", kv, num_pages),
             aux=_regions_from_tensors("aux", aux, aux_rows),
             state=_regions_from_tensors("state", state, state_rows),
+            keepalive=(*kv, *aux, *state),
         )
 
     @classmethod

@@ -65,6 +65,7 @@ def make_layout(
         kv=regions,
         aux=(Region("aux0", aux.ctypes.data, aux.nbytes, aux.shape[1]),),
         state=states,
+        keepalive=(*kv, aux, *([] if state is None else [state])),
     )
 
 

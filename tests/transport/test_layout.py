@@ -692,3 +692,18 @@ def test_page_index_maps_back_to_buffer_and_page(case: tuple[Layout, list[int]])
             region.device,
         ]
     assert np.array_equal(layout.summary().page_index(np.array(pages, dtype=np.int64)), index)
+
+
+def test_from_tensors_keeps_its_buffers_alive() -> None:
+    # A layout holds addresses; freed buffers under a registered agent would make every
+    # transfer fail (NIXL says "remote disconnect"), so from_tensors keeps them referenced.
+    import gc
+    import weakref
+
+    kv = torch.zeros((4, 64), dtype=torch.uint8)
+    ref = weakref.ref(kv)
+    layout = Layout.from_tensors([kv])
+    del kv
+    gc.collect()
+    assert ref() is not None
+    assert layout == Layout.from_tensors([ref()])  # keepalive does not take part in equality
