@@ -119,9 +119,10 @@ class ChannelConfig:
 class _Link:
     """One live connection after the Hello exchange (loop side)."""
 
-    __slots__ = ("closed", "generation", "hello", "last_seen", "outbox", "peer_id", "rooms")
+    __slots__ = ("closed", "generation", "hello", "key", "last_seen", "outbox", "peer_id", "rooms")
 
     def __init__(self, hello: Hello, generation: int, peer_id: str, now: float) -> None:
+        self.key: int | str = peer_id
         self.hello = hello
         self.generation = generation
         self.peer_id = peer_id
@@ -169,7 +170,10 @@ class ControlPlane:
         self._started: asyncio.Future[None] | None = None
         self._port = 0
         self._generations = itertools.count(1)
-        self._links: dict[int, _Link] = {}  # by peer rank
+        # Decode keys its links by prefill rank (one link per rank it reads from). Prefill keys
+        # them by peer id (role, rank, incarnation): several decode instances may each have a
+        # rank 0, and a restarted decode rank must not take over its predecessor's link.
+        self._links: dict[int | str, _Link] = {}
         self._connecting: dict[int, asyncio.Future[_Link]] = {}
         self._backoff: dict[int, float] = {}  # by peer rank: the last backoff step
         self._backoff_until: dict[int, float] = {}
@@ -404,10 +408,12 @@ class ControlPlane:
             raise
         loop = self._running_loop()
         link = _Link(theirs, next(self._generations), peer_id, loop.time())
-        old = self._links.get(theirs.rank)
+        link_key: int | str = theirs.rank if self.role == "decode" else peer_id
+        link.key = link_key
+        old = self._links.get(link_key)
         if old is not None:
             self._lose(old, "replaced by a new connection")
-        self._links[theirs.rank] = link
+        self._links[link_key] = link
         self.stats["links_opened"] += 1
         assert self._tg is not None
         self._tg.start_soon(self._read, link, stream, reader)
@@ -498,8 +504,8 @@ class ControlPlane:
             return
         link.closed = True
         self.stats["links_lost"] += 1
-        if self._links.get(link.hello.rank) is link:
-            del self._links[link.hello.rank]
+        if self._links.get(link.key) is link:
+            del self._links[link.key]
         _log.warning("control link lost: %s", reason)
         for key in list(link.rooms):
             self._room_link.pop(key, None)

@@ -300,3 +300,22 @@ def test_a_decode_shutting_down_aborts_its_rooms_on_prefill() -> None:
         assert "engine shutting down" in prefill.ask("status", 9)[1]
     finally:
         prefill.close()
+
+
+def test_two_decode_instances_with_the_same_rank_share_one_prefill(
+    pair: tuple[PrefillProcess, Decode],
+) -> None:
+    prefill, first = pair
+    second = Decode({"port": prefill.port})  # another decode instance, also rank 0
+    try:
+        a = first.receive(1, [10], aux_row=0)
+        b = second.receive(2, [11], aux_row=1)
+        prefill.ask("send", 1, [20], 1, 2)
+        prefill.ask("send", 2, [21], 1, 3)
+        wait_for(lambda: a.poll() in TERMINAL and b.poll() in TERMINAL, timeout=10)
+        assert a.poll() is KVPoll.Success, a.reason
+        assert b.poll() is KVPoll.Success, b.reason
+        assert first.landed([20], [10], 2, 0)
+        assert second.landed([21], [11], 3, 1)
+    finally:
+        second.close()
