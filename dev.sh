@@ -2,7 +2,7 @@
 # One entry point for people and CI. Each command sets up what it needs on a fresh machine
 # (a virtualenv in .venv with kvfsm installed editable), then runs:
 #
-#   ./dev.sh main     the main job: a prefill-decode pair moving real KV over NIXL (DRAM here)
+#   ./dev.sh main     the main job (kvfsm demo): a prefill-decode pair moving real KV over NIXL
 #   ./dev.sh test     the test suite
 #   ./dev.sh lint     ruff and mypy (strict on kvfsm/)
 #   ./dev.sh bench    the benchmarks
@@ -36,7 +36,7 @@ shift || true
 case "$cmd" in
     main)
         setup
-        exec kvfsm run "$@"
+        exec kvfsm demo "$@"
         ;;
     test)
         setup

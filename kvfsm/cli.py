@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm import KVPoll
+from kvfsm import diagram as diagram_cli
 from kvfsm.bootstrap import _cli as bootstrap_cli
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import DestinationReceived
@@ -720,6 +721,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", required=True)
     bootstrap_cli.add_parser(sub)
+    diagram_cli.add_parser(sub)
+    from kvfsm import demo  # noqa: PLC0415 (not at the top: kvfsm.demo imports from here)
+
+    demo.add_parser(sub)
     d = RunOptions()
     run = sub.add_parser(
         "run",
@@ -804,6 +809,12 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.verbose)
     if args.command == "bootstrap":
         return bootstrap_cli.run(args)
+    if args.command == "diagram":
+        return diagram_cli.run(args)
+    if args.command == "demo":
+        from kvfsm import demo  # noqa: PLC0415
+
+        return demo.run(args)
     if args.command != "run":  # pragma: no cover - argparse enforces the choices
         return 2
     opts = RunOptions(

@@ -184,6 +184,8 @@ class ControlPlane:
         self._pending: dict[int, tuple[float, _Link, RoomMetadata]] = {}
         # Sender rooms that failed before decode's page list arrived: (when, reason).
         self._tombstones: dict[int, tuple[float, str]] = {}
+        # Rooms decode aborted before prefill created them: (when, reason).
+        self._aborted_early: dict[int, tuple[float, str]] = {}
         self.stats: dict[str, int] = {
             "frames_in": 0,
             "frames_out": 0,
@@ -243,6 +245,10 @@ class ControlPlane:
         """Registry hook: deliver metadata that arrived before this sender room existed."""
         if role is Role.SENDER:
             self._tombstones.pop(key.room, None)  # a new room reuses the id
+            aborted = self._aborted_early.pop(key.room, None)
+            if aborted is not None:
+                self._deliver(key, AbortRequested(aborted[1], origin="peer"))
+                return
         held = self._pending.pop(key.room, None)
         if held is None or role is not Role.SENDER:
             return
@@ -540,8 +546,12 @@ class ControlPlane:
             key = registry.current(role, frame.room)
             if key is not None:
                 self._deliver(key, AbortRequested(frame.reason, origin="peer"))
-            else:
+            elif self.role == "prefill":
+                # Decode gave up on a room prefill has not created yet: nothing was written
+                # to its pages (acknowledge now), and the room, if it comes, fails at once.
                 self._pending.pop(frame.room, None)
+                self._aborted_early[frame.room] = (self._running_loop().time(), frame.reason)
+                self._send(link, RoomSettled(frame.room, frame.generation))
         elif isinstance(frame, (RoomOutcome, RoomSettled)):
             key = registry.current(Role.RECEIVER, frame.room)
             if key is None or key.generation != frame.generation:
@@ -589,9 +599,10 @@ class ControlPlane:
 
     def _expire_pending(self, now: float) -> None:
         ttl = self.config.pending_ttl_s
-        for room, (since, _) in list(self._tombstones.items()):
-            if now - since > ttl:
-                del self._tombstones[room]
+        for marks in (self._tombstones, self._aborted_early):
+            for room, (since, _) in list(marks.items()):
+                if now - since > ttl:
+                    del marks[room]
         for room, (since, link, frame) in list(self._pending.items()):
             if now - since > ttl:
                 del self._pending[room]

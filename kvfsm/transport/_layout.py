@@ -170,10 +170,10 @@ class Region:
             )
         if addr + nbytes > ADDRESS_LIMIT:
             raise LayoutError(f"{who}: [{addr:#x}, +{nbytes}) runs past the 64-bit address space")
-        for field, value, shown in (("addr", addr, f"{addr:#x}"), ("item_bytes", item, item)):
+        for name, value, shown in (("addr", addr, f"{addr:#x}"), ("item_bytes", item, item)):
             if value % ALIGNMENT:
                 raise LayoutError(
-                    f"{who}: {field} {shown} is not a multiple of {ALIGNMENT}; a misaligned "
+                    f"{who}: {name} {shown} is not a multiple of {ALIGNMENT}; a misaligned "
                     "value usually means elements were passed for bytes, or a pointer into the "
                     "middle of a view"
                 )

@@ -319,3 +319,13 @@ def test_two_decode_instances_with_the_same_rank_share_one_prefill(
         assert second.landed([21], [11], 3, 1)
     finally:
         second.close()
+
+
+def test_decode_abort_before_the_prefill_room_exists(pair: tuple[PrefillProcess, Decode]) -> None:
+    prefill, decode = pair
+    receiver = decode.receive(31, [12, 13], aux_row=0)  # prefill holds these pages: no room yet
+    receiver.abort("gave up early")
+    wait_for(lambda: receiver.settled, timeout=10)  # acknowledged: nothing was written
+    prefill.ask("send", 31, [1, 2], 1, 0)  # the prefill room arrives late
+    wait_for(lambda: prefill.ask("status", 31)[0] == KVPoll.Failed, timeout=10)
+    assert "gave up early" in prefill.ask("status", 31)[1]

@@ -1,0 +1,979 @@
+"""``kvfsm demo``: a real prefill-decode pair on this machine, both sides with rooms.
+
+Three kinds of process take part:
+
+* **this process** (the demo) runs the bootstrap registry, embedded in a thread of its own,
+  starts the two ranks, hands them the plan, collects what they report, prints a live progress
+  line on stderr and the summary on stdout;
+* **the prefill process** runs a :class:`~kvfsm.manager.PrefillManager` (its own NIXL agent,
+  loop thread and control channel; it registers in the registry) and a scheduler-shaped loop
+  over sender rooms: ``sender(room)``, poll until WaitingForInput, ``init(num_pages, aux)``, one
+  ``send(chunk)`` per iteration, poll until terminal, ``clear()``, wait until settled;
+* **the decode process** runs a :class:`~kvfsm.manager.DecodeManager` (it finds prefill through
+  the registry and connects its control channel) and the same kind of loop over receiver rooms:
+  ``receiver(room)``, ``init(0)``, poll until WaitingForInput, take destination pages and an aux
+  row from its free pools, ``send_metadata(pages, aux)``, poll until terminal, check every
+  received byte and the aux row, ``clear()``, and give the pages back only once the room is
+  terminal *and* settled.
+
+Every chunk is a real NIXL WRITE (UCX, DRAM to DRAM) from the prefill process into the decode
+process's pages, started by the prefill room after decode's page list came over the control
+channel.
+
+**The plan.** Both ranks walk the same plan, made from the seed (each rank and this process
+generate it from ``(options, seed)``, so nothing per room crosses a pipe): for each request its room
+id, its source pages and aux row, how its pages are cut into 1..``max_chunks`` chunks, and
+whether (and where) it is aborted: by prefill before decode's pages arrive, before ``init``,
+between chunks or right after the last chunk; or by decode a few iterations after it sent its
+page list. No per-room message is needed: each rank walks the plan in order, ``concurrency``
+rooms in flight (prefill admits twice as many, like a bootstrap queue, so that its room exists
+when decode's metadata or abort arrives), and reports each room's outcome (status, reason,
+elapsed time, bytes checked, mismatches) back over its pipe when asked.
+
+**Sources are deterministic**: word ``w`` of page ``p`` of K/V buffer ``b`` is a hash of
+``(seed, b, p, w)`` (aux rows likewise), so decode checks what landed without asking prefill.
+Decode poisons destination pages before it hands them out, so a missing write cannot pass.
+
+A room is *succeeded* when decode's room ends Success and its bytes check; *failed* when
+decode's room ends Failed (counted by reason, numbers blanked); *wedged* when either side's room
+is not terminal within ``--room-timeout`` (it is then aborted); *unsettled* when it is terminal
+but not settled within the grace. The exit status is 1 if anything wedged, mismatched, stayed
+unsettled or failed for a reason other than the demo's own aborts, and 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.cli import (
+    _NIXL_LEVELS,
+    ABORT_REASON,
+    DTYPES,
+    _environ,
+    _percentile,
+    _reason_class,
+    _sigint_deferred,
+    _size,
+)
+
+with contextlib.redirect_stdout(sys.stderr):  # see kvfsm.cli: NIXL binds its log to stdout
+    from kvfsm._child import ChildProcess
+    from kvfsm.bootstrap import BootstrapServer
+    from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
+    from kvfsm.rooms import ReceiverRoom, SenderRoom
+    from kvfsm.states import TERMINAL, KVPoll
+    from kvfsm.transport._peer import Shape, make_buffers, make_layout
+
+__all__ = ["DemoOptions", "add_parser", "run", "run_demo"]
+
+_log = logging.getLogger("kvfsm.demo")
+
+Pages = npt.NDArray[np.int32]
+_ENGINE: Final = "demo"
+#: The reason given to requests decode could not start: unsettled rooms hold every free page.
+STARVED: Final = "not started: unsettled rooms hold the free pages"
+#: Word-hash multipliers for the deterministic sources (odd, so distinct inputs spread).
+_MUL: Final = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    requests: int = 300
+    concurrency: int = 16
+    num_pages: int = 512
+    layers: int = 32
+    page_tokens: int = 16
+    kv_heads: int = 1
+    head_dim: int = 128
+    dtype: str = "bf16"
+    aux_rows: int = 64
+    aux_row_bytes: int = 1024
+    max_room_pages: int = 32
+    max_chunks: int = 4
+    abort_rate: float = 0.0
+    room_timeout_s: float = 60.0
+    settle_grace_s: float = 30.0
+    idle_sleep_s: float = 0.0002
+    progress: bool = True
+    seed: int | None = None
+
+    @property
+    def buffer_page_bytes(self) -> int:
+        return self.page_tokens * self.kv_heads * self.head_dim * DTYPES.get(self.dtype, 0)
+
+    @property
+    def total_page_bytes(self) -> int:
+        return 2 * self.layers * self.buffer_page_bytes
+
+    def shape(self) -> Shape:
+        return Shape(
+            layers=self.layers,
+            num_pages=self.num_pages,
+            page_bytes=self.buffer_page_bytes,
+            aux_rows=self.aux_rows,
+            aux_row_bytes=self.aux_row_bytes,
+        )
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the flag that is out of range."""
+        if self.requests < 0 or self.concurrency < 1:
+            raise ValueError("--requests must be >= 0 and --concurrency >= 1")
+        for flag, value in (
+            ("--layers", self.layers),
+            ("--pages", self.num_pages),
+            ("--page-tokens", self.page_tokens),
+            ("--kv-heads", self.kv_heads),
+            ("--head-dim", self.head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.buffer_page_bytes % 8 or self.aux_row_bytes < 8 or self.aux_row_bytes % 8:
+            raise ValueError("page bytes and --aux-row-bytes must be positive multiples of 8")
+        if not 1 <= self.max_room_pages <= self.num_pages:
+            raise ValueError("--max-room-pages must be in [1, --pages]")
+        if self.max_chunks < 1:
+            raise ValueError("--max-chunks must be >= 1")
+        if self.aux_rows < max(self.concurrency, 1):
+            raise ValueError("--aux-rows must be >= --concurrency (one live row per room)")
+        if not 0.0 <= self.abort_rate <= 1.0:
+            raise ValueError(f"--abort-rate must be in [0, 1], got {self.abort_rate}")
+        if not (self.room_timeout_s > 0 and self.settle_grace_s > 0 and self.idle_sleep_s >= 0):
+            raise ValueError("--room-timeout must be > 0 and --idle-sleep >= 0")
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One room as both ranks run it. ``abort_side`` is ``"prefill"``, ``"decode"`` or ``""``;
+    ``abort_at`` for prefill: -1 before decode's pages arrive, 0 before ``init``, k in
+    1..chunks-1 between chunks, ``len(chunks)`` right after the last; for decode: iterations
+    after ``send_metadata``."""
+
+    room: int
+    src: list[int]
+    src_aux: int
+    cuts: list[int]
+    abort_side: str = ""
+    abort_at: int = 0
+
+    def chunks(self) -> list[Pages]:
+        return np.split(np.asarray(self.src, np.int32), self.cuts)
+
+
+def make_plan(opts: DemoOptions, seed: int) -> Iterator[Request]:
+    """The requests, in order, lazily (a long run does not hold its plan in memory)."""
+    rng = np.random.default_rng(seed)
+    for room in range(opts.requests):
+        n = int(rng.integers(0, opts.max_room_pages + 1))  # 0: an aux-only room
+        src = ((int(rng.integers(opts.num_pages)) + np.arange(n)) % opts.num_pages).astype(np.int32)
+        if rng.random() < 0.5:
+            rng.shuffle(src)
+        # The last chunk is not empty (it is the one that brings the count to n) unless n == 0.
+        extra = int(rng.integers(opts.max_chunks)) if n > 0 else 0
+        cuts = sorted(int(c) for c in rng.integers(0, max(n, 1), size=extra))
+        side, at = "", 0
+        if opts.abort_rate > 0 and rng.random() < opts.abort_rate:
+            if rng.random() < 0.5:
+                side, at = "prefill", int(rng.integers(-1, len(cuts) + 2))
+            else:
+                side, at = "decode", int(rng.integers(0, 4))
+        yield Request(room, src.tolist(), int(rng.integers(opts.aux_rows)), cuts, side, at)
+
+
+def _pattern(
+    seed: int, buffer: int, pages: npt.NDArray[np.integer[Any]], words: int
+) -> npt.NDArray[np.uint32]:
+    """The deterministic contents of ``pages`` of one buffer, as uint32 words."""
+    with np.errstate(over="ignore"):
+        p = pages.astype(np.uint32)[:, None] * np.uint32(_MUL[0])
+        w = np.arange(words, dtype=np.uint32)[None, :] * np.uint32(_MUL[2])
+        base = np.uint32((seed * _MUL[3] + buffer * _MUL[1] + 0x5BD1E995) & 0xFFFFFFFF)
+        x = p ^ w ^ base
+        return x ^ (x >> np.uint32(15))
+
+
+def _aux_buffer_id(opts: DemoOptions) -> int:
+    return 2 * opts.layers  # after the K and V buffers
+
+
+def fill_sources(
+    opts: DemoOptions, seed: int, kv: list[npt.NDArray[np.uint8]], aux: npt.NDArray[np.uint8]
+) -> None:
+    for b, buf in enumerate(kv):
+        rows = np.arange(buf.shape[0])
+        buf.view(np.uint32)[:] = _pattern(seed, b, rows, buf.shape[1] // 4)
+    aux.view(np.uint32)[:] = _pattern(
+        seed, _aux_buffer_id(opts), np.arange(aux.shape[0]), aux.shape[1] // 4
+    )
+
+
+# -- the ranks (each runs in its own process) -----------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a rank reports about one room."""
+
+    room: int
+    status: int
+    reason: str
+    elapsed_ms: float
+    wedged: bool = False
+    unsettled: bool = False
+    #: Decode only: bytes compared and bytes that differ (pages and aux row).
+    checked: int = 0
+    mismatched: int = 0
+
+
+@dataclass(slots=True)
+class _Live:
+    req: Request
+    room: SenderRoom | ReceiverRoom
+    started: float
+    chunks: list[Pages] = field(default_factory=list)
+    dst: Pages | None = None
+    dst_aux: int = -1
+    phase: int = 0  # 0 bootstrap, 1 sending / metadata sent, 2 finishing, 3 settling
+    step: int = 0  # prefill: chunks sent; decode: iterations since send_metadata
+    status: int = 0
+    reason: str = ""
+    ended: float = 0.0
+    wedged: bool = False
+    checked: int = 0
+    mismatched: int = 0
+
+
+class _Rank:
+    """The scheduler loop both ranks share; the role-specific parts are the ``_*`` hooks."""
+
+    window: int
+    manager: PrefillManager | DecodeManager
+
+    def __init__(self, conn: Connection, opts: DemoOptions, seed: int) -> None:
+        self.conn = conn
+        self.opts = opts
+        self.seed = seed
+        self.parent = os.getppid()
+        self.reports: list[Outcome] = []
+        self.quit = False
+
+    def serve(self) -> None:
+        """Answer requests until ``run``, run the plan (still answering), then until ``quit``."""
+        while not self.quit:
+            if not self.conn.poll(0.05):
+                if os.getppid() != self.parent:
+                    return
+                continue
+            request: Any = self.conn.recv()
+            if request[0] == "run":  # answered once the first rooms exist
+                self.run(make_plan(self.opts, self.seed))
+            else:
+                self._answer(request)
+
+    def _answer(self, request: Any) -> None:
+        op = request[0]
+        if op == "quit":
+            self.quit = True
+        elif op == "stopping":  # the other rank going away is expected from now on
+            if logging.getLogger().getEffectiveLevel() > logging.INFO:
+                logging.getLogger("kvfsm.control").setLevel(logging.ERROR)
+            self.conn.send(True)
+        elif op == "stats":
+            self.conn.send(self.manager.stats())
+        elif op == "results":
+            reports, self.reports = self.reports, []
+            self.conn.send([asdict(r) for r in reports])
+        else:
+            self.conn.send(None)
+
+    def run(self, plan: Iterator[Request]) -> None:
+        opts = self.opts
+        live: list[_Live] = []
+        pending: Request | None = next(plan, None)
+        acked = False
+        while (pending is not None or live) and not self.quit:
+            progressed = False
+            while pending is not None and len(live) < self.window:
+                started = self._start(pending)
+                if started is None and not live:
+                    # Every free page is free for good: rooms written off as unsettled hold
+                    # the rest. Report the rest as not started rather than spin.
+                    for req in (pending, *plan):
+                        self.reports.append(Outcome(req.room, int(KVPoll.Failed), STARVED, 0.0))
+                    pending = None
+                    break
+                if started is None:
+                    break
+                live.append(started)
+                pending = next(plan, None)
+                progressed = True
+            if not acked:
+                self.conn.send(True)
+                acked = True
+            now = time.perf_counter()
+            for item in live:
+                progressed |= self._step(item, now)
+            live = [item for item in live if item.phase < 4]
+            if self.conn.poll(0):
+                self._answer(self.conn.recv())
+            elif not progressed:
+                if os.getppid() != self.parent:
+                    self.quit = True
+                time.sleep(opts.idle_sleep_s)
+        if not acked:  # an empty plan
+            self.conn.send(True)
+
+    def _step(self, item: _Live, now: float) -> bool:
+        room = item.room
+        if item.phase == 3:
+            unsettled = now - item.ended > self.opts.settle_grace_s
+            if room.settled or unsettled:
+                self._release(item)
+                self.reports.append(
+                    Outcome(
+                        item.req.room,
+                        item.status,
+                        item.reason,
+                        (item.ended - item.started) * 1e3,
+                        item.wedged,
+                        unsettled and not room.settled,
+                        item.checked,
+                        item.mismatched,
+                    )
+                )
+                item.phase = 4
+                return True
+            return False
+        status = room.poll()
+        if status in TERMINAL:
+            item.status, item.reason, item.ended = int(status), room.reason, now
+            if status is KVPoll.Success:
+                self._landed(item)
+            room.clear()
+            item.phase = 3
+            return True
+        if now - item.started > self.opts.room_timeout_s:
+            room.abort("wedged")
+            item.status, item.reason, item.ended = int(KVPoll.Failed), "wedged", now
+            item.wedged = True
+            room.clear()
+            item.phase = 3
+            return True
+        return self._advance(item, status)
+
+    def _start(self, req: Request) -> _Live | None:
+        raise NotImplementedError
+
+    def _advance(self, item: _Live, status: KVPoll) -> bool:
+        raise NotImplementedError
+
+    def _landed(self, item: _Live) -> None:
+        pass
+
+    def _release(self, item: _Live) -> None:
+        pass
+
+
+class _PrefillRank(_Rank):
+    manager: PrefillManager
+
+    def __init__(
+        self, conn: Connection, opts: DemoOptions, seed: int, manager: PrefillManager
+    ) -> None:
+        super().__init__(conn, opts, seed)
+        self.manager = manager
+        self.window = 2 * opts.concurrency  # a bootstrap queue ahead of decode's window
+
+    def _start(self, req: Request) -> _Live:
+        sender = self.manager.sender(req.room)
+        item = _Live(req, sender, time.perf_counter(), chunks=req.chunks())
+        if req.abort_side == "prefill" and req.abort_at == -1:
+            sender.abort(ABORT_REASON)
+        return item
+
+    def _advance(self, item: _Live, status: KVPoll) -> bool:
+        sender, req = item.room, item.req
+        assert isinstance(sender, SenderRoom)
+        mine = req.abort_side == "prefill"
+        if item.phase == 0 and status is KVPoll.WaitingForInput:
+            if mine and req.abort_at == 0:
+                sender.abort(ABORT_REASON)
+            else:
+                sender.init(len(req.src), req.src_aux)
+                item.phase = 1
+            return True
+        if item.phase == 1:
+            if mine and req.abort_at == item.step and item.step > 0:
+                sender.abort(ABORT_REASON)  # between two chunks
+                return True
+            sender.send(item.chunks[item.step])
+            item.step += 1
+            if item.step == len(item.chunks):
+                item.phase = 2
+                if mine and req.abort_at >= item.step:  # while the last chunk is in flight
+                    sender.abort(ABORT_REASON)
+            return True
+        return False
+
+
+class _DecodeRank(_Rank):
+    manager: DecodeManager
+
+    def __init__(
+        self,
+        conn: Connection,
+        opts: DemoOptions,
+        seed: int,
+        *,
+        manager: DecodeManager,
+        kv: list[npt.NDArray[np.uint8]],
+        aux: npt.NDArray[np.uint8],
+    ) -> None:
+        super().__init__(conn, opts, seed)
+        self.manager = manager
+        self.kv, self.aux = kv, aux
+        # What prefill's sources hold, computed once: checking a room is a gather and a compare.
+        self.want_kv, self.want_aux = make_buffers(opts.shape())
+        fill_sources(opts, seed, self.want_kv, self.want_aux)
+        self.window = opts.concurrency
+        self.free_pages = np.ones(opts.num_pages, dtype=bool)
+        self.free_aux = np.ones(opts.aux_rows, dtype=bool)
+        self.rng = np.random.default_rng(seed + 1)
+
+    def _pick(self, free: npt.NDArray[np.bool_], n: int) -> Pages | None:
+        """``n`` free indices from a random offset, shuffled half the time (fragmentation)."""
+        candidates = np.flatnonzero(free)
+        if candidates.size < n:
+            return None
+        start = int(self.rng.integers(candidates.size)) if candidates.size else 0
+        picked = np.roll(candidates, -start)[:n].astype(np.int32)
+        if self.rng.random() < 0.5:
+            self.rng.shuffle(picked)
+        return picked
+
+    def _start(self, req: Request) -> _Live | None:
+        dst = self._pick(self.free_pages, len(req.src))
+        aux = self._pick(self.free_aux, 1)
+        if dst is None or aux is None:
+            return None  # wait until a live room settles and gives its pages back
+        self.free_pages[dst] = False
+        self.free_aux[aux] = False
+        receiver = self.manager.receiver(req.room)
+        receiver.init(0)
+        return _Live(req, receiver, time.perf_counter(), dst=dst, dst_aux=int(aux[0]))
+
+    def _advance(self, item: _Live, status: KVPoll) -> bool:
+        receiver, req = item.room, item.req
+        assert isinstance(receiver, ReceiverRoom)
+        assert item.dst is not None
+        if item.phase == 0 and status is KVPoll.WaitingForInput:
+            for buf in self.kv:  # poison: a page that is never written cannot pass the check
+                buf[item.dst] = 0xA5
+            self.aux[item.dst_aux] = 0xA5
+            receiver.send_metadata(item.dst, item.dst_aux)
+            item.phase = 1
+        elif item.phase == 1:
+            if req.abort_side == "decode" and req.abort_at == item.step:
+                receiver.abort(ABORT_REASON)
+            item.step += 1
+            return False
+        else:
+            return False
+        if req.abort_side == "decode" and req.abort_at == 0:
+            receiver.abort(ABORT_REASON)  # right after the page list went out
+        item.step = 1
+        return True
+
+    def _landed(self, item: _Live) -> None:
+        """Check every byte of the room's pages and its aux row against the sources."""
+        assert item.dst is not None
+        src = np.asarray(item.req.src, np.int64)
+        for got, want in zip(self.kv, self.want_kv, strict=True):
+            differ = got[item.dst] != want[src]
+            item.checked += differ.size
+            item.mismatched += int(np.count_nonzero(differ))
+        differ_aux = self.aux[item.dst_aux] != self.want_aux[item.req.src_aux]
+        item.checked += differ_aux.size
+        item.mismatched += int(np.count_nonzero(differ_aux))
+
+    def _release(self, item: _Live) -> None:
+        if not item.room.settled:
+            return  # written off: its pages stay reserved for good
+        assert item.dst is not None
+        self.free_pages[item.dst] = True
+        self.free_aux[item.dst_aux] = True
+
+
+def _rank_main(  # noqa: PLR0917 (ChildProcess passes its arguments positionally)
+    conn: Connection, role: str, opts: DemoOptions, seed: int, url: str, log_level: int
+) -> None:
+    """A rank's process: build its buffers and manager, greet, serve the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo process stops us, after the run
+    logging.basicConfig(
+        level=log_level, stream=sys.stderr, format=f"%(levelname)s {role} %(name)s: %(message)s"
+    )
+    kv, aux = make_buffers(opts.shape())
+    layout = make_layout(kv, aux)
+    config = ManagerConfig()
+    rank: _Rank
+    manager: PrefillManager | DecodeManager
+    if role == "prefill":
+        fill_sources(opts, seed, kv, aux)
+        manager = PrefillManager(layout, url, engine_id=_ENGINE, config=config)
+        rank = _PrefillRank(conn, opts, seed, manager)
+    else:
+        manager = DecodeManager(layout, url, engine_id=_ENGINE, config=config)
+        rank = _DecodeRank(conn, opts, seed, manager=manager, kv=kv, aux=aux)
+    try:
+        conn.send(os.getpid())
+        rank.serve()
+    except (EOFError, OSError, BrokenPipeError):
+        pass
+    finally:
+        manager.close()
+
+
+# -- the demo process ---------------------------------------------------------------------
+
+
+class _Registry:
+    """The bootstrap registry, embedded: a ``BootstrapServer`` on a loop in its own thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="kvfsm-registry", daemon=True
+        )
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            if not self.thread.is_alive():
+                self.loop.close()
+
+
+def _spawn(factories: list[Callable[[], ChildProcess]]) -> list[ChildProcess]:
+    """Start child processes so that they neither hear the terminal's Ctrl-C (this process
+    stops them, in order) nor write to our stdout (kept for the summary): each is forked, on a
+    helper thread, while SIGINT is ignored here and fd 1 points at stderr (both survive exec),
+    with NIXL logging at our ``nixl`` logger's level. As soon as the processes exist, SIGINT
+    and stdout are restored and this thread waits for their greetings interruptibly (the same
+    recipe as ``kvfsm run``'s decode process)."""
+    level = logging.getLevelName(logging.getLogger("nixl").getEffectiveLevel())
+    env = (
+        {}
+        if "NIXL_LOG_LEVEL" in os.environ
+        else {"NIXL_LOG_LEVEL": _NIXL_LEVELS.get(level, "WARN")}
+    )
+    in_main = threading.current_thread() is threading.main_thread()
+    lock = threading.Lock()
+    ready: list[ChildProcess | BaseException] = []
+    abandoned = False
+
+    def build(factory: Callable[[], ChildProcess]) -> None:
+        try:
+            child: ChildProcess | BaseException = factory()
+        except BaseException as exc:
+            child = exc
+        with lock:
+            if not abandoned:
+                ready.append(child)
+                return
+        if isinstance(child, ChildProcess):
+            child.close()  # the caller gave up meanwhile
+
+    before = {child.pid for child in mp.active_children()}
+    helpers = [threading.Thread(target=build, args=(f,), daemon=True) for f in factories]
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        os.dup2(2, 1)
+        with _environ(env):
+            for helper in helpers:
+                helper.start()
+            while any(h.is_alive() for h in helpers) and (
+                sum(c.pid not in before for c in mp.active_children()) < len(helpers)
+            ):
+                time.sleep(0.001)
+    finally:
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+        if in_main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    try:
+        for helper in helpers:
+            helper.join()
+    except BaseException:
+        with lock:
+            abandoned = True
+            started = list(ready)
+        for child in started:
+            if isinstance(child, ChildProcess):
+                child.close()
+        raise
+    children = [c for c in ready if isinstance(c, ChildProcess)]
+    errors = [c for c in ready if isinstance(c, BaseException)]
+    if errors:
+        for child in children:
+            child.close()
+        raise errors[0]
+    return children
+
+
+class _Progress:
+    """A ``\\r`` progress line on stderr, at most ten times a second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.last, self.shown = total, enabled, 0.0, False
+
+    def show(self, done: int, ok: int, failed: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self.last < 0.1):
+            return
+        self.last, self.shown = now, True
+        width = 30
+        filled = width * done // self.total if self.total else width
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(f"\r  [{bar}] {done}/{self.total}  ok {ok}  failed {failed} ")
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _collect(
+    child: ChildProcess, into: dict[int, Outcome], what: str, timeout: float = 60.0
+) -> bool:
+    """Add what ``child`` reported since the last call; True if a request was not started."""
+    if not child.process.is_alive():
+        raise RuntimeError(f"the {what} process exited (status {child.process.exitcode})")
+    starved = False
+    for raw in child.ask("results", timeout=timeout):
+        outcome = into[raw["room"]] = Outcome(**raw)
+        starved |= outcome.reason == STARVED
+    return starved
+
+
+def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    """Run the demo and return its summary as a JSON-able dict (see the module docstring).
+    Stops both ranks (prefill first) and the registry whatever happens, Ctrl-C included."""
+    opts.validate()
+    seed = (
+        opts.seed if opts.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
+    )
+    registry: _Registry | None = None
+    children: list[ChildProcess] = []
+    progress = _Progress(opts.requests, opts.progress)
+    pre: dict[int, Outcome] = {}
+    dec: dict[int, Outcome] = {}
+    t_setup = time.perf_counter()
+    try:
+        level = logging.getLogger("kvfsm").getEffectiveLevel()
+        registry = _Registry()
+        url = registry.url
+
+        def factory(role: str) -> Callable[[], ChildProcess]:
+            return lambda: ChildProcess(_rank_main, role, opts, seed, url, level, what=role)
+
+        children = _spawn([factory("prefill"), factory("decode")])
+        prefill, decode = sorted(children, key=lambda c: c.what != "prefill")
+        setup_s = time.perf_counter() - t_setup
+        t0 = time.perf_counter()
+        # Prefill first, and it answers once its first rooms exist: from then on its rooms are
+        # there before decode's page lists or aborts for them arrive (its window is larger).
+        prefill.ask("run")
+        decode.ask("run")
+        ok = 0
+        starved = False  # decode gave up on the rest: prefill's rooms for it never finish
+        while len(dec) < opts.requests or (len(pre) < opts.requests and not starved):
+            time.sleep(0.05)
+            _collect(prefill, pre, "prefill")
+            starved |= _collect(decode, dec, "decode")
+            ok = sum(o.status == KVPoll.Success and not o.mismatched for o in dec.values())
+            progress.show(len(dec), ok, len(dec) - ok)
+        seconds = time.perf_counter() - t0
+        progress.show(len(dec), ok, len(dec) - ok, force=True)
+        pids = {"prefill": prefill.pid, "decode": decode.pid}
+        stats = {"prefill": prefill.ask("stats"), "decode": decode.ask("stats")}
+    finally:
+        progress.end()
+        with _sigint_deferred():
+            for child in children:
+                with contextlib.suppress(Exception):
+                    child.ask("stopping", timeout=5)
+            for child in sorted(children, key=lambda c: c.what != "prefill"):
+                try:
+                    child.close()
+                except Exception:
+                    _log.exception("stopping the %s process failed", child.what)
+            if registry is not None:
+                try:
+                    registry.close()
+                except Exception:
+                    _log.exception("stopping the registry failed")
+    summary = _summarize(opts, seed, pre=pre, dec=dec, seconds=seconds, setup_s=setup_s, pids=pids)
+    summary["engines"] = stats
+    return summary
+
+
+def _summarize(
+    opts: DemoOptions,
+    seed: int,
+    *,
+    pre: dict[int, Outcome],
+    dec: dict[int, Outcome],
+    seconds: float,
+    setup_s: float,
+    pids: dict[str, int],
+) -> dict[str, Any]:
+    succeeded = failed = unexpected = mismatched_rooms = mismatched = wedged = unsettled = 0
+    split = aborts_too_late = checked = moved = 0
+    by_reason: Counter[str] = Counter()
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    def note(text: str) -> None:
+        if len(failures) < 10:
+            failures.append(text)
+
+    planned = 0
+    for req in make_plan(opts, seed):
+        planned += bool(req.abort_side)
+        d = dec[req.room]
+        p = pre.get(req.room) or Outcome(req.room, int(KVPoll.Failed), STARVED, 0.0)
+        wedged += p.wedged or d.wedged
+        unsettled += p.unsettled or d.unsettled
+        checked += d.checked
+        mismatched += d.mismatched
+        if p.unsettled or d.unsettled:
+            note(f"room {req.room}: unsettled (prefill {p.reason!r}, decode {d.reason!r})")
+        if p.wedged or d.wedged:
+            note(f"room {req.room}: wedged (prefill {p.reason!r}, decode {d.reason!r})")
+        if d.status == KVPoll.Success:
+            split += p.status != KVPoll.Success
+            if d.mismatched:
+                mismatched_rooms += 1
+                note(f"room {req.room}: {d.mismatched} of {d.checked} bytes differ")
+            else:
+                succeeded += 1
+                aborts_too_late += bool(req.abort_side)
+                moved += len(req.src) * opts.total_page_bytes + opts.aux_row_bytes
+                latencies.append(d.elapsed_ms)
+        else:
+            failed += 1
+            by_reason[_reason_class(d.reason)] += 1
+            if not (req.abort_side and ABORT_REASON in d.reason):
+                unexpected += 1
+                note(f"room {req.room}: failed: {d.reason}")
+    gbps = round(moved / seconds / 1e9, 4) if seconds > 0 else 0.0
+    return {
+        "requests": opts.requests,
+        "succeeded": succeeded,
+        "failed": failed,
+        "failed_by_reason": dict(by_reason.most_common()),
+        "failed_unexpectedly": unexpected,
+        "aborts_planned": planned,
+        "aborts_too_late": aborts_too_late,
+        "wedged": wedged,
+        "unsettled": unsettled,
+        "mismatched": mismatched_rooms,
+        "mismatched_bytes": mismatched,
+        "checked_bytes": checked,
+        "split_outcomes": split,
+        "bytes": moved,
+        "seconds": round(seconds, 4),
+        "setup_seconds": round(setup_s, 4),
+        "gbps": gbps,
+        "requests_per_s": round(opts.requests / seconds, 1) if seconds > 0 else 0.0,
+        "p50_ms": round(_percentile(latencies, 50), 3),
+        "p99_ms": round(_percentile(latencies, 99), 3),
+        "concurrency": opts.concurrency,
+        "abort_rate": opts.abort_rate,
+        "layout": describe_layout(opts),
+        "pids": pids,
+        "seed": seed,
+        "failures": failures,
+    }
+
+
+def describe_layout(opts: DemoOptions) -> str:
+    pool = opts.num_pages * opts.total_page_bytes
+    return (
+        f"{opts.layers} layers x K,V; a page is {opts.page_tokens} tokens x {opts.kv_heads} KV "
+        f"heads x {opts.head_dim} dims {opts.dtype} = {_size(opts.buffer_page_bytes)} per "
+        f"buffer, {_size(opts.total_page_bytes)} in all; {opts.num_pages} pages "
+        f"({_size(pool)} of KV per side); aux {opts.aux_rows} x {_size(opts.aux_row_bytes)}"
+    )
+
+
+def ok(summary: dict[str, Any]) -> bool:
+    return bool(
+        summary["succeeded"] + summary["failed"] == summary["requests"]
+        and summary["failed_unexpectedly"] == summary["mismatched"] == 0
+        and summary["mismatched_bytes"] == 0
+        and summary["wedged"] == summary["unsettled"] == 0
+    )
+
+
+def print_text(s: dict[str, Any]) -> None:
+    aborts = f", abort rate {s['abort_rate']:g}" if s["abort_rate"] else ""
+    print(
+        f"kvfsm demo: {s['requests']} requests, {s['concurrency']} in flight{aborts}; "
+        f"prefill pid {s['pids']['prefill']} -> decode pid {s['pids']['decode']} over NIXL "
+        f"(UCX, DRAM->DRAM), control channel, bootstrap registry; seed {s['seed']}"
+    )
+    print(f"  layout: {s['layout']}")
+    rows = [
+        ("requests", s["requests"]),
+        ("succeeded", s["succeeded"]),
+        ("failed", s["failed"]),
+        *((f"  {reason}", n) for reason, n in s["failed_by_reason"].items()),
+        ("wedged", s["wedged"]),
+        ("unsettled", s["unsettled"]),
+        ("mismatched rooms", s["mismatched"]),
+        ("mismatched bytes", f"{s['mismatched_bytes']} of {s['checked_bytes']} checked"),
+        ("moved", f"{s['bytes'] / 1e9:.3f} GB in {s['seconds']:.2f} s"),
+        ("GB/s", f"{s['gbps']:.2f}"),
+        ("p50 ms / room", f"{s['p50_ms']:.2f}"),
+        ("p99 ms / room", f"{s['p99_ms']:.2f}"),
+        ("setup s", f"{s['setup_seconds']:.2f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    for line in s["failures"]:
+        print(f"  {line}")
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add the ``demo`` subcommand to ``kvfsm``'s subparsers and return its parser."""
+    d = DemoOptions()
+    p = subparsers.add_parser(
+        "demo",
+        help="a prefill process and a decode process, both with rooms, moving real KV over "
+        "NIXL (DRAM), found through the bootstrap registry, every byte checked",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    a = p.add_argument
+    a("--requests", type=int, default=d.requests, help="requests to run (%(default)s)")
+    a("--concurrency", type=int, default=d.concurrency, help="rooms in flight (%(default)s)")
+    a("--pages", type=int, default=d.num_pages, help="KV pages per side (%(default)s)")
+    a("--layers", type=int, default=d.layers, help="layers, each K and V (%(default)s)")
+    a("--page-tokens", type=int, default=d.page_tokens, help="tokens per page (%(default)s)")
+    a("--kv-heads", type=int, default=d.kv_heads, help="KV heads (%(default)s)")
+    a("--head-dim", type=int, default=d.head_dim, help="head dim (%(default)s)")
+    a("--dtype", choices=tuple(DTYPES), default=d.dtype, help="KV dtype (%(default)s)")
+    a("--aux-rows", type=int, default=d.aux_rows, help="aux rows (%(default)s)")
+    a("--aux-row-bytes", type=int, default=d.aux_row_bytes, help="bytes per aux row")
+    a("--max-room-pages", type=int, default=d.max_room_pages, help="pages per room, at most")
+    a("--max-chunks", type=int, default=d.max_chunks, help="chunks per room, at most")
+    a(
+        "--abort-rate",
+        type=float,
+        default=d.abort_rate,
+        help="probability that a request is aborted, by either side (%(default)s)",
+    )
+    a(
+        "--room-timeout",
+        type=float,
+        default=d.room_timeout_s,
+        help="seconds after which a non-terminal room counts as wedged (%(default)s)",
+    )
+    a(
+        "--idle-sleep",
+        type=float,
+        default=d.idle_sleep_s,
+        help="seconds a rank's scheduler naps when an iteration did nothing (%(default)s)",
+    )
+    a("--seed", type=int, default=None, help="random seed (default: random)")
+    a("--no-progress", action="store_true", help="no progress line on stderr")
+    a("--json", action="store_true", help="print the summary as one JSON object")
+    a("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvfsm demo`` from ``add_parser``'s arguments; the exit status."""
+    opts = DemoOptions(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        num_pages=args.pages,
+        layers=args.layers,
+        page_tokens=args.page_tokens,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        aux_rows=args.aux_rows,
+        aux_row_bytes=args.aux_row_bytes,
+        max_room_pages=args.max_room_pages,
+        max_chunks=args.max_chunks,
+        abort_rate=args.abort_rate,
+        room_timeout_s=args.room_timeout,
+        idle_sleep_s=args.idle_sleep,
+        progress=not args.no_progress,
+        seed=args.seed,
+    )
+    try:
+        opts.validate()
+    except ValueError as exc:
+        print(f"kvfsm demo: {exc}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(f"kvfsm demo: layout: {describe_layout(opts)}", file=sys.stderr)
+    try:
+        summary = run_demo(opts)
+    except KeyboardInterrupt:
+        print("kvfsm demo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        _log.debug("demo failed", exc_info=True)
+        print(
+            f"kvfsm demo: error: {type(exc).__name__}: {exc} (-vv for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_text(summary)
+    return 0 if ok(summary) else 1
