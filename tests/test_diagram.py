@@ -84,3 +84,15 @@ def test_main_prints_both(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == mermaid_all() + "\n"
     assert main(["--role", "receiver"]) == 0
     assert capsys.readouterr().out == mermaid(Role.RECEIVER) + "\n"
+
+
+def test_the_readme_shows_the_diagrams_of_the_real_tables() -> None:
+    from pathlib import Path
+
+    from kvfsm.diagram import mermaid_all
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("<!-- diagram:start")
+    body = readme[readme.index("-->", start) + 3 : readme.index("<!-- diagram:end -->")]
+    expected = mermaid_all().replace("## ", "### ")
+    assert body.strip() == expected.strip(), "README diagram is stale: rerun `kvfsm diagram`"
