@@ -47,7 +47,7 @@ with contextlib.redirect_stdout(sys.stderr):
     from kvfsm.transport import Agent, NixlTransport
     from kvfsm.transport._peer import PeerProcess, Shape, make_buffers, make_layout, page_digests
 
-__all__ = ["RunOptions", "main", "run_job"]
+__all__ = ["RunOptions", "WorkloadOptions", "main", "run_job"]
 
 _log = logging.getLogger("kvfsm.cli")
 
@@ -63,8 +63,9 @@ _NIXL_LEVELS: Final = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARN", "ERR
 
 
 @dataclass(frozen=True, slots=True)
-class RunOptions:
-    rooms: int = 200
+class WorkloadOptions:
+    """The layout and the load, shared by ``kvfsm run`` and ``kvfsm demo``."""
+
     concurrency: int = 16
     #: Pages in each side's pool (decode's free pool, prefill's source pages).
     num_pages: int = 1024
@@ -86,7 +87,7 @@ class RunOptions:
     room_timeout_s: float = 30.0
     #: Extra time a terminal room gets to settle before its pages are written off as unsettled.
     settle_grace_s: float = 30.0
-    #: Caller-thread nap when an iteration found nothing to do (0: just yield the GIL).
+    #: Scheduler nap when an iteration found nothing to do (0: just yield the GIL).
     idle_sleep_s: float = 0.0
     seed: int | None = None
 
@@ -111,10 +112,10 @@ class RunOptions:
             aux_row_bytes=self.aux_row_bytes,
         )
 
-    def validate(self) -> None:
+    def validate_workload(self, count_flag: str, count: int) -> None:
         """Raise ``ValueError`` naming the flag that is out of range."""
-        if self.rooms < 0 or self.concurrency < 1:
-            raise ValueError("--rooms must be >= 0 and --concurrency >= 1")
+        if count < 0 or self.concurrency < 1:
+            raise ValueError(f"{count_flag} must be >= 0 and --concurrency >= 1")
         for flag, value in (
             ("--layers", self.layers),
             ("--pages", self.num_pages),
@@ -142,6 +143,14 @@ class RunOptions:
             raise ValueError(f"--abort-rate must be in [0, 1], got {self.abort_rate}")
         if not (self.room_timeout_s > 0 and self.settle_grace_s > 0 and self.idle_sleep_s >= 0):
             raise ValueError("--room-timeout must be > 0 and --idle-sleep >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions(WorkloadOptions):
+    rooms: int = 200
+
+    def validate(self) -> None:
+        self.validate_workload("--rooms", self.rooms)
 
 
 class _Phase(enum.IntEnum):

@@ -67,6 +67,7 @@ from kvfsm.cli import (
     _NIXL_LEVELS,
     ABORT_REASON,
     DTYPES,
+    WorkloadOptions,
     _environ,
     _percentile,
     _reason_class,
@@ -80,7 +81,7 @@ with contextlib.redirect_stdout(sys.stderr):  # see kvfsm.cli: NIXL binds its lo
     from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
     from kvfsm.rooms import ReceiverRoom, SenderRoom
     from kvfsm.states import TERMINAL, KVPoll
-    from kvfsm.transport._peer import Shape, make_buffers, make_layout
+    from kvfsm.transport._peer import make_buffers, make_layout
 
 __all__ = ["DemoOptions", "add_parser", "run", "run_demo"]
 
@@ -95,70 +96,21 @@ _MUL: Final = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 
 
 @dataclass(frozen=True, slots=True)
-class DemoOptions:
-    requests: int = 300
-    concurrency: int = 16
+class DemoOptions(WorkloadOptions):
+    """``kvfsm run``'s workload knobs with the demo's defaults, plus its own."""
+
     num_pages: int = 512
     layers: int = 32
-    page_tokens: int = 16
     kv_heads: int = 1
-    head_dim: int = 128
-    dtype: str = "bf16"
     aux_rows: int = 64
     aux_row_bytes: int = 1024
-    max_room_pages: int = 32
-    max_chunks: int = 4
-    abort_rate: float = 0.0
     room_timeout_s: float = 60.0
-    settle_grace_s: float = 30.0
     idle_sleep_s: float = 0.0002
+    requests: int = 300
     progress: bool = True
-    seed: int | None = None
-
-    @property
-    def buffer_page_bytes(self) -> int:
-        return self.page_tokens * self.kv_heads * self.head_dim * DTYPES.get(self.dtype, 0)
-
-    @property
-    def total_page_bytes(self) -> int:
-        return 2 * self.layers * self.buffer_page_bytes
-
-    def shape(self) -> Shape:
-        return Shape(
-            layers=self.layers,
-            num_pages=self.num_pages,
-            page_bytes=self.buffer_page_bytes,
-            aux_rows=self.aux_rows,
-            aux_row_bytes=self.aux_row_bytes,
-        )
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the flag that is out of range."""
-        if self.requests < 0 or self.concurrency < 1:
-            raise ValueError("--requests must be >= 0 and --concurrency >= 1")
-        for flag, value in (
-            ("--layers", self.layers),
-            ("--pages", self.num_pages),
-            ("--page-tokens", self.page_tokens),
-            ("--kv-heads", self.kv_heads),
-            ("--head-dim", self.head_dim),
-        ):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.buffer_page_bytes % 8 or self.aux_row_bytes < 8 or self.aux_row_bytes % 8:
-            raise ValueError("page bytes and --aux-row-bytes must be positive multiples of 8")
-        if not 1 <= self.max_room_pages <= self.num_pages:
-            raise ValueError("--max-room-pages must be in [1, --pages]")
-        if self.max_chunks < 1:
-            raise ValueError("--max-chunks must be >= 1")
-        if self.aux_rows < max(self.concurrency, 1):
-            raise ValueError("--aux-rows must be >= --concurrency (one live row per room)")
-        if not 0.0 <= self.abort_rate <= 1.0:
-            raise ValueError(f"--abort-rate must be in [0, 1], got {self.abort_rate}")
-        if not (self.room_timeout_s > 0 and self.settle_grace_s > 0 and self.idle_sleep_s >= 0):
-            raise ValueError("--room-timeout must be > 0 and --idle-sleep >= 0")
+        self.validate_workload("--requests", self.requests)
 
 
 # -- the plan ----------------------------------------------------------------------------------
