@@ -731,6 +731,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     bootstrap_cli.add_parser(sub)
     diagram_cli.add_parser(sub)
+    rooms = sub.add_parser(
+        "rooms", help="show a running rank's live rooms (state, age, deadline, reason)"
+    )
+    rooms.add_argument("--url", required=True, help="the rank's status server, http://host:port")
+    rooms.add_argument("--json", action="store_true", help="print the rows as JSON")
     from kvfsm import demo  # noqa: PLC0415 (not at the top: kvfsm.demo imports from here)
 
     demo.add_parser(sub)
@@ -813,6 +818,39 @@ def _configure_logging(verbosity: int) -> None:
             handler.setStream(sys.stderr)
 
 
+def _show_rooms(url: str, *, as_json: bool) -> int:
+    """``kvfsm rooms``: one GET of ``/rooms`` from a rank's status server, as a table."""
+    import urllib.request  # noqa: PLC0415 - only this subcommand needs it
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/rooms", timeout=5) as response:
+            rows: list[dict[str, Any]] = json.loads(response.read())
+    except OSError as exc:
+        print(f"kvfsm rooms: cannot read {url}/rooms: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(rows))
+        return 0
+    columns = (
+        "room",
+        "generation",
+        "role",
+        "state",
+        "age_s",
+        "deadline_in_s",
+        "in_flight",
+        "settled",
+        "reason",
+    )
+    table = [[str("" if row.get(c) is None else row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in table]) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in table:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+    print(f"{len(rows)} live rooms")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _configure_logging(args.verbose)
@@ -820,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
         return bootstrap_cli.run(args)
     if args.command == "diagram":
         return diagram_cli.run(args)
+    if args.command == "rooms":
+        return _show_rooms(args.url, as_json=args.json)
     if args.command == "demo":
         from kvfsm import demo  # noqa: PLC0415
 

@@ -34,6 +34,7 @@ from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
 from kvfsm.bootstrap._registry import BootstrapClient
 from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine, SenderRoom
+from kvfsm.status import StatusServer
 from kvfsm.transport import Agent, AgentConfig, Layout, NixlTransport, TransferConfig
 
 __all__ = ["DecodeManager", "ManagerConfig", "PrefillManager"]
@@ -55,6 +56,12 @@ class ManagerConfig:
     #: How often a prefill rank refreshes its registration (keep well under the registry TTL).
     register_interval_s: float = 5.0
     use_uvloop: bool = True
+    #: Serve ``/rooms``, ``/stats`` and (with ``metrics``) ``/metrics`` on this port of
+    #: ``status_host``; 0 picks a free port; None: no status server.
+    status_port: int | None = None
+    status_host: str = "127.0.0.1"
+    #: Keep Prometheus metrics (needs ``prometheus-client``: ``pip install kvfsm[metrics]``).
+    metrics: bool = False
 
     def channel_config(self) -> ChannelConfig:
         if self.secret is None:
@@ -98,6 +105,12 @@ class _Manager:
         self._closed = False
         self.engine: RoomEngine | None = None
         self.control: ControlPlane | None = None
+        self.metrics: Any = None
+        self.status: StatusServer | None = None
+        if self.config.metrics:
+            from kvfsm.metrics import RoomMetrics  # noqa: PLC0415 - optional dependency
+
+            self.metrics = RoomMetrics()
 
     def _bootstrap_client(self) -> BootstrapClient:
         # Built anywhere; its aiohttp session opens on first use, on the engine's loop.
@@ -112,8 +125,18 @@ class _Manager:
             self.config.rooms,
             use_uvloop=self.config.use_uvloop,
             name=f"kvfsm-{control.role}-{self.rank}",
+            observer=self.metrics,
         ).start()
         self.engine.call(control.started())
+        if self.config.status_port is not None:
+            self.status = StatusServer(
+                self.engine,
+                metrics=self.metrics,
+                extra_stats=lambda: {"control": dict(control.stats)},
+                host=self.config.status_host,
+                port=self.config.status_port,
+            )
+            self.engine.call(self.status.start())
 
     def _engine(self) -> RoomEngine:
         if self.engine is None:
@@ -134,6 +157,11 @@ class _Manager:
         self._closed = True
         engine = self.engine
         if engine is not None:
+            if self.status is not None:
+                try:
+                    engine.call(self.status.stop(), timeout=10)
+                except Exception:
+                    _log.exception("stopping the status server failed")
             if self._client is not None:
                 try:
                     engine.call(self._client.close(), timeout=10)
@@ -184,7 +212,9 @@ class PrefillManager(_Manager):
             config=config,
             name=name,
         )
-        self.transport = NixlTransport(self.agent, config=self.config.transfer)
+        self.transport = NixlTransport(
+            self.agent, config=self.config.transfer, observer=self.metrics
+        )
         self._registration_task: asyncio.Task[None] | None = None
         try:
             control = ControlPlane(

@@ -8,7 +8,7 @@ from kvfsm.rooms._core import IllegalEventError, RoomCore, page_count
 from kvfsm.rooms._engine import RoomEngine
 from kvfsm.rooms._facade import KVTransferError, ReceiverRoom, SenderRoom, pack_pages
 from kvfsm.rooms._machine import MACHINES, build_machine, machine_edges
-from kvfsm.rooms._registry import DuplicateRoomError, Registry
+from kvfsm.rooms._registry import DuplicateRoomError, Observer, Registry
 from kvfsm.rooms._runtime import LoopThread
 from kvfsm.rooms._stats import RoomStats
 
@@ -20,6 +20,7 @@ __all__ = [
     "Inbox",
     "KVTransferError",
     "LoopThread",
+    "Observer",
     "Publication",
     "ReceiverRoom",
     "Registry",

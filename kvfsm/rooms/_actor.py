@@ -104,6 +104,7 @@ class Room:
         "_waiter",
         "_timer",
         "_due",
+        "born",
         "_overflowed",
         "_settle_expired",
         "_loop",
@@ -132,9 +133,11 @@ class Room:
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0
+
         self._overflowed = False
         self._settle_expired = False
         self._loop = asyncio.get_running_loop()
+        self.born = self._loop.time()
         self.task: asyncio.Task[None] | None = None
 
     # -- the mailbox (loop thread) -------------------------------------------------------------
@@ -220,11 +223,18 @@ class Room:
             pub.reason = self.core.reason
         pub.status = state
         self._arm_deadline(state)
-        stats = self._registry.stats
+        registry = self._registry
+        stats = registry.stats
         if state is KVPoll.Success:
             stats.succeeded += 1
         elif state is KVPoll.Failed:
             stats.failed += 1
+        observer = registry.observer
+        if observer is not None:
+            observer.transition(self.role, before, state, self.core.reason)
+        # Structured: every record carries the room's identity and the edge as attributes
+        # (``extra``), for a JSON log formatter; the message reads well on its own too.
+        if state is KVPoll.Failed:
             _log.info(
                 "room %s gen %s: %s %s -> Failed: %s",
                 self.key.room,
@@ -232,8 +242,9 @@ class Room:
                 self.role.value,
                 before.name,
                 self.core.reason,
+                extra=self._log_fields(before, state),
             )
-        if _log.isEnabledFor(logging.DEBUG):
+        elif _log.isEnabledFor(logging.DEBUG):
             _log.debug(
                 "room %s gen %s: %s %s -> %s",
                 self.key.room,
@@ -241,7 +252,33 @@ class Room:
                 self.role.value,
                 before.name,
                 state.name,
+                extra=self._log_fields(before, state),
             )
+
+    def _log_fields(self, before: KVPoll, state: KVPoll) -> dict[str, object]:
+        return {
+            "room": self.key.room,
+            "generation": self.key.generation,
+            "role": self.role.value,
+            "from_state": before.name,
+            "to_state": state.name,
+            "reason": self.core.reason,
+        }
+
+    def info(self, now: float) -> dict[str, object]:
+        """A row for an operator's view of live rooms (loop thread)."""
+        core = self.core
+        return {
+            "room": self.key.room,
+            "generation": self.key.generation,
+            "role": self.role.value,
+            "state": core.state.name,
+            "age_s": round(now - self.born, 3),
+            "deadline_in_s": None if core.terminal else round(self._due - now, 3),
+            "in_flight": len(core.in_flight),
+            "settled": core.settled,
+            "reason": core.reason,
+        }
 
     # -- timers --------------------------------------------------------------------------------
     #

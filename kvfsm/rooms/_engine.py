@@ -11,7 +11,7 @@ from typing import Any
 from kvfsm.rooms._actor import CommandSink, Publication, RoomKey
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._facade import ReceiverRoom, SenderRoom
-from kvfsm.rooms._registry import Registry
+from kvfsm.rooms._registry import Observer, Registry
 from kvfsm.rooms._runtime import LoopThread
 from kvfsm.states import Event, Role
 
@@ -38,8 +38,10 @@ class RoomEngine:
         *,
         use_uvloop: bool = True,
         name: str = "kvfsm-loop",
+        observer: Observer | None = None,
     ) -> None:
         self.config = config if config is not None else RoomConfig()
+        self._observer = observer
         self._sink = sink
         self._registry: Registry | None = None
         self._thread = LoopThread(self._main, use_uvloop=use_uvloop, name=name)
@@ -76,7 +78,7 @@ class RoomEngine:
     async def _main(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(_log_loop_exception)
-        self._registry = Registry(self._sink, self.config)
+        self._registry = Registry(self._sink, self.config, self._observer)
         self._thread.ready()
         await stop.wait()
         await self._registry.shutdown()
@@ -108,6 +110,16 @@ class RoomEngine:
     def post(self, key: RoomKey, event: Event) -> None:
         """Deliver ``event`` to room ``key`` from any thread. Never blocks."""
         self._thread.post(self.registry_on_loop().deliver, key, event)
+
+    def rooms(self, timeout: float = 5.0) -> list[dict[str, object]]:
+        """Live rooms (state, age, deadline remaining, in flight, reason): a loop round trip,
+        for operators and tests, not for the hot path."""
+
+        async def snapshot() -> list[dict[str, object]]:
+            return self.registry_on_loop().snapshot()
+
+        rows: list[dict[str, object]] = self.call(snapshot(), timeout)
+        return rows
 
     def stats(self) -> dict[str, int]:
         """Counters (see :class:`kvfsm.rooms.RoomStats`); plus ``live``: rooms with a task."""

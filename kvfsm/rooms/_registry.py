@@ -5,15 +5,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from kvfsm.rooms._actor import CommandSink, Publication, Room, RoomKey
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._stats import RoomStats
 from kvfsm.states import TERMINAL, AbortRequested, Event, KVPoll, Role
 
-__all__ = ["DuplicateRoomError", "Registry"]
+__all__ = ["DuplicateRoomError", "Observer", "Registry"]
 
 _log = logging.getLogger("kvfsm.rooms")
+
+
+class Observer(Protocol):
+    """Told about every room event worth a metric (loop thread; must be cheap, never raise)."""
+
+    def spawned(self, role: Role) -> None: ...
+
+    def transition(self, role: Role, before: KVPoll, after: KVPoll, reason: str) -> None: ...
+
+    def reaped(self, role: Role, state: KVPoll) -> None: ...
 
 
 class DuplicateRoomError(RuntimeError):
@@ -31,8 +42,14 @@ class Registry:
       messages that name only a room id (the control channel's).
     """
 
-    def __init__(self, sink: CommandSink, config: RoomConfig | None = None) -> None:
+    def __init__(
+        self,
+        sink: CommandSink,
+        config: RoomConfig | None = None,
+        observer: Observer | None = None,
+    ) -> None:
         self.sink = sink
+        self.observer = observer
         self.config = config if config is not None else RoomConfig()
         self.stats = RoomStats()
         #: Exceptions raised inside room tasks (bugs, or a strict core's IllegalEventError).
@@ -77,6 +94,8 @@ class Registry:
         self._current[(role, key.room)] = key
         self._idle.clear()
         self.stats.spawned += 1
+        if self.observer is not None:
+            self.observer.spawned(role)
         room.task = asyncio.get_running_loop().create_task(
             room.run(), name=f"kvfsm-{role.value}-{key.room}-{key.generation}"
         )
@@ -118,6 +137,11 @@ class Registry:
     def rooms(self) -> list[Room]:
         return list(self._rooms.values())
 
+    def snapshot(self) -> list[dict[str, object]]:
+        """Every room that still has a task, as rows for an operator (loop thread)."""
+        now = asyncio.get_running_loop().time()
+        return [room.info(now) for room in self._rooms.values()]
+
     def __len__(self) -> int:
         return len(self._rooms)
 
@@ -131,6 +155,8 @@ class Registry:
         if self._current.get(ident) == room.key:
             del self._current[ident]
         self.stats.reaped += 1
+        if self.observer is not None:
+            self.observer.reaped(room.role, room.core.state)
         if not self._rooms:
             self._idle.set()
 

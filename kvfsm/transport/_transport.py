@@ -31,7 +31,7 @@ import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -52,13 +52,17 @@ from kvfsm.transport._layout import LayoutError, LayoutSummary
 from kvfsm.transport._nixl import describe, is_remote_disconnect
 from kvfsm.transport._poster import Poster
 
-__all__ = ["NixlTransport", "TransferConfig", "TransportStats"]
+__all__ = ["ChunkObserver", "NixlTransport", "TransferConfig", "TransportStats"]
 
 _log = logging.getLogger("kvfsm.transport")
 Indices = npt.NDArray[np.int32]
 #: Pump rounds without any completion before it starts sleeping between rounds.
 _BUSY_ROUNDS = 64
 _MAX_BACKOFF_S = 0.001
+
+
+class ChunkObserver(Protocol):
+    def chunk(self, nbytes: int, seconds: float, ok: bool) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,7 @@ class _Xfer:
         "src_aux",
         "src_state",
         "states",
+        "t0",
     )
 
     def __init__(
@@ -152,6 +157,7 @@ class _Xfer:
         self.dst_state = dst_state
         self.nbytes = nbytes
         self.due = due
+        self.t0 = 0.0
         self.handles: list[Any] = []
         self.states: list[str] = []
         self.dropped = False
@@ -170,8 +176,11 @@ class NixlTransport:
         agent: Agent,
         control: CommandSink | None = None,
         config: TransferConfig | None = None,
+        observer: ChunkObserver | None = None,
     ) -> None:
         self.agent = agent
+        #: Told about every finished chunk (metrics); loop thread.
+        self.observer = observer
         self.config = config if config is not None else TransferConfig()
         self.stats = TransportStats()
         self._control = control
@@ -320,6 +329,7 @@ class NixlTransport:
             stats.chunks_done += 1
             loop.call_soon(self._deliver, key, ChunkDone(command.chunk))
             return
+        record.t0 = loop.time()
         self._records.add(record)
         self._poster.submit(record)
 
@@ -510,11 +520,14 @@ class NixlTransport:
             return
         self._release_all(record)
         self._records.discard(record)
-        if isinstance(event, ChunkDone):
+        ok = isinstance(event, ChunkDone)
+        if ok:
             self.stats.chunks_done += 1
             self.stats.bytes_done += record.nbytes
         else:
             self.stats.chunks_failed += 1
+        if self.observer is not None:
+            self.observer.chunk(record.nbytes, self._running_loop().time() - record.t0, ok)
         self._deliver(record.key, event)
 
     def _release_all(self, record: _Xfer) -> None:
