@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Final
@@ -885,28 +885,45 @@ def main(argv: list[str] | None = None) -> int:
         idle_sleep_s=args.idle_sleep,
         seed=args.seed,
     )
+    return run_command(
+        "run", opts.validate, lambda: run_job(opts), _print_text, _ok, as_json=args.json
+    )
+
+
+def run_command(
+    name: str,
+    validate: Callable[[], None],
+    job: Callable[[], dict[str, Any]],
+    show: Callable[[dict[str, Any]], None],
+    ok: Callable[[dict[str, Any]], bool],
+    *,
+    as_json: bool,
+) -> int:
+    """The shape of ``kvfsm run`` and ``kvfsm demo``: validate (2 on a bad flag), run the job
+    (130 on Ctrl-C, 1 on an error, without a traceback unless -vv), print the summary (one JSON
+    object on stdout with ``--json``), and exit 0 only if the summary is clean."""
     try:
-        opts.validate()
+        validate()
     except ValueError as exc:
-        print(f"kvfsm run: {exc}", file=sys.stderr)
+        print(f"kvfsm {name}: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = run_job(opts)
+        summary = job()
     except KeyboardInterrupt:
-        print("kvfsm run: interrupted", file=sys.stderr)
+        print(f"kvfsm {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        _log.debug("run failed", exc_info=True)
+        _log.debug("%s failed", name, exc_info=True)
         print(
-            f"kvfsm run: error: {type(exc).__name__}: {exc} (-vv for the traceback)",
+            f"kvfsm {name}: error: {type(exc).__name__}: {exc} (-vv for the traceback)",
             file=sys.stderr,
         )
         return 1
-    if args.json:
+    if as_json:
         print(json.dumps(summary))
     else:
-        _print_text(summary)
-    return 0 if _ok(summary) else 1
+        show(summary)
+    return 0 if ok(summary) else 1
 
 
 if __name__ == "__main__":

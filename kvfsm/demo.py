@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -73,6 +72,7 @@ from kvfsm.cli import (
     _reason_class,
     _sigint_deferred,
     _size,
+    run_command,
 )
 
 with contextlib.redirect_stdout(sys.stderr):  # see kvfsm.cli: NIXL binds its log to stdout
@@ -907,25 +907,11 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         opts.validate()
-    except ValueError as exc:
-        print(f"kvfsm demo: {exc}", file=sys.stderr)
-        return 2
-    if not args.json:
-        print(f"kvfsm demo: layout: {describe_layout(opts)}", file=sys.stderr)
-    try:
-        summary = run_demo(opts)
-    except KeyboardInterrupt:
-        print("kvfsm demo: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        _log.debug("demo failed", exc_info=True)
-        print(
-            f"kvfsm demo: error: {type(exc).__name__}: {exc} (-vv for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
-    if args.json:
-        print(json.dumps(summary))
+    except ValueError:
+        pass  # run_command reports it and exits 2
     else:
-        print_text(summary)
-    return 0 if ok(summary) else 1
+        if not args.json:
+            print(f"kvfsm demo: layout: {describe_layout(opts)}", file=sys.stderr)
+    return run_command(
+        "demo", opts.validate, lambda: run_demo(opts), print_text, ok, as_json=args.json
+    )

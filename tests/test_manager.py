@@ -4,10 +4,6 @@ rooms driven through both sides' facades, bytes checked."""
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,44 +15,16 @@ from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
+from tests.registry import running_registry
 
 CONFIG = ManagerConfig(channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5)
 
 
 @pytest.fixture(scope="module")
 def registry() -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvfsm.bootstrap._cli",
-            "--port",
-            str(port),
-            "--expected-ranks",
-            "1",
-            "--ttl",
-            "3",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-
-        def listening() -> bool:
-            with socket.socket() as sock:
-                return sock.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_for(listening, timeout=20)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    """A real bootstrap registry in its own process."""
+    with running_registry(ttl_s=3) as url:
+        yield url
 
 
 class Pair:

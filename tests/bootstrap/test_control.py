@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -21,6 +19,7 @@ from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.transport import Agent
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
 from tests.bootstrap.prefill_process import SHAPE, PrefillProcess, fill_sources
+from tests.registry import running_registry
 
 FAST = ChannelConfig(heartbeat_s=0.2)
 
@@ -121,38 +120,8 @@ def test_prefill_abort_fails_the_decode_room(pair: tuple[PrefillProcess, Decode]
 @pytest.fixture
 def registry_url() -> Iterator[str]:
     """A real bootstrap registry in its own process."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvfsm.bootstrap._cli",
-            "--port",
-            str(port),
-            "--expected-ranks",
-            "1",
-            "--ttl",
-            "2",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: _listening(port), timeout=20)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+    with running_registry(ttl_s=2) as url:
+        yield url
 
 
 class RegistryDecode(Decode):
