@@ -193,6 +193,7 @@ class ControlPlane:
             "links_opened": 0,
             "links_lost": 0,
             "pending_dropped": 0,
+            "duplicates_refused": 0,
         }
 
     # -- CommandSink ---------------------------------------------------------------------------
@@ -530,7 +531,11 @@ class ControlPlane:
         if isinstance(frame, RoomMetadata):
             key = registry.current(Role.SENDER, frame.room)
             tombstone = self._tombstones.pop(frame.room, None)
-            if key is not None:
+            if key is not None and key in self._room_link:
+                # The room already has a receiver: a second decode room with the same id (ids
+                # come from clients and can collide). Refuse the newcomer, keep the bound one.
+                self._refuse_duplicate(link, frame)
+            elif key is not None:
                 self._bind_sender(key, link, frame)
             elif tombstone is not None:
                 # The sender already failed; nothing was ever posted to these pages.
@@ -582,7 +587,17 @@ class ControlPlane:
         if link is not None:
             link.rooms.discard(key)
 
+    def _refuse_duplicate(self, link: _Link, frame: RoomMetadata) -> None:
+        self.stats["duplicates_refused"] += 1
+        reason = f"duplicate room id {frame.room}: prefill already serves another receiver"
+        self._send(link, RoomOutcome(frame.room, frame.generation, int(KVPoll.Failed), reason))
+        self._send(link, RoomSettled(frame.room, frame.generation))  # nothing was written
+
     def _hold(self, link: _Link, frame: RoomMetadata) -> None:
+        held = self._pending.get(frame.room)
+        if held is not None and (held[1] is not link or held[2].generation != frame.generation):
+            self._refuse_duplicate(link, frame)
+            return
         if len(self._pending) >= self.config.pending_max:
             self.stats["pending_dropped"] += 1
             self._send(

@@ -298,3 +298,41 @@ def test_decode_abort_before_the_prefill_room_exists(pair: tuple[PrefillProcess,
     prefill.ask("send", 31, [1, 2], 1, 0)  # the prefill room arrives late
     wait_for(lambda: prefill.ask("status", 31)[0] == KVPoll.Failed, timeout=10)
     assert "gave up early" in prefill.ask("status", 31)[1]
+
+
+def test_a_duplicate_room_id_from_another_decode_is_refused_not_merged(
+    pair: tuple[PrefillProcess, Decode],
+) -> None:
+    prefill, first = pair
+    second = Decode({"port": prefill.port})
+    try:
+        # Both decode instances reserve pages for room 77 before prefill has it ...
+        held = first.receive(77, [30], aux_row=0)
+        wait_for(lambda: prefill.ask("stats")["frames_in"] >= 1, timeout=10)
+        dup = second.receive(77, [31], aux_row=1)
+        wait_for(lambda: dup.poll() is KVPoll.Failed, timeout=10)
+        assert "duplicate room id 77" in dup.reason
+        wait_for(lambda: dup.settled, timeout=10)
+        # ... and the first keeps its claim: prefill's room 77 writes into its pages only.
+        prefill.ask("send", 77, [40], 1, 2)
+        wait_for(lambda: held.poll() in TERMINAL, timeout=10)
+        assert held.poll() is KVPoll.Success, held.reason
+        assert first.landed([40], [30], 2, 0)
+    finally:
+        second.close()
+
+
+def test_a_bound_room_refuses_a_second_receiver(pair: tuple[PrefillProcess, Decode]) -> None:
+    prefill, first = pair
+    second = Decode({"port": prefill.port})
+    try:
+        prefill.ask("hold", 78)  # bound to the first receiver, never sent
+        bound = first.receive(78, [33], aux_row=0)
+        wait_for(lambda: prefill.ask("status", 78)[0] == KVPoll.WaitingForInput, timeout=10)
+        dup = second.receive(78, [34], aux_row=1)
+        wait_for(lambda: dup.poll() is KVPoll.Failed, timeout=10)
+        assert "duplicate room id 78" in dup.reason
+        assert prefill.ask("status", 78)[0] == KVPoll.WaitingForInput  # unharmed
+        assert bound.poll() is KVPoll.Transferring
+    finally:
+        second.close()
