@@ -8,11 +8,20 @@ answers ``(op, *args)`` requests until ``("quit",)``. Killing it (SIGKILL) is pa
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
-from collections.abc import Callable
-from typing import Any
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Final, TypeVar
 
-__all__ = ["ChildProcess"]
+__all__ = ["NIXL_LEVELS", "ChildProcess", "environ", "spawn_quietly"]
+
+#: ``NIXL_LOG_LEVEL`` for a child, by the level name of our ``nixl`` logger.
+NIXL_LEVELS: Final = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARN", "ERROR": "ERROR"}
 
 
 class ChildProcess:
@@ -57,3 +66,93 @@ class ChildProcess:
                 self.process.join(timeout)
         self.kill()
         self._conn.close()
+
+
+C = TypeVar("C", bound=ChildProcess)
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration (children forked meanwhile inherit them)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def spawn_quietly(factories: Sequence[Callable[[], C]]) -> list[C]:
+    """Start child processes so that they neither hear the terminal's Ctrl-C (this process
+    stops them, in order) nor write to our stdout (kept for the summary): each is forked, on a
+    helper thread, while SIGINT is ignored here and fd 1 points at stderr (both survive exec),
+    with NIXL logging at our ``nixl`` logger's level. As soon as the processes exist, SIGINT
+    and stdout are restored and this thread waits for their greetings interruptibly (the same
+    recipe for ``kvfsm run``'s decode process and ``kvfsm demo``'s ranks). The children come back
+    in the order of ``factories``; if one fails to start, the others are closed."""
+    level = logging.getLevelName(logging.getLogger("nixl").getEffectiveLevel())
+    env = (
+        {} if "NIXL_LOG_LEVEL" in os.environ else {"NIXL_LOG_LEVEL": NIXL_LEVELS.get(level, "WARN")}
+    )
+    in_main = threading.current_thread() is threading.main_thread()
+    lock = threading.Lock()
+    ready: dict[int, C | BaseException] = {}
+    abandoned = False
+
+    def build(index: int, factory: Callable[[], C]) -> None:
+        try:
+            child: C | BaseException = factory()
+        except BaseException as exc:
+            child = exc
+        with lock:
+            if not abandoned:
+                ready[index] = child
+                return
+        if isinstance(child, ChildProcess):
+            child.close()  # the caller gave up meanwhile
+
+    before = {child.pid for child in mp.active_children()}
+    helpers = [
+        threading.Thread(target=build, args=(i, f), name="kvfsm-child-start", daemon=True)
+        for i, f in enumerate(factories)
+    ]
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        os.dup2(2, 1)
+        with environ(env):
+            for helper in helpers:
+                helper.start()
+            while any(h.is_alive() for h in helpers) and (
+                sum(c.pid not in before for c in mp.active_children()) < len(helpers)
+            ):
+                time.sleep(0.001)
+    finally:
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+        if in_main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    try:
+        for helper in helpers:
+            helper.join()
+    except BaseException:
+        with lock:
+            abandoned = True
+            started = list(ready.values())
+        for child in started:
+            if isinstance(child, ChildProcess):
+                child.close()
+        raise
+    results = [ready[i] for i in range(len(factories))]
+    children = [c for c in results if not isinstance(c, BaseException)]
+    errors = [c for c in results if isinstance(c, BaseException)]
+    if errors:
+        for child in children:
+            child.close()
+        raise errors[0]
+    return children

@@ -19,7 +19,6 @@ import contextlib
 import enum
 import json
 import logging
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -44,6 +43,7 @@ from kvfsm.states import DestinationReceived
 # NIXL binds its log handler to sys.stdout when first imported, and logs there at once if
 # NIXL_LOG_LEVEL is set; stdout is the summary's (--json), so bind it to stderr instead.
 with contextlib.redirect_stdout(sys.stderr):
+    from kvfsm._child import spawn_quietly
     from kvfsm.transport import Agent, NixlTransport
     from kvfsm.transport._peer import PeerProcess, Shape, make_buffers, make_layout, page_digests
 
@@ -59,7 +59,6 @@ DTYPES: Final = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 ABORT_REASON: Final = "requested by --abort-rate"
 _PEER_ID: Final = "decode"
 #: ``NIXL_LOG_LEVEL`` for the decode process, by the level name of our ``nixl`` logger.
-_NIXL_LEVELS: Final = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARN", "ERROR": "ERROR"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,81 +442,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _start_peer(shape: Shape) -> PeerProcess:
-    """Start the decode process so that it neither hears the terminal's Ctrl-C (this process
-    stops it, after the engine and the transport) nor writes to our stdout (NIXL logs INFO lines
-    there, which would corrupt ``--json``).
-
-    A child inherits what holds when it is forked: it is forked with SIGINT ignored (the one
-    disposition that survives exec; a blocked signal mask does not), with fd 1 on our stderr
-    and, unless ``NIXL_LOG_LEVEL`` is set, with NIXL logging at the level of our ``nixl``
-    logger. ``PeerProcess`` forks and then waits for the child's agent, so it runs on a helper
-    thread: this thread restores SIGINT and stdout as soon as the child exists and waits
-    interruptibly, so a Ctrl-C while decode starts up still stops the run."""
-    level = logging.getLevelName(logging.getLogger("nixl").getEffectiveLevel())
-    nixl_level = _NIXL_LEVELS.get(level, "WARN")
-    env = {} if "NIXL_LOG_LEVEL" in os.environ else {"NIXL_LOG_LEVEL": nixl_level}
+    """The decode process, started deaf to the terminal's Ctrl-C and off our stdout (this
+    process stops it, after the engine and the transport; NIXL logs to stdout, which would
+    corrupt ``--json``): see :func:`kvfsm._child.spawn_quietly`."""
     name = f"{_PEER_ID}-{os.getpid()}"
-    in_main = threading.current_thread() is threading.main_thread()
-    lock = threading.Lock()
-    outcome: list[PeerProcess | BaseException] = []
-    abandoned = False
-
-    def build() -> None:
-        try:
-            peer: PeerProcess | BaseException = PeerProcess(shape, name=name)
-        except BaseException as exc:
-            peer = exc
-        with lock:
-            if not abandoned:
-                outcome.append(peer)
-                return
-        if isinstance(peer, PeerProcess):
-            peer.close()  # the caller gave up meanwhile
-
-    before = {child.pid for child in mp.active_children()}
-    helper = threading.Thread(target=build, name="kvfsm-peer-start", daemon=True)
-    sys.stdout.flush()
-    saved_stdout = os.dup(1)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
-    try:
-        os.dup2(2, 1)
-        with _environ(env):
-            helper.start()
-            while helper.is_alive() and all(c.pid in before for c in mp.active_children()):
-                time.sleep(0.001)
-    finally:
-        os.dup2(saved_stdout, 1)
-        os.close(saved_stdout)
-        if in_main:  # last: from here on a Ctrl-C interrupts this thread
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    try:
-        helper.join()
-    except BaseException:
-        with lock:
-            abandoned = True
-            ready = list(outcome)
-        for peer in ready:
-            if isinstance(peer, PeerProcess):
-                peer.close()
-        raise
-    result = outcome[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    (peer,) = spawn_quietly([lambda: PeerProcess(shape, name=name)])
+    return peer
 
 
 @contextlib.contextmanager

@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -63,11 +62,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.cli import (
-    _NIXL_LEVELS,
     ABORT_REASON,
     DTYPES,
     WorkloadOptions,
-    _environ,
     _percentile,
     _reason_class,
     _sigint_deferred,
@@ -76,7 +73,7 @@ from kvfsm.cli import (
 )
 
 with contextlib.redirect_stdout(sys.stderr):  # see kvfsm.cli: NIXL binds its log to stdout
-    from kvfsm._child import ChildProcess
+    from kvfsm._child import ChildProcess, spawn_quietly
     from kvfsm.bootstrap import BootstrapServer
     from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
     from kvfsm.rooms import ReceiverRoom, SenderRoom
@@ -536,75 +533,6 @@ class _Registry:
                 self.loop.close()
 
 
-def _spawn(factories: list[Callable[[], ChildProcess]]) -> list[ChildProcess]:
-    """Start child processes so that they neither hear the terminal's Ctrl-C (this process
-    stops them, in order) nor write to our stdout (kept for the summary): each is forked, on a
-    helper thread, while SIGINT is ignored here and fd 1 points at stderr (both survive exec),
-    with NIXL logging at our ``nixl`` logger's level. As soon as the processes exist, SIGINT
-    and stdout are restored and this thread waits for their greetings interruptibly (the same
-    recipe as ``kvfsm run``'s decode process)."""
-    level = logging.getLevelName(logging.getLogger("nixl").getEffectiveLevel())
-    env = (
-        {}
-        if "NIXL_LOG_LEVEL" in os.environ
-        else {"NIXL_LOG_LEVEL": _NIXL_LEVELS.get(level, "WARN")}
-    )
-    in_main = threading.current_thread() is threading.main_thread()
-    lock = threading.Lock()
-    ready: list[ChildProcess | BaseException] = []
-    abandoned = False
-
-    def build(factory: Callable[[], ChildProcess]) -> None:
-        try:
-            child: ChildProcess | BaseException = factory()
-        except BaseException as exc:
-            child = exc
-        with lock:
-            if not abandoned:
-                ready.append(child)
-                return
-        if isinstance(child, ChildProcess):
-            child.close()  # the caller gave up meanwhile
-
-    before = {child.pid for child in mp.active_children()}
-    helpers = [threading.Thread(target=build, args=(f,), daemon=True) for f in factories]
-    sys.stdout.flush()
-    saved_stdout = os.dup(1)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
-    try:
-        os.dup2(2, 1)
-        with _environ(env):
-            for helper in helpers:
-                helper.start()
-            while any(h.is_alive() for h in helpers) and (
-                sum(c.pid not in before for c in mp.active_children()) < len(helpers)
-            ):
-                time.sleep(0.001)
-    finally:
-        os.dup2(saved_stdout, 1)
-        os.close(saved_stdout)
-        if in_main:
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    try:
-        for helper in helpers:
-            helper.join()
-    except BaseException:
-        with lock:
-            abandoned = True
-            started = list(ready)
-        for child in started:
-            if isinstance(child, ChildProcess):
-                child.close()
-        raise
-    children = [c for c in ready if isinstance(c, ChildProcess)]
-    errors = [c for c in ready if isinstance(c, BaseException)]
-    if errors:
-        for child in children:
-            child.close()
-        raise errors[0]
-    return children
-
-
 class _Progress:
     """A ``\\r`` progress line on stderr, at most ten times a second."""
 
@@ -662,8 +590,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         def factory(role: str) -> Callable[[], ChildProcess]:
             return lambda: ChildProcess(_rank_main, role, opts, seed, url, level, what=role)
 
-        children = _spawn([factory("prefill"), factory("decode")])
-        prefill, decode = sorted(children, key=lambda c: c.what != "prefill")
+        children = spawn_quietly([factory("prefill"), factory("decode")])
+        prefill, decode = children
         setup_s = time.perf_counter() - t_setup
         t0 = time.perf_counter()
         # Prefill first, and it answers once its first rooms exist: from then on its rooms are

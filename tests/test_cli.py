@@ -97,10 +97,15 @@ def group_members(pgid: int) -> dict[int, str]:
     return members
 
 
-def test_ctrl_c_stops_the_run_cleanly_with_130() -> None:
-    # A terminal's Ctrl-C goes to the whole foreground process group, decode process included.
+def interrupt_and_check(
+    command: list[str], name: str, *, children: int, moving_s: float, timeout: float
+) -> None:
+    """Start ``command`` in its own process group, wait for its ``children`` spawned processes
+    and ``moving_s`` more, send SIGINT to the whole group (what a terminal's Ctrl-C does), and
+    check: exit 130, "kvfsm <name>: interrupted", no traceback, nothing on stdout, no process
+    of the group left behind."""
     proc = subprocess.Popen(
-        [*CLI, "run", "--rooms", "1000000"],
+        command,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -108,23 +113,30 @@ def test_ctrl_c_stops_the_run_cleanly_with_130() -> None:
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while not any("spawn_main" in cmd for cmd in group_members(proc.pid).values()):
+        deadline = time.monotonic() + timeout
+        while sum("spawn_main" in cmd for cmd in group_members(proc.pid).values()) < children:
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "decode process did not start"
+            assert time.monotonic() < deadline, "the child processes did not start"
             time.sleep(0.05)
-        time.sleep(1.0)  # rooms are moving now
+        time.sleep(moving_s)  # rooms are moving now
         os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=30)
+        stdout, stderr = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 130, stderr
-    assert "kvfsm run: interrupted" in stderr
+    assert f"kvfsm {name}: interrupted" in stderr
     assert "Traceback" not in stderr, stderr
     assert stdout == ""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + timeout / 3
     while group_members(proc.pid):
         assert time.monotonic() < deadline, f"left running: {group_members(proc.pid)}"
         time.sleep(0.05)
+
+
+def test_ctrl_c_stops_the_run_cleanly_with_130() -> None:
+    # A terminal's Ctrl-C goes to the whole foreground process group, decode process included.
+    interrupt_and_check(
+        [*CLI, "run", "--rooms", "1000000"], "run", children=1, moving_s=1.0, timeout=30
+    )

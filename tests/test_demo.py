@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.test_cli import group_members
+from tests.test_cli import interrupt_and_check
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = [sys.executable, "-m", "kvfsm.cli", "demo"]
@@ -90,32 +88,6 @@ def test_bad_flags_exit_2_with_a_message() -> None:
 @pytest.mark.timeout(200)
 def test_ctrl_c_stops_the_demo_cleanly_with_130() -> None:
     # A terminal's Ctrl-C goes to the whole foreground process group, both ranks included.
-    proc = subprocess.Popen(
-        [*DEMO, "--requests", "1000000", "--json"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    interrupt_and_check(
+        [*DEMO, "--requests", "1000000", "--json"], "demo", children=2, moving_s=4.0, timeout=60
     )
-    try:
-        deadline = time.monotonic() + 60
-        while sum("spawn_main" in cmd for cmd in group_members(proc.pid).values()) < 2:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.05)
-        time.sleep(4.0)  # rooms are moving now
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, stderr
-    assert "kvfsm demo: interrupted" in stderr
-    assert "Traceback" not in stderr, stderr
-    assert stdout == ""
-    deadline = time.monotonic() + 20
-    while group_members(proc.pid):
-        assert time.monotonic() < deadline, f"left running: {group_members(proc.pid)}"
-        time.sleep(0.05)
