@@ -144,6 +144,27 @@ class WorkloadOptions:
             raise ValueError("--room-timeout must be > 0 and --idle-sleep >= 0")
 
 
+def workload_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``WorkloadOptions`` fields from the flags ``kvfsm run`` and ``kvfsm demo`` share."""
+    return {
+        "concurrency": args.concurrency,
+        "num_pages": args.pages,
+        "layers": args.layers,
+        "page_tokens": args.page_tokens,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "aux_rows": args.aux_rows,
+        "aux_row_bytes": args.aux_row_bytes,
+        "max_room_pages": args.max_room_pages,
+        "max_chunks": args.max_chunks,
+        "abort_rate": args.abort_rate,
+        "room_timeout_s": args.room_timeout,
+        "idle_sleep_s": args.idle_sleep,
+        "seed": args.seed,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class RunOptions(WorkloadOptions):
     rooms: int = 200
@@ -796,25 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         return demo.run(args)
     if args.command != "run":  # pragma: no cover - argparse enforces the choices
         return 2
-    opts = RunOptions(
-        rooms=args.rooms,
-        concurrency=args.concurrency,
-        num_pages=args.pages,
-        layers=args.layers,
-        page_tokens=args.page_tokens,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        dtype=args.dtype,
-        page_bytes=args.page_bytes,
-        aux_rows=args.aux_rows,
-        aux_row_bytes=args.aux_row_bytes,
-        max_room_pages=args.max_room_pages,
-        max_chunks=args.max_chunks,
-        abort_rate=args.abort_rate,
-        room_timeout_s=args.room_timeout,
-        idle_sleep_s=args.idle_sleep,
-        seed=args.seed,
-    )
+    opts = RunOptions(rooms=args.rooms, page_bytes=args.page_bytes, **workload_arguments(args))
     return run_command(
         "run", opts.validate, lambda: run_job(opts), _print_text, _ok, as_json=args.json
     )

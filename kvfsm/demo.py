@@ -70,6 +70,7 @@ from kvfsm.cli import (
     _sigint_deferred,
     _size,
     run_command,
+    workload_arguments,
 )
 
 with contextlib.redirect_stdout(sys.stderr):  # see kvfsm.cli: NIXL binds its log to stdout
@@ -815,23 +816,7 @@ def add_parser(
 def run(args: argparse.Namespace) -> int:
     """Run ``kvfsm demo`` from ``add_parser``'s arguments; the exit status."""
     opts = DemoOptions(
-        requests=args.requests,
-        concurrency=args.concurrency,
-        num_pages=args.pages,
-        layers=args.layers,
-        page_tokens=args.page_tokens,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        dtype=args.dtype,
-        aux_rows=args.aux_rows,
-        aux_row_bytes=args.aux_row_bytes,
-        max_room_pages=args.max_room_pages,
-        max_chunks=args.max_chunks,
-        abort_rate=args.abort_rate,
-        room_timeout_s=args.room_timeout,
-        idle_sleep_s=args.idle_sleep,
-        progress=not args.no_progress,
-        seed=args.seed,
+        requests=args.requests, progress=not args.no_progress, **workload_arguments(args)
     )
     try:
         opts.validate()
