@@ -24,6 +24,7 @@ ranks) only needs the receiver to wait for several confirmations; that is not do
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -32,7 +33,12 @@ from typing import Any
 
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
-from kvfsm.bootstrap._registry import BootstrapClient
+from kvfsm.bootstrap._registry import (
+    BootstrapClient,
+    BootstrapError,
+    NotReadyError,
+    UnreachableError,
+)
 from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine, SenderRoom
 from kvfsm.status import StatusServer
 from kvfsm.transport import Agent, AgentConfig, Layout, NixlTransport, TransferConfig
@@ -55,6 +61,9 @@ class ManagerConfig:
     secret: bytes | None = None
     #: How often a prefill rank refreshes its registration (keep well under the registry TTL).
     register_interval_s: float = 5.0
+    #: How long a prefill rank's first registration keeps retrying while the registry is not
+    #: up yet (SGLang starts its bootstrap server after the scheduler ranks); 0: one attempt.
+    register_wait_s: float = 0.0
     use_uvloop: bool = True
     #: Serve ``/rooms``, ``/stats`` and (with ``metrics``) ``/metrics`` on this port of
     #: ``status_host``; 0 picks a free port; None: no status server.
@@ -66,19 +75,7 @@ class ManagerConfig:
     def channel_config(self) -> ChannelConfig:
         if self.secret is None:
             return self.channel
-        c = self.channel
-        return ChannelConfig(
-            host=c.host,
-            port=c.port,
-            heartbeat_s=c.heartbeat_s,
-            liveness_factor=c.liveness_factor,
-            connect_timeout_s=c.connect_timeout_s,
-            reconnect_max_s=c.reconnect_max_s,
-            secret=self.secret,
-            pending_max=c.pending_max,
-            pending_ttl_s=c.pending_ttl_s,
-            progress_interval_s=c.progress_interval_s,
-        )
+        return dataclasses.replace(self.channel, secret=self.secret)
 
 
 class _Manager:
@@ -199,7 +196,9 @@ class PrefillManager(_Manager):
         tp_rank: int = 0,
         tp_size: int = 1,
         dp_rank: int = 0,
+        dp_size: int = 1,
         pp_rank: int = 0,
+        host: str | None = None,
         config: ManagerConfig | None = None,
         name: str | None = None,
     ) -> None:
@@ -232,16 +231,34 @@ class PrefillManager(_Manager):
                 tp_rank=tp_rank,
                 tp_size=tp_size,
                 dp_rank=dp_rank,
+                dp_size=dp_size,
                 pp_rank=pp_rank,
+                host=host,
                 interval_s=self.config.register_interval_s,
             )
-            self._registration_task = self._engine().call(self._keep_registered(registration))
+            self._registration_task = self._engine().call(
+                self._keep_registered(registration), timeout=self.config.register_wait_s + 30.0
+            )
         except BaseException:
             self.close()
             raise
 
     async def _keep_registered(self, registration: Registration) -> asyncio.Task[None]:
-        await registration.register_once()  # the first one must succeed: fail fast
+        # The first registration must succeed (fail fast), within register_wait_s of retries.
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.register_wait_s
+        delay = 0.05
+        while True:
+            try:
+                await registration.register_once()
+                break
+            except BootstrapError as exc:
+                if isinstance(exc, UnreachableError | NotReadyError) and loop.time() < give_up:
+                    _log.info("bootstrap registry not reachable yet (retrying): %s", exc)
+                    await asyncio.sleep(min(delay, max(0.0, give_up - loop.time())))
+                    delay = min(2 * delay, 1.0)
+                    continue
+                raise
         return asyncio.get_running_loop().create_task(registration.run())
 
     @property
@@ -265,12 +282,16 @@ class PrefillManager(_Manager):
 
 
 class DecodeManager(_Manager):
-    """A decode rank: finds prefill ranks through the registry, receives rooms' KV."""
+    """A decode rank: finds prefill ranks through the registry, receives rooms' KV.
+
+    ``resolver`` replaces the registry lookup (``bootstrap_url`` may then be None): it maps what
+    a receiver's ``init(peer)`` names to the prefill rank's control address.
+    """
 
     def __init__(
         self,
         layout: Layout,
-        bootstrap_url: str,
+        bootstrap_url: str | None,
         *,
         engine_id: str = "default",
         rank: int = 0,
@@ -278,17 +299,19 @@ class DecodeManager(_Manager):
         config: ManagerConfig | None = None,
         name: str | None = None,
     ) -> None:
+        if bootstrap_url is None and resolver is None:
+            raise ValueError("a decode manager needs a bootstrap_url or a resolver")
         super().__init__(
             "decode",
             layout,
-            bootstrap_url,
+            bootstrap_url or "",
             engine_id=engine_id,
             rank=rank,
             config=config,
             name=name,
         )
 
-        async def resolve(peer_rank: int) -> tuple[str, int]:
+        async def resolve(peer_rank: int) -> tuple[str, int] | tuple[str, int, int]:
             return await registry_resolver(self._bootstrap_client(), engine_id)(peer_rank)
 
         try:

@@ -83,8 +83,11 @@ __all__ = ["ChannelConfig", "ControlPlane", "Resolver"]
 
 _log = logging.getLogger("kvfsm.control")
 
-#: Finds a prefill rank's control address: ``await resolve(rank) -> (host, port)``.
-Resolver = Callable[[int], Awaitable[tuple[str, int]]]
+#: Finds a prefill rank's control address: ``await resolve(peer) -> (host, port)``. ``peer`` is
+#: what a receiver room's ``init(peer)`` named, normally the prefill rank. Where peer ids are not
+#: ranks (one decode reading from several prefill instances, each with its own rank 0: the SGLang
+#: adapter), the resolver returns ``(host, port, rank)`` and the Hello must carry that rank.
+Resolver = Callable[[int], Awaitable[tuple[str, int] | tuple[str, int, int]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +109,20 @@ class ChannelConfig:
     pending_ttl_s: float = 60.0
     #: The decode side progresses its NIXL agent this often (the writer's flushes need it).
     progress_interval_s: float = 0.0005
+    #: Decode: after a link to a prefill rank is lost, how long its rooms' pages stay unsettled
+    #: (law 4). The lost prefill may still be alive (a partition): it notices within its
+    #: liveness window, fails those rooms and releases their transfers, and a transfer that
+    #: cannot be released ends at its chunk deadline and quarantine. Keep this above
+    #: prefill's ``silence_s + TransferConfig.deadline_s(largest chunk) + quarantine_s``.
+    peer_lost_grace_s: float = 20.0
+    #: How long shutdown waits for frames already queued (outcomes, settle acks) to go out.
+    flush_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.heartbeat_s > 0 and self.liveness_factor >= 1.0):
             raise ValueError("heartbeat_s must be > 0 and liveness_factor >= 1")
+        if self.peer_lost_grace_s < 0 or self.flush_timeout_s < 0:
+            raise ValueError("peer_lost_grace_s and flush_timeout_s must be >= 0")
 
     @property
     def silence_s(self) -> float:
@@ -170,7 +183,8 @@ class ControlPlane:
         self._started: asyncio.Future[None] | None = None
         self._port = 0
         self._generations = itertools.count(1)
-        # Decode keys its links by prefill rank (one link per rank it reads from). Prefill keys
+        # Decode keys its links by peer id as rooms name it, normally the prefill rank (one link
+        # per rank it reads from). Prefill keys
         # them by peer id (role, rank, incarnation): several decode instances may each have a
         # rank 0, and a restarted decode rank must not take over its predecessor's link.
         self._links: dict[int | str, _Link] = {}
@@ -301,6 +315,10 @@ class ControlPlane:
         except Exception as exc:
             self._deliver(key, PeerLost(f"cannot reach prefill rank {peer_rank}: {exc}"))
             return
+        registry = self._registry
+        assert registry is not None
+        if registry.get(key) is None:
+            return  # the room ended while its peer was being resolved: nothing to bind
         self._room_link[key] = link
         link.rooms.add(key)
         self._deliver(key, PeerResolved(peer_rank))
@@ -323,10 +341,12 @@ class ControlPlane:
             if delay > 0:
                 await anyio.sleep(delay)
             assert self._resolver is not None
-            host, port = await self._resolver(peer_rank)
+            address = await self._resolver(peer_rank)
+            host, port = address[0], address[1]
+            expect_rank = address[2] if len(address) == 3 else peer_rank
             with anyio.fail_after(self.config.connect_timeout_s):
                 stream = await anyio.connect_tcp(host, port)
-            link = await self._handshake(stream, expect_rank=peer_rank)
+            link = await self._handshake(stream, expect_rank=expect_rank, key=peer_rank)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
                 future.cancel()
@@ -382,9 +402,11 @@ class ControlPlane:
 
     async def _accepted(self, stream: SocketStream) -> None:
         with contextlib.suppress(Exception):
-            await self._handshake(stream, expect_rank=None)
+            await self._handshake(stream, expect_rank=None, key=None)
 
-    async def _handshake(self, stream: SocketStream, expect_rank: int | None) -> _Link:
+    async def _handshake(
+        self, stream: SocketStream, expect_rank: int | None, key: int | None
+    ) -> _Link:
         """Exchange Hellos, register the link, and run its reader and writer in the group."""
         reader = FrameReader(self._codec)
         hello = Hello(
@@ -415,7 +437,8 @@ class ControlPlane:
             raise
         loop = self._running_loop()
         link = _Link(theirs, next(self._generations), peer_id, loop.time())
-        link_key: int | str = theirs.rank if self.role == "decode" else peer_id
+        # Decode: the peer id its rooms named (the link is reused by every room naming it).
+        link_key: int | str = key if key is not None else peer_id
         link.key = link_key
         old = self._links.get(link_key)
         if old is not None:
@@ -514,12 +537,27 @@ class ControlPlane:
         if self._links.get(link.key) is link:
             del self._links[link.key]
         _log.warning("control link lost: %s", reason)
-        for key in list(link.rooms):
+        lost = list(link.rooms)
+        for key in lost:
             self._room_link.pop(key, None)
             self._decode_gen.pop(key, None)
             self._deliver(key, PeerLost(reason))
         link.rooms.clear()
         link.outbox.put_nowait(b"")  # wake the writer so it notices
+        if self.role == "decode" and lost:
+            # No acknowledgement can come over a lost link. Once the lost rank can no longer
+            # be writing (peer_lost_grace_s), the rooms' pages are settled; a room that heard
+            # the real acknowledgement first, or is gone, drops this as a late event.
+            self._running_loop().call_later(
+                self.config.peer_lost_grace_s, self._settle_lost, lost, link.hello.rank
+            )
+
+    def _settle_lost(self, keys: list[RoomKey], rank: int) -> None:
+        registry = self._registry
+        if registry is None:
+            return
+        for key in keys:
+            registry.deliver(key, PeerSettled(rank))
 
     # -- incoming frames -----------------------------------------------------------------------
 
@@ -532,6 +570,12 @@ class ControlPlane:
             key = registry.current(Role.SENDER, frame.room)
             tombstone = self._tombstones.pop(frame.room, None)
             if key is not None and key in self._room_link:
+                if self._room_link[key] is link and self._decode_gen.get(key) == frame.generation:
+                    # The same page list again (a retransmission): the room is bound already.
+                    # Refusing it as a duplicate would tell decode its pages are settled while
+                    # this room still writes into them.
+                    registry.stats.stale_events += 1
+                    return
                 # The room already has a receiver: a second decode room with the same id (ids
                 # come from clients and can collide). Refuse the newcomer, keep the bound one.
                 self._refuse_duplicate(link, frame)
@@ -609,6 +653,7 @@ class ControlPlane:
                     "prefill holds too many rooms' metadata",
                 ),
             )
+            self._send(link, RoomSettled(frame.room, frame.generation))  # nothing was written
             return
         self._pending[frame.room] = (self._running_loop().time(), link, frame)
 
@@ -631,6 +676,9 @@ class ControlPlane:
                         f"no prefill room {room} within {ttl:g}s",
                     ),
                 )
+                # Nothing was written into its pages: without this the receiver, failed by its
+                # peer, would wait for an acknowledgement that never comes.
+                self._send(link, RoomSettled(room, frame.generation))
 
     def _rejected(self, link: _Link, error: FrameError) -> None:
         self.stats["frames_rejected"] += 1
@@ -665,7 +713,16 @@ class ControlPlane:
             self._lose(link, reason)
 
     async def aclose(self) -> None:
-        """Engine shutdown hook: stop listening, close links, stop background tasks."""
+        """Engine shutdown hook: let queued frames go out (the rooms' last outcomes and settle
+        acknowledgements, which spare the peer its grace period), then close links and stop
+        background tasks."""
+        loop = self._running_loop()
+        give_up = loop.time() + self.config.flush_timeout_s
+        # Polled: the queues have no "drained" event, and this runs once per engine lifetime.
+        while loop.time() < give_up and any(  # noqa: ASYNC110
+            not link.closed and not link.outbox.empty() for link in self._links.values()
+        ):
+            await anyio.sleep(0.005)
         for link in list(self._links.values()):
             self._lose(link, "engine shutting down")
         if self._tg is not None:

@@ -44,6 +44,7 @@ class Registration:
         tp_rank: int = 0,
         tp_size: int = 1,
         dp_rank: int = 0,
+        dp_size: int = 1,
         pp_rank: int = 0,
         host: str | None = None,
         interval_s: float = 5.0,
@@ -58,6 +59,7 @@ class Registration:
             "tp_size": tp_size,
             "dp_rank": dp_rank,
             "pp_rank": pp_rank,
+            "dp_size": dp_size,
         }
         self._host = host
 

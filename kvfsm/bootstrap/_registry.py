@@ -151,11 +151,17 @@ class RankInfo(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True
     layout: _Layout
     #: Changes whenever the rank restarts (a start time in ns, a random 63-bit number...).
     incarnation: _Incarnation
+    #: Data-parallel width of the engine, so a decode rank can pick the DP rank serving a room.
+    dp_size: _Size = 1
 
     def __post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
             raise ValueError(
                 f"tp_rank {self.tp_rank} out of range: 0 <= tp_rank < tp_size ({self.tp_size})"
+            )
+        if self.dp_rank >= self.dp_size:
+            raise ValueError(
+                f"dp_rank {self.dp_rank} out of range: 0 <= dp_rank < dp_size ({self.dp_size})"
             )
 
     @property

@@ -112,6 +112,11 @@ class _RoomFacade:
         """Fail the room. A no-op once the room is published terminal."""
         self._fail_locally(AbortRequested(reason))
 
+    def reject(self, reason: str) -> None:
+        """Fail the room because the caller's request cannot be served (an unsupported option,
+        an unknown peer): like :meth:`abort`, but the reason reads as a rejection."""
+        self._fail_locally(EventRejected(reason))
+
     def _fail_locally(self, event: AbortRequested | EventRejected) -> None:
         if self._local_failure is not None or self._pub.status in TERMINAL:
             return
