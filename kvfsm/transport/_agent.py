@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -52,6 +52,10 @@ class AgentConfig:
     backend: str = "UCX"
     backend_params: Mapping[str, str] = field(default_factory=_no_params)
     progress_thread: bool = False
+    #: Wraps the raw NIXL agent once it is created; the wrapper is what :attr:`Agent.nixl`
+    #: holds, so every call the agent and the transport make goes through it. For fault
+    #: injection (:mod:`kvfsm.chaos`) and tracing; None in production.
+    interpose: Callable[[Any], Any] | None = None
 
 
 class Peer:
@@ -129,7 +133,7 @@ class Agent:
             # The only way to set plugin options: create the backend ourselves.
             defaults = agent.get_plugin_params(cfg.backend)
             agent.create_backend(cfg.backend, {**defaults, **params})
-        return agent
+        return agent if cfg.interpose is None else cfg.interpose(agent)
 
     def _register(self) -> None:
         for region in self.layout.regions():

@@ -59,6 +59,8 @@ Indices = npt.NDArray[np.int32]
 #: Pump rounds without any completion before it starts sleeping between rounds.
 _BUSY_ROUNDS = 64
 _MAX_BACKOFF_S = 0.001
+#: Why a chunk failed when NIXL reported a handle's state as "ERR" (no exception to describe).
+_ERR_REASON = "NIXL reported the transfer as failed (ERR)"
 
 
 class ChunkObserver(Protocol):
@@ -446,6 +448,8 @@ class NixlTransport:
             elif all(state == "DONE" for state in record.states):
                 self.stats.done_at_post += 1
                 self._finish(record, ChunkDone(record.chunk))
+            elif "ERR" in record.states and "PROC" not in record.states:
+                self._finish(record, ChunkFailed(record.chunk, _ERR_REASON))
             else:
                 self._active.append(record)
         if self._active:
@@ -479,12 +483,19 @@ class NixlTransport:
                 if record not in self._records:
                     continue  # finished meanwhile (peer lost)
                 try:
-                    done = all([check(h) == "DONE" for h in record.handles])
+                    states = [check(h) for h in record.handles]
                 except Exception as exc:
                     self._failed(record, exc)
                     continue
-                if done:
-                    self._finish(record, ChunkDone(record.chunk))
+                if "PROC" not in states:
+                    # Over: done, or errored. An errored handle writes nothing more, so the
+                    # chunk fails settled; a chunk with a handle still in flight waits for it
+                    # (or for its deadline) even if another of its handles errored.
+                    done = all(state == "DONE" for state in states)
+                    self._finish(
+                        record,
+                        ChunkDone(record.chunk) if done else ChunkFailed(record.chunk, _ERR_REASON),
+                    )
                 elif now > record.due:
                     self._stall(record, loop)
                 else:
