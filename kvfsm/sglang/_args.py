@@ -1,0 +1,203 @@
+"""From what SGLang hands a backend (``KVArgs``, ``ServerArgs``) to what kvfsm needs: a
+:class:`~kvfsm.transport.Layout`, the rank's place in the topology, and addresses.
+
+Everything here is a pure function of its arguments and raises :class:`UnsupportedError` (a
+``ValueError``) naming the SGLang feature when a deployment asks for something kvfsm does not do
+yet, so the scheduler fails at start-up with a clear message instead of moving wrong bytes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import operator
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvfsm.transport import Layout, LayoutError, MemKind
+
+__all__ = [
+    "Topology",
+    "UnsupportedError",
+    "advertised_host",
+    "bootstrap_url",
+    "layout_from_kv_args",
+    "mode_name",
+    "single_state_type",
+]
+
+#: Every kvfsm rank of one SGLang instance registers under this engine name in the instance's own
+#: bootstrap server (one server per prefill instance, as in SGLang).
+ENGINE = "sglang"
+
+
+class UnsupportedError(ValueError):
+    """The deployment uses an SGLang feature kvfsm does not support (see docs/sglang.md)."""
+
+
+def mode_name(mode: Any) -> str:
+    """``"prefill"``/``"decode"`` from SGLang's ``DisaggregationMode`` (or kvfsm's pinned copy)."""
+    value = getattr(mode, "value", mode)
+    if value not in ("prefill", "decode"):
+        raise UnsupportedError(f"kvfsm serves disaggregation mode prefill or decode, not {mode!r}")
+    return str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Where one scheduler rank sits. kvfsm pairs prefill attention-TP rank r with decode
+    attention-TP rank r of the same size (equal TP); a request's prefill DP rank is chosen by
+    SGLang (``bootstrap_room % dp_size`` or the router) and named in ``receiver.init``."""
+
+    attn_tp_size: int
+    tp_rank: int  # within the attention TP group
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def rank(self) -> int:
+        """The registry rank: unique per (dp_rank, tp_rank) within the instance."""
+        return self.dp_rank * self.attn_tp_size + self.tp_rank
+
+    @classmethod
+    def of(cls, args: Any, server_args: Any) -> Topology:
+        tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+        dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+        pp_size = int(getattr(server_args, "pp_size", 1) or 1)
+        if pp_size > 1:
+            raise UnsupportedError(
+                f"pipeline parallelism (pp_size={pp_size}) is not supported by kvfsm yet"
+            )
+        dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
+        if dp_attention and tp_size % dp_size:
+            raise UnsupportedError(f"tp_size {tp_size} is not a multiple of dp_size {dp_size}")
+        attn_tp = tp_size // dp_size if dp_attention else tp_size
+        engine_rank = int(args.engine_rank)
+        if dp_attention:
+            # One scheduler per TP rank; DP groups are consecutive blocks of attention TP ranks.
+            dp_rank = engine_rank // attn_tp
+        else:
+            # One scheduler group per DP rank, each with the full TP; the scheduler tells us which.
+            dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+        return cls(attn_tp, engine_rank % attn_tp, dp_size, dp_rank)
+
+
+def _kind(name: str, value: object) -> MemKind:
+    try:
+        return MemKind(str(value).upper())
+    except ValueError:
+        raise UnsupportedError(
+            f"{name}: memory kind {value!r} (kvfsm moves DRAM or VRAM)"
+        ) from None
+
+
+def _uniform_kind(name: str, kinds: Sequence[object], default: MemKind) -> MemKind:
+    # One NIXL descriptor list per group, so one memory kind per group. SGLang's own NIXL
+    # backend refuses mixed source kinds as well (contract §9).
+    if not kinds:
+        return default
+    found = {_kind(name, k) for k in kinds}
+    if len(found) > 1:
+        raise UnsupportedError(
+            f"{name}: mixed memory kinds {sorted(k.value for k in found)} in one KV pool"
+        )
+    return found.pop()
+
+
+def single_state_type(args: Any) -> int | None:
+    """The index of the one state type with buffers, or None. Several are not supported."""
+    ptrs = getattr(args, "state_data_ptrs", None) or []
+    used = [i for i, group in enumerate(ptrs) if group]
+    if len(used) > 1:
+        types = getattr(args, "state_types", None) or list(range(len(ptrs)))
+        names = [str(getattr(types[i], "value", types[i])) for i in used]
+        raise UnsupportedError(
+            f"{len(used)} hybrid state types ({', '.join(names)}); kvfsm moves one state type"
+        )
+    return used[0] if used else None
+
+
+def layout_from_kv_args(args: Any) -> Layout:
+    """The rank's layout: KV buffers (per layer, K and V apart, draft buffers included), aux
+    rows (SGLang's metadata buffers, host memory) and the state buffers of one state type.
+
+    KV memory kind: ``kv_data_mem_kinds`` when the scheduler sets it (SGLang does so for NIXL
+    decode ranks), else VRAM on ``gpu_id``, which is where SGLang keeps the pool. State lives
+    with the pool; aux rows are host memory.
+    """
+    if getattr(args, "host_kv_data_ptrs", None):
+        raise UnsupportedError("host KV destinations (decode host receive) are not supported")
+    kind = _uniform_kind(
+        "kv_data_mem_kinds", list(getattr(args, "kv_data_mem_kinds", None) or []), MemKind.VRAM
+    )
+    device = int(getattr(args, "gpu_id", 0) or 0) if kind is MemKind.VRAM else 0
+    state_ptrs: Sequence[int] = ()
+    state_lens: Sequence[int] = ()
+    state_items: Sequence[int] = ()
+    which = single_state_type(args)
+    if which is not None:
+        state_ptrs = args.state_data_ptrs[which]
+        state_lens = args.state_data_lens[which]
+        state_items = args.state_item_lens[which]
+    try:
+        return Layout.from_pointers(
+            args.kv_data_ptrs,
+            args.kv_data_lens,
+            args.kv_item_lens,
+            getattr(args, "aux_data_ptrs", None) or (),
+            getattr(args, "aux_data_lens", None) or (),
+            getattr(args, "aux_item_lens", None) or (),
+            state_ptrs,
+            state_lens,
+            state_items,
+            kind=kind,
+            device=device,
+        )
+    except LayoutError as exc:
+        raise LayoutError(f"KVArgs does not describe a usable layout: {exc}") from exc
+
+
+def _host_of(address: str) -> str:
+    host, _, _port = address.rpartition(":")
+    return host.strip("[]") or address
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::")
+
+
+def bootstrap_url(server_args: Any) -> str:
+    """Where this instance's bootstrap server listens, as its own ranks reach it.
+
+    SGLang starts it on ``--host`` at ``--disaggregation-bootstrap-port`` in the node-0 process;
+    ranks on other nodes of a multi-node instance reach it through ``--dist-init-addr``'s host.
+    """
+    port = operator.index(getattr(server_args, "disaggregation_bootstrap_port", 8998))
+    host = str(getattr(server_args, "host", "127.0.0.1") or "127.0.0.1")
+    dist = getattr(server_args, "dist_init_addr", None)
+    if dist:
+        host = _host_of(str(dist))
+    if _is_wildcard(host):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def advertised_host(bind_host: str, toward: str) -> str:
+    """The address peers should use for a socket bound to ``bind_host``: itself, unless it is a
+    wildcard, then the local address of the route toward ``toward`` (no packet is sent)."""
+    if not _is_wildcard(bind_host):
+        return bind_host
+    target = _host_of(toward.split("//", 1)[-1].split("/", 1)[0])
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(target).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

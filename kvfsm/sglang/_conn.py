@@ -1,0 +1,262 @@
+"""``KvfsmKVSender`` / ``KvfsmKVReceiver``: one per request and side, as SGLang's scheduler builds
+them; each wraps one kvfsm room facade.
+
+Every method runs on the scheduler thread and returns at once: ``poll()`` reads the value the
+room's task published; the others post an event to kvfsm's loop (law 6). What SGLang expects,
+and how it is met (contract §3):
+
+* before ``init``/``send_metadata`` a room reports only Failed, Bootstrapping or WaitingForInput
+  (the room's own table: it cannot move further without them);
+* the last chunk is the one that brings the pages sent to ``init``'s count, and may be empty
+  (``should_send_kv_chunk`` lets a zero-page last chunk through);
+* decode reports Success only after prefill confirmed every write, aux row included, so the
+  scheduler's metadata gate sees ``bootstrap_room`` in the aux row by then;
+* ``abort()`` makes ``poll()`` Failed when it returns; ``failure_exception()`` always raises,
+  with the reason, and clears; ``clear()`` is idempotent and aborts a room that is not finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.rooms import KVTransferError
+from kvfsm.sglang._bases import (
+    BaseKVReceiver,
+    BaseKVSender,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from kvfsm.states import TERMINAL
+from kvfsm.states import KVPoll as RoomStatus
+
+if TYPE_CHECKING:
+    from kvfsm.rooms import ReceiverRoom, SenderRoom
+    from kvfsm.sglang._manager import KvfsmKVManager
+
+__all__ = ["KvfsmKVReceiver", "KvfsmKVSender", "SGLangTransferError"]
+
+
+class SGLangTransferError(KVTransferError):
+    """What ``failure_exception()`` raises. SGLang's scheduler reads ``failure_reason`` and
+    ``is_from_another_rank`` (the request failed on a sibling rank: this room is not Failed
+    itself, the MIN all-reduce made it so) off the exception."""
+
+    def __init__(self, room: int, reason: str, *, is_from_another_rank: bool = False) -> None:
+        super().__init__(room, reason)
+        self.is_from_another_rank = is_from_another_rank
+
+
+def _state_rows(state_indices: Sequence[Any] | None, which: int | None) -> list[int] | str | None:
+    """SGLang passes one entry per state type (a list of rows, or None); kvfsm moves the rows of
+    the one type its layout has. A string is why the request cannot be served."""
+    if state_indices is None:
+        return None
+    if which is None:
+        if any(entry is not None and len(entry) for entry in state_indices):
+            return "state indices given, but this rank registered no state buffers"
+        return None
+    if which >= len(state_indices):
+        return f"no state indices for state type {which}"
+    entry = state_indices[which]
+    return None if entry is None else [int(row) for row in entry]
+
+
+class _Conn:
+    """What both sides share: the room, its failure report and its clearing."""
+
+    _room: SenderRoom | ReceiverRoom
+
+    def __init__(self, mgr: KvfsmKVManager, bootstrap_addr: str, bootstrap_room: int) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self._cleared = False
+
+    def poll(self) -> int:
+        return self._room.poll()
+
+    @property
+    def reason(self) -> str:
+        return self._room.reason
+
+    def abort(self) -> None:
+        self._room.abort("aborted by the scheduler (AbortReq)")
+
+    def failure_exception(self) -> NoReturn:
+        status = self._room.poll()
+        room = self.bootstrap_room
+        if status is RoomStatus.Failed:
+            error = SGLangTransferError(room, self._room.reason or "failed")
+        else:
+            # Failed only in the MIN over ranks: some sibling rank failed. End this rank's room
+            # too (clear() below aborts it), so it does not wait out its deadline.
+            error = SGLangTransferError(
+                room,
+                f"failed on another rank (this rank was {RoomStatus(status).name})",
+                is_from_another_rank=True,
+            )
+        self.clear()
+        raise error
+
+    def clear(self) -> None:
+        if self._cleared:
+            return
+        self._cleared = True
+        if self._room.poll() not in TERMINAL:
+            self._room.abort("cleared before completion")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} room={self.bootstrap_room} {self._room.poll().name}>"
+
+
+class KvfsmKVSender(_Conn, BaseKVSender):
+    """Prefill side of one request."""
+
+    #: SGLang may hand Mooncake device-side page indices with a CUDA event; kvfsm takes host
+    #: indices only, so the scheduler converts them first.
+    supports_host_tensor_indices = False
+
+    def __init__(
+        self,
+        mgr: KvfsmKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
+        _Conn.__init__(self, mgr, bootstrap_addr, bootstrap_room)
+        self._early_send_wait_event: Any = None
+        self._num_pages = 0
+        self._sent_pages = 0
+        self._chunks = 0
+        self._started = 0.0
+        self._finished: float | None = None
+        self._room = self._sender = mgr.new_sender(bootstrap_room)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self._num_pages = int(num_kv_indices)
+        self._started = time.monotonic()
+        self._sender.init(self._num_pages, -1 if aux_index is None else int(aux_index))
+
+    def send(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+    ) -> None:
+        rows = _state_rows(state_indices, self.kv_mgr.state_type)
+        if isinstance(rows, str):
+            self._sender.reject(rows)
+            return
+        if self._sent_pages >= self._num_pages and self._chunks and not len(kv_indices):
+            # The page count was reached by an earlier chunk, which kvfsm sent as the last one
+            # (with the aux row). A trailing zero-page "last" send adds nothing, unless it
+            # brings state rows the last chunk lacked: those cannot be sent any more.
+            if rows:
+                self._sender.reject(
+                    "state rows arrived after the last chunk (the page count was reached by an "
+                    "earlier send without them)"
+                )
+            return
+        self._sent_pages += len(kv_indices)
+        self._chunks += 1
+        self._sender.send(kv_indices, rows)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # A zero-page last chunk must still be sent: it carries the aux row and ends the room.
+        return num_pages > 0 or last_chunk
+
+    def poll(self) -> int:
+        status = self._room.poll()
+        if status is RoomStatus.Success and self._finished is None:
+            self._finished = time.monotonic()
+        return status
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        layout = self.kv_mgr.layout
+        total = self._sent_pages * layout.page_bytes() + (
+            layout.aux_row_bytes() if layout.aux else 0
+        )
+        latency = None if self._finished is None else self._finished - self._started
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=total)
+
+
+class KvfsmKVReceiver(_Conn, BaseKVReceiver):
+    """Decode side of one request."""
+
+    require_staging = False
+
+    def __init__(
+        self,
+        mgr: KvfsmKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int | None = None,
+    ):
+        room = -1 if bootstrap_room is None else int(bootstrap_room)
+        _Conn.__init__(self, mgr, bootstrap_addr, room)
+        #: One entry per prefill rank this request reads from (SGLang counts abort acks by it).
+        self.bootstrap_infos: list[tuple[str, int]] = []
+        self._room = self._receiver = mgr.new_receiver(room)
+        mgr.track(room, self._receiver)
+        if bootstrap_room is None:
+            self._receiver.reject("no bootstrap_room: the request cannot be matched to a prefill")
+
+    @property
+    def conclude_state(self) -> int | None:
+        """Failed once the room failed, else None (SGLang checks it right after ``init``)."""
+        return KVPoll.Failed if self._room.poll() is RoomStatus.Failed else None
+
+    @property
+    def abort_notified(self) -> bool:
+        """True once the room failed after naming its prefill rank: kvfsm has then told that rank
+        and will learn when its writes are over (``kv_mgr.is_abort_release_safe``)."""
+        return bool(self.bootstrap_infos) and self._room.poll() is RoomStatus.Failed
+
+    def ensure_abort_notified(self, force_arm: bool = False) -> None:
+        if self._room.poll() not in TERMINAL:
+            self._room.abort("aborted by the scheduler (deferred release)")
+
+    def is_abort_release_safe(self) -> bool:
+        return self._room.settled
+
+    def init(self, prefill_dp_rank: int) -> None:
+        peer = self.kv_mgr.peer_for(self.bootstrap_addr, int(prefill_dp_rank))
+        if isinstance(peer, str):
+            self._receiver.reject(peer)
+            return
+        self.bootstrap_infos = [(self.bootstrap_addr, int(prefill_dp_rank))]
+        self._receiver.init(peer)
+
+    def send_metadata(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+    ) -> None:
+        if destination != KVTransferDestination.DEVICE:
+            self._receiver.reject(f"destination {destination!r}: kvfsm writes device KV only")
+            return
+        if decode_prefix_len:
+            self._receiver.reject(
+                f"decode_prefix_len={decode_prefix_len}: decode-side prefix reuse is not "
+                "supported by kvfsm (disable the decode radix cache)"
+            )
+            return
+        rows = _state_rows(state_indices, self.kv_mgr.state_type)
+        if isinstance(rows, str):
+            self._receiver.reject(rows)
+            return
+        self._receiver.send_metadata(kv_indices, -1 if aux_index is None else int(aux_index), rows)
+
+    def clear(self) -> None:
+        already = self._cleared
+        super().clear()
+        if not already:
+            self.kv_mgr.cleared(self.bootstrap_room, self._receiver)

@@ -1,0 +1,284 @@
+"""``KvfsmKVManager``: one per scheduler rank, as SGLang builds it; owns a kvfsm
+:class:`~kvfsm.manager.PrefillManager` or :class:`~kvfsm.manager.DecodeManager`.
+
+What the scheduler reads beyond the ABC (contract §3.5) is here with kvfsm's meaning:
+
+* ``prefill_info_table`` / ``try_ensure_parallel_info``: decode learns a prefill instance's DP
+  and TP sizes from its bootstrap server. SGLang's own backends do that with a blocking HTTP
+  GET on the scheduler thread; here the lookup runs on kvfsm's loop and the call returns False
+  until it has landed (the scheduler retries every second), so it never blocks.
+* deferred decode page release (law 4): ``is_abort_release_safe(room, acks)`` is the room's
+  ``settled`` flag: true once no write from any prefill rank can reach its pages, which kvfsm
+  learns from prefill's settle acknowledgement or from the loss of the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvfsm.bootstrap import BootstrapClient, ChannelConfig
+from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
+from kvfsm.sglang._args import (
+    ENGINE,
+    Topology,
+    advertised_host,
+    bootstrap_url,
+    layout_from_kv_args,
+    mode_name,
+    single_state_type,
+)
+from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
+from kvfsm.sglang._settings import manager_config
+
+if TYPE_CHECKING:
+    from kvfsm.rooms import ReceiverRoom, SenderRoom
+
+__all__ = ["KvfsmKVManager", "PrefillInfo"]
+
+_log = logging.getLogger("kvfsm.sglang")
+
+
+class PrefillInfo(NamedTuple):
+    """What decode's scheduler reads from ``prefill_info_table[addr]``."""
+
+    dp_size: int
+    tp_size: int  # attention TP of the prefill instance
+    #: SGLang routes a request to prefill DP rank ``bootstrap_room % dp_size``.
+    follow_bootstrap_room: bool = True
+
+
+class KvfsmKVManager(BaseKVManager):
+    """kvfsm behind SGLang's ``BaseKVManager``. Built by the scheduler with
+    ``(kv_args, disaggregation_mode, server_args, is_mla_backend)``."""
+
+    supports_deferred_decode_kv_release = True
+    enable_deferred_decode_kv_release = True
+    supports_host_destination = False
+    supports_role_switch = False
+    #: Context-parallel ranks all move their own KV; there are no dummy ranks.
+    is_dummy_cp_rank = False
+    enable_all_cp_ranks_for_transfer = False
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ):
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.mode = mode_name(disaggregation_mode)
+        self.topology = Topology.of(args, server_args)
+        self.layout = layout_from_kv_args(args)
+        self.state_type = single_state_type(args)
+        self.bootstrap_url = bootstrap_url(server_args)
+        #: Prefill: rooms with transfer state on this rank. kvfsm keeps that state in the rooms
+        #: themselves; SGLang reads this only for staging prefetch, which kvfsm does not do.
+        self.transfer_infos: dict[int, Any] = {}
+        #: Decode: prefill instances whose sizes are known, by bootstrap address.
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self._fetching: set[str] = set()
+        self._peer_ids: dict[tuple[str, int], int] = {}
+        self._peers: dict[int, tuple[str, int]] = {}
+        self._next_peer = itertools.count(1)
+        self._clients: dict[str, BootstrapClient] = {}
+        self._receivers: dict[int, ReceiverRoom] = {}
+        self._cleared: dict[int, ReceiverRoom] = {}
+        self._lock = threading.Lock()
+        self.config = self._config()
+        self.kvfsm: PrefillManager | DecodeManager
+        if self.mode == "prefill":
+            self.kvfsm = self._prefill()
+        else:
+            self.kvfsm = DecodeManager(
+                self.layout,
+                None,
+                engine_id=ENGINE,
+                rank=self.topology.rank,
+                resolver=self._resolve,
+                config=self.config,
+            )
+        _log.info(
+            "kvfsm %s rank %d (dp %d/%d, attn tp %d/%d) ready: %d KV buffers of %d pages, "
+            "%d aux rows, %d state rows",
+            self.mode,
+            self.topology.rank,
+            self.topology.dp_rank,
+            self.topology.dp_size,
+            self.topology.tp_rank,
+            self.topology.attn_tp_size,
+            len(self.layout.kv),
+            self.layout.num_pages,
+            self.layout.aux_rows,
+            self.layout.state_rows,
+        )
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _config(self) -> ManagerConfig:
+        config = manager_config()
+        host = os.environ.get("KVFSM_HOST") or str(getattr(self.server_args, "host", "") or "")
+        if host and config.channel.host == ChannelConfig().host:
+            channel = dataclasses.replace(config.channel, host=host)
+            config = dataclasses.replace(config, channel=channel)
+        status = os.environ.get("KVFSM_STATUS_PORT")
+        if status and config.status_port is None:
+            config = dataclasses.replace(config, status_port=int(status) + self.topology.rank)
+        return config
+
+    def _prefill(self) -> PrefillManager:
+        topo = self.topology
+        return PrefillManager(
+            self.layout,
+            self.bootstrap_url,
+            engine_id=ENGINE,
+            rank=topo.rank,
+            tp_rank=topo.tp_rank,
+            tp_size=topo.attn_tp_size,
+            dp_rank=topo.dp_rank,
+            dp_size=topo.dp_size,
+            host=advertised_host(self.config.channel.host, self.bootstrap_url),
+            config=self.config,
+        )
+
+    def new_sender(self, room: int) -> SenderRoom:
+        if not isinstance(self.kvfsm, PrefillManager):
+            raise RuntimeError("a decode-mode kvfsm manager has no senders")
+        return self.kvfsm.sender(room)
+
+    def new_receiver(self, room: int) -> ReceiverRoom:
+        if not isinstance(self.kvfsm, DecodeManager):
+            raise RuntimeError("a prefill-mode kvfsm manager has no receivers")
+        return self.kvfsm.receiver(room)
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill ranks register when built and keep refreshing; nothing to do on demand."""
+
+    # -- decode: finding prefill ranks (loop thread) -------------------------------------------
+
+    def _client(self, addr: str) -> BootstrapClient:
+        client = self._clients.get(addr)
+        if client is None:
+            client = BootstrapClient(f"http://{addr}", secret=self.config.secret)
+            self._clients[addr] = client
+        return client
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """True once ``prefill_info_table`` knows ``bootstrap_addr``; otherwise start the lookup
+        on kvfsm's loop (once at a time per address) and return False. Never blocks."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        with self._lock:
+            if bootstrap_addr in self._fetching:
+                return False
+            self._fetching.add(bootstrap_addr)
+        engine = self.kvfsm.engine
+        assert engine is not None
+        asyncio.run_coroutine_threadsafe(self._fetch_info(bootstrap_addr), engine.loop)
+        return False
+
+    async def _fetch_info(self, addr: str) -> None:
+        try:
+            info = await self._client(addr).rank(ENGINE, 0)
+            self.prefill_info_table[addr] = PrefillInfo(info.dp_size, info.tp_size)
+        except Exception as exc:
+            _log.warning("prefill instance %s: parallel info not available yet: %s", addr, exc)
+        finally:
+            with self._lock:
+                self._fetching.discard(addr)
+
+    def peer_for(self, bootstrap_addr: str, prefill_dp_rank: int) -> int | str:
+        """The peer id a receiver names for ``(instance, DP rank)``: its own attention-TP rank
+        of that DP group (equal TP), or a reason why there is none."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is None:
+            return f"prefill instance {bootstrap_addr} is unknown (no parallel info yet)"
+        mine = self.topology.attn_tp_size
+        if info.tp_size != mine:
+            return (
+                f"unequal TP: prefill {bootstrap_addr} has attention TP {info.tp_size}, this "
+                f"decode {mine}; kvfsm supports equal TP only"
+            )
+        if not 0 <= prefill_dp_rank < info.dp_size:
+            return f"prefill DP rank {prefill_dp_rank} out of range (dp_size {info.dp_size})"
+        target = (bootstrap_addr, prefill_dp_rank * info.tp_size + self.topology.tp_rank)
+        with self._lock:
+            peer = self._peer_ids.get(target)
+            if peer is None:
+                peer = next(self._next_peer)
+                self._peer_ids[target] = peer
+                self._peers[peer] = target
+        return peer
+
+    async def _resolve(self, peer: int) -> tuple[str, int, int]:
+        addr, rank = self._peers[peer]
+        info = await self._client(addr).rank(ENGINE, rank)
+        return info.host, info.port, info.rank
+
+    # -- decode: deferred page release ---------------------------------------------------------
+
+    # A failed receiver's entry outlives clear() until its room is settled: the scheduler asks
+    # is_abort_release_safe() after failure_exception() has already cleared it.
+
+    def track(self, room: int, receiver: ReceiverRoom) -> None:
+        with self._lock:
+            self._sweep()
+            self._receivers[room] = receiver
+
+    def cleared(self, room: int, receiver: ReceiverRoom) -> None:
+        with self._lock:
+            if self._receivers.get(room) is receiver:
+                self._cleared[room] = receiver
+            self._sweep()
+
+    def _sweep(self) -> None:
+        for room, receiver in list(self._cleared.items()):
+            if receiver.settled:
+                del self._cleared[room]
+                if self._receivers.get(room) is receiver:
+                    del self._receivers[room]
+
+    def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:
+        """May decode reuse the pages of failed ``room``? Only once no write can reach them
+        (kvfsm knows without counting acknowledgements: ``required_acks`` is not needed)."""
+        receiver = self._receivers.get(room)
+        return receiver is None or receiver.settled
+
+    def clear_deferred_abort_state(self, room: int) -> None:
+        with self._lock:
+            self._sweep()
+
+    def tracked_rooms(self) -> int:
+        """Per-room entries the adapter still holds (leak checks): settled rooms are dropped."""
+        with self._lock:
+            self._sweep()
+            return len(self._receivers)
+
+    # -- everything else the scheduler may call ------------------------------------------------
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Stop the rank: abort live rooms, let them settle, release NIXL. Idempotent."""
+        engine = self.kvfsm.engine
+        if engine is not None and self._clients:
+            clients, self._clients = list(self._clients.values()), {}
+            for client in clients:
+                try:
+                    engine.call(client.close(), timeout=10)
+                except Exception:
+                    _log.exception("closing a bootstrap client failed")
+        self.kvfsm.close()
+
+    def teardown(self) -> None:
+        self.close()

@@ -1,0 +1,49 @@
+"""Fixtures for the SGLang adapter tests: a real bootstrap server (SGLang's construction of it)
+and short deadlines for every manager the tests build."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvfsm.bootstrap import ChannelConfig
+from kvfsm.manager import ManagerConfig
+from kvfsm.rooms import RoomConfig
+from kvfsm.sglang import KvfsmKVBootstrapServer, configure
+from kvfsm.states import KVPoll, Role
+from kvfsm.transport import TransferConfig
+
+#: Deadlines short enough that a scenario that waits one out stays short.
+DEADLINES = {
+    Role.SENDER: {KVPoll.Bootstrapping: 6.0, KVPoll.WaitingForInput: 6.0, KVPoll.Transferring: 6.0},
+    Role.RECEIVER: {
+        KVPoll.Bootstrapping: 6.0,
+        KVPoll.WaitingForInput: 6.0,
+        KVPoll.Transferring: 6.0,
+    },
+}
+CONFIG = ManagerConfig(
+    rooms=RoomConfig(deadlines=DEADLINES, settle_timeout_s=20.0),
+    transfer=TransferConfig(deadline_base_s=3.0, quarantine_s=0.5, reconnect_interval_s=0.2),
+    # A lost prefill can write for at most silence (0.5 s) + chunk deadline (3 s + bytes) +
+    # quarantine (0.5 s): decode keeps the pages of its rooms that long.
+    channel=ChannelConfig(heartbeat_s=0.25, peer_lost_grace_s=5.0),
+    register_interval_s=0.5,
+    register_wait_s=10.0,
+)
+
+
+@pytest.fixture(autouse=True)
+def short_deadlines() -> Iterator[None]:
+    configure(CONFIG)
+    yield
+    configure(None)
+
+
+@pytest.fixture
+def bootstrap() -> Iterator[KvfsmKVBootstrapServer]:
+    """A prefill instance's bootstrap server, built the way SGLang builds it."""
+    server = KvfsmKVBootstrapServer(host="127.0.0.1", port=0)
+    yield server
+    server.close()

@@ -1,0 +1,661 @@
+"""A replay of SGLang 0.5.23's scheduler call sequences against kvfsm's adapter classes.
+
+Contract §3.2 (prefill) and §3.3 (decode), call for call, on simulated TP ranks in one process:
+each rank has its own ``KvfsmKVManager`` (its own NIXL agent over real UCX, DRAM buffers), the
+instance has a real bootstrap server (``KvfsmKVBootstrapServer``), and each scheduler loop
+MIN-reduces a request's polls over its ranks, the decode one behind the metadata gate (Success
+counts only once the rank's aux row holds the request's ``bootstrap_room``).
+
+:class:`Checker` watches every call and records a violation of contract §7.4 instead of
+raising, so a scenario reports all of them at once:
+
+* before ``init``/``send_metadata``, ``poll`` is Failed, Bootstrapping or WaitingForInput;
+* a rank's poll only moves forward, or into Failed; Success and Failed are sticky;
+* right after ``abort()``, that rank's ``poll`` is Failed;
+* ``failure_exception()`` raises (with a reason) every time it is called;
+* no scheduler-facing call takes longer than :data:`CALL_LIMIT_S`;
+* Success means the KV pages, the aux row (``bootstrap_room`` included) and the state rows on
+  every decode rank equal the prefill rank's bytes;
+* pages of a failed request, once decode was told they may be reused, are never written again
+  (canary bytes, checked at the end of the scenario).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from kvfsm.sglang import KvfsmKVManager, KvfsmKVReceiver, KvfsmKVSender
+from kvfsm.sglang._bases import DisaggregationMode, KVArgs, KVPoll
+
+# Shape of every rank's pools: small, so a scenario moves real bytes quickly on 2 vCPUs.
+LAYERS, PAGES, PAGE_BYTES, PAGE_TOKENS = 2, 96, 1024, 16
+AUX_ROWS, STATE_ROWS, STATE_ROW_BYTES = 24, 24, 256
+#: A scheduler-facing call that takes longer than this is reported (it would stall every
+#: request on the rank). Network-bound calls take tens of milliseconds at least; this is
+#: well above a GIL hand-off or a GC pause on a busy 2-vCPU machine.
+CALL_LIMIT_S = 0.025
+CANARY = 0xA5
+#: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s upstream).
+DEFERRED_RELEASE_TIMEOUT_S = 30.0
+
+PRE_INIT = frozenset({KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput})
+TERMINAL = frozenset({KVPoll.Failed, KVPoll.Success})
+NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
+
+
+@dataclass
+class RankBuffers:
+    """One rank's memory, shaped like SGLang's: per-layer K and V pools, the metadata buffers
+    (first output token ids, and ``bootstrap_room``, which the decode metadata gate reads), and
+    one hybrid-state pool (one state type, as for Mamba)."""
+
+    kv: list[np.ndarray]
+    output_ids: np.ndarray  # int32 [rows, 16]
+    rooms: np.ndarray  # int64 [rows, 8]: column 0 is the request's bootstrap_room
+    state: np.ndarray
+
+    @classmethod
+    def make(cls, seed: int | None) -> RankBuffers:
+        """``seed``: fill with deterministic bytes (prefill); None: zeros (decode)."""
+        rng = np.random.default_rng(seed)
+
+        def pool(shape: tuple[int, int]) -> np.ndarray:
+            if seed is None:
+                return np.zeros(shape, np.uint8)
+            return rng.integers(1, 255, shape, dtype=np.uint8)
+
+        return cls(
+            kv=[pool((PAGES, PAGE_BYTES)) for _ in range(2 * LAYERS)],
+            output_ids=np.zeros((AUX_ROWS, 16), np.int32),
+            rooms=np.zeros((AUX_ROWS, 8), np.int64),
+            state=pool((STATE_ROWS, STATE_ROW_BYTES)),
+        )
+
+    def kv_args(self, engine_rank: int) -> KVArgs:
+        """What SGLang's scheduler assigns to ``KVArgs`` (prefill.py:258-356, decode.py:609-764)."""
+        args = KVArgs()
+        args.engine_rank = engine_rank
+        args.kv_data_ptrs = [b.ctypes.data for b in self.kv]
+        args.kv_data_lens = [b.nbytes for b in self.kv]
+        args.kv_item_lens = [b.shape[1] for b in self.kv]
+        args.kv_layer_ids = [i // 2 for i in range(len(self.kv))]
+        args.kv_data_mem_kinds = ["DRAM"] * len(self.kv)  # SGLang sets it on NIXL ranks
+        aux = (self.output_ids, self.rooms)
+        args.aux_data_ptrs = [b.ctypes.data for b in aux]
+        args.aux_data_lens = [b.nbytes for b in aux]
+        args.aux_item_lens = [b.nbytes // b.shape[0] for b in aux]
+        args.state_types = ["mamba"]
+        args.state_data_ptrs = [[self.state.ctypes.data]]
+        args.state_data_lens = [[self.state.nbytes]]
+        args.state_item_lens = [[self.state.shape[1]]]
+        args.gpu_id = 0
+        args.page_size = PAGE_TOKENS
+        args.system_dp_rank = 0
+        args.pp_rank = 0
+        return args
+
+
+def server_args(port: int, tp_size: int) -> SimpleNamespace:
+    """The ServerArgs fields the adapter reads."""
+    return SimpleNamespace(
+        host="127.0.0.1",
+        disaggregation_bootstrap_port=port,
+        tp_size=tp_size,
+        dp_size=1,
+        pp_size=1,
+        enable_dp_attention=False,
+        dist_init_addr=None,
+    )
+
+
+@dataclass
+class Instance:
+    """One SGLang instance: its TP ranks' buffers and managers."""
+
+    mode: str
+    buffers: list[RankBuffers]
+    managers: list[KvfsmKVManager]
+
+    @classmethod
+    def start(cls, mode: str, port: int, tp_size: int, *, generation: int = 0) -> Instance:
+        seed = (lambda r: 1000 * generation + r) if mode == "prefill" else (lambda r: None)
+        buffers = [RankBuffers.make(seed(r)) for r in range(tp_size)]
+        managers: list[KvfsmKVManager] = []
+        try:
+            for r, b in enumerate(buffers):
+                managers.append(
+                    KvfsmKVManager(
+                        b.kv_args(r),
+                        DisaggregationMode(mode),
+                        server_args(port, tp_size),
+                        False,
+                    )
+                )
+        except BaseException:
+            for m in managers:
+                m.close()
+            raise
+        return cls(mode, buffers, managers)
+
+    def close(self) -> None:
+        for m in self.managers:
+            m.close()
+
+    def live_rooms(self) -> int:
+        return sum(m.kvfsm.engine.stats()["live"] for m in self.managers if m.kvfsm.engine)
+
+    def leaks(self) -> list[str]:
+        """Per-room state left after a drain: rooms, adapter entries, NIXL handles."""
+        found = []
+        for r, m in enumerate(self.managers):
+            engine = m.kvfsm.engine
+            assert engine is not None
+            if engine.stats()["live"]:
+                found.append(f"{self.mode} rank {r}: live rooms {engine.rooms()}")
+            if m.tracked_rooms():
+                found.append(f"{self.mode} rank {r}: {m.tracked_rooms()} tracked receivers")
+            transport = getattr(m.kvfsm, "transport", None)
+            if transport is not None:
+                snap = engine.call(_snapshot(transport))
+                if snap.get("in_flight"):
+                    found.append(f"{self.mode} rank {r}: transport in flight {snap}")
+        return found
+
+
+async def _snapshot(transport: Any) -> dict[str, Any]:
+    snap: dict[str, Any] = transport.snapshot()
+    return snap
+
+
+@dataclass
+class Request:
+    """One request as both schedulers see it, with its scripted faults."""
+
+    room: int
+    src_pages: list[int]
+    dst_pages: list[int]
+    chunks: list[list[int]]  # the last may be empty
+    src_aux: int
+    dst_aux: int
+    src_state: int
+    dst_state: int
+    #: Abort on the prefill side after this many chunks were sent, on this rank.
+    prefill_abort_after: int | None = None
+    prefill_abort_rank: int = 0
+    #: Abort on the decode side once this many prefill chunks went out, on this rank.
+    decode_abort_after: int | None = None
+    decode_abort_rank: int = 0
+    #: The prefill scheduler never admits it (no init/send): decode must time out.
+    prefill_ignores: bool = False
+    #: The prefill scheduler aborts and clears it while it is still bootstrapping.
+    prefill_abort_early: bool = False
+    #: Decode sends its metadata only once prefill gave up on the room.
+    decode_waits_for_prefill: bool = False
+    # -- progress ----------------------------------------------------------------------------
+    senders: list[KvfsmKVSender] = field(default_factory=list)
+    receivers: list[KvfsmKVReceiver] = field(default_factory=list)
+    chunks_sent: int = 0
+    prefill_outcome: str | None = None
+    decode_outcome: str | None = None
+    prefill_reasons: list[str] = field(default_factory=list)
+    decode_reasons: list[str] = field(default_factory=list)
+    metric: Any = None
+
+    @property
+    def done(self) -> bool:
+        prefill_done = self.prefill_outcome is not None or self.prefill_ignores
+        return prefill_done and self.decode_outcome is not None
+
+
+def random_requests(
+    rng: random.Random, n: int, *, first_room: int = 1, max_pages: int = 6
+) -> list[Request]:
+    """``n`` requests over disjoint pages and rows, chunked at random, some with no pages."""
+    assert n * max_pages <= PAGES
+    assert n <= min(AUX_ROWS, STATE_ROWS)
+    src_pool = rng.sample(range(PAGES), n * max_pages)
+    dst_pool = rng.sample(range(PAGES), n * max_pages)
+    src_rows, dst_rows = rng.sample(range(AUX_ROWS), n), rng.sample(range(AUX_ROWS), n)
+    out = []
+    for i in range(n):
+        # A request may move no pages at all (its whole prompt cached, or SGLang's warmup):
+        # init(0) and one zero-page last chunk that still carries the aux and state rows.
+        k = 0 if rng.random() < 0.15 else rng.randint(1, max_pages)
+        src = src_pool[i * max_pages : i * max_pages + k]
+        dst = dst_pool[i * max_pages : i * max_pages + k]
+        cuts = sorted(rng.sample(range(1, k), rng.randint(0, k - 1))) if k > 1 else []
+        chunks = [src[a:b] for a, b in zip([0, *cuts], [*cuts, k], strict=True)]
+        out.append(
+            Request(
+                room=first_room + i,
+                src_pages=src,
+                dst_pages=dst,
+                chunks=chunks,
+                src_aux=src_rows[i],
+                dst_aux=dst_rows[i],
+                src_state=src_rows[i],
+                dst_state=dst_rows[i],
+            )
+        )
+    return out
+
+
+class Checker:
+    """Records contract violations (see the module docstring) instead of raising."""
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.last: dict[tuple[str, int, int, int], int] = {}
+        self.slowest = 0.0
+        self.calls = 0
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            took = time.perf_counter() - start
+            self.calls += 1
+            self.slowest = max(self.slowest, took)
+            if took > CALL_LIMIT_S:
+                self.violations.append(f"{what} blocked the scheduler for {took * 1e3:.1f} ms")
+
+    def poll(self, side: str, req: Request, rank: int, conn: Any, *, before_init: bool) -> int:
+        value = int(self.call(f"{side} poll", conn.poll))
+        key = (side, req.room, id(conn), rank)
+        name = f"{side} room {req.room} rank {rank}"
+        if before_init and value not in PRE_INIT:
+            self.violations.append(f"{name}: {NAMES[value]} before init/send_metadata")
+        last = self.last.get(key)
+        if last is not None:
+            if last in TERMINAL and value != last:
+                self.violations.append(f"{name}: left {NAMES[last]} for {NAMES[value]}")
+            elif value < last and value != KVPoll.Failed:
+                self.violations.append(f"{name}: went back from {NAMES[last]} to {NAMES[value]}")
+        self.last[key] = value
+        return value
+
+    def abort(self, side: str, req: Request, rank: int, conn: Any) -> None:
+        self.call(f"{side} abort", conn.abort)
+        if int(conn.poll()) != KVPoll.Failed:
+            self.violations.append(f"{side} room {req.room} rank {rank}: not Failed after abort()")
+
+    def failure(self, side: str, req: Request, rank: int, conn: Any) -> str:
+        """Call ``failure_exception()`` as the scheduler does; it must raise with a reason."""
+        try:
+            self.call(f"{side} failure_exception", conn.failure_exception)
+        except Exception as exc:
+            reason = str(getattr(exc, "failure_reason", "") or "")
+            if not reason:
+                self.violations.append(f"{side} room {req.room}: failure without a reason: {exc!r}")
+            return reason
+        self.violations.append(f"{side} room {req.room} rank {rank}: failure_exception() returned")
+        return ""
+
+
+def min_poll(polls: Sequence[int]) -> int:
+    """SGLang's ``all_reduce(..., op=MIN)`` over the ranks (contract §3.1)."""
+    return min(polls)
+
+
+class PrefillScheduler:
+    """``PrefillBootstrapQueue`` → chunked sends → ``disagg_prefill_inflight_queue``."""
+
+    def __init__(self, instance: Instance, checker: Checker, bootstrap_addr: str) -> None:
+        self.instance = instance
+        self.check = checker
+        self.addr = bootstrap_addr
+        self.bootstrap: list[Request] = []
+        self.forward: list[Request] = []
+        self.inflight: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        if req.prefill_ignores:
+            return
+        req.senders = [
+            self.check.call(
+                "KvfsmKVSender()",
+                KvfsmKVSender,
+                mgr=m,
+                bootstrap_addr=self.addr,
+                bootstrap_room=req.room,
+                req_has_disagg_prefill_dp_rank=False,
+            )
+            for m in self.instance.managers
+        ]
+        self.bootstrap.append(req)
+
+    def _fail(self, req: Request) -> None:
+        req.prefill_reasons = [
+            self.check.failure("prefill", req, r, s) for r, s in enumerate(req.senders)
+        ]
+        req.prefill_outcome = "Failed"
+
+    def step(self) -> None:
+        for req in list(self.bootstrap):
+            if req.prefill_abort_early:
+                for r, s in enumerate(req.senders):
+                    self.check.abort("prefill", req, r, s)
+            polls = [
+                self.check.poll("prefill", req, r, s, before_init=True)
+                for r, s in enumerate(req.senders)
+            ]
+            status = min_poll(polls)
+            if status == KVPoll.Failed:
+                self.bootstrap.remove(req)
+                self._fail(req)
+            elif status == KVPoll.WaitingForInput:
+                self.bootstrap.remove(req)
+                num_pages = sum(len(c) for c in req.chunks)
+                for s in req.senders:
+                    self.check.call("pop_decode_prefix_len", s.pop_decode_prefix_len)
+                    self.check.call("sender init", s.init, num_pages, req.src_aux)
+                self.forward.append(req)
+        for req in list(self.forward):
+            self._send_next_chunk(req)
+        for req in list(self.inflight):
+            polls = [
+                self.check.poll("prefill", req, r, s, before_init=False)
+                for r, s in enumerate(req.senders)
+            ]
+            status = min_poll(polls)
+            if status == KVPoll.Success:
+                self.inflight.remove(req)
+                for s in req.senders:
+                    self.check.call("sender clear", s.clear)
+                    req.metric = self.check.call("get_transfer_metric", s.get_transfer_metric)
+                req.prefill_outcome = "Success"
+            elif status == KVPoll.Failed:
+                self.inflight.remove(req)
+                self._fail(req)
+
+    def _send_next_chunk(self, req: Request) -> None:
+        i = req.chunks_sent
+        if req.prefill_abort_after is not None and i >= req.prefill_abort_after:
+            # _retire_aborted_prefill_result: abort on the rank that saw the abort, stop sending;
+            # the request then waits in the inflight queue for the MIN poll to say Failed.
+            r = req.prefill_abort_rank
+            self.check.abort("prefill", req, r, req.senders[r])
+            self.forward.remove(req)
+            self.inflight.append(req)
+            return
+        last = i == len(req.chunks) - 1
+        pages = np.asarray(req.chunks[i], np.int32)
+        for r, (s, b) in enumerate(zip(req.senders, self.instance.buffers, strict=True)):
+            if last:
+                # metadata_buffers.set_buf(req): the first output token and bootstrap_room.
+                b.output_ids[req.src_aux] = np.arange(16, dtype=np.int32) + req.room * 100 + r
+                b.rooms[req.src_aux] = req.room
+            state = [[req.src_state]] if last else None
+            if self.check.call("should_send_kv_chunk", s.should_send_kv_chunk, len(pages), last):
+                self.check.call(
+                    "sender send", s.send, pages, state, num_kv_tokens=len(pages) * PAGE_TOKENS
+                )
+        req.chunks_sent += 1
+        if last:
+            self.forward.remove(req)
+            self.inflight.append(req)
+
+
+class DecodeScheduler:
+    """``DecodePreallocQueue`` (resolve, init, handshake, ``send_metadata``) →
+    ``DecodeTransferQueue`` (metadata-gated MIN poll, commit or fail, deferred release)."""
+
+    def __init__(self, instance: Instance, checker: Checker, prefill_addr: str) -> None:
+        self.instance = instance
+        self.check = checker
+        self.addr = prefill_addr
+        self.pending: list[Request] = []
+        self.prealloc: list[Request] = []
+        self.transfer: list[Request] = []
+        self.deferred: list[tuple[Request, float]] = []
+        self.released: list[Request] = []  # failed requests whose pages decode reused
+        self.timed_out: list[Request] = []  # released by SGLang's timeout, not by kvfsm
+        self.last_ensure = 0.0
+        self.prefill_progress: Callable[[Request], int] = lambda req: 0
+        #: _commit_transfer_to_req: runs before the aux slot is cleared.
+        self.on_commit: Callable[[Request], None] = lambda req: None
+
+    def add(self, req: Request) -> None:
+        req.receivers = [
+            self.check.call(
+                "KvfsmKVReceiver()",
+                KvfsmKVReceiver,
+                mgr=m,
+                bootstrap_addr=self.addr,
+                bootstrap_room=req.room,
+            )
+            for m in self.instance.managers
+        ]
+        self.pending.append(req)
+
+    def _release(self, req: Request) -> None:
+        for recv, b in zip(req.receivers, self.instance.buffers, strict=True):
+            self.check.call("receiver clear", recv.clear)
+            # metadata_buffers.clear_slot: the gate must start from zero for the next user.
+            b.output_ids[req.dst_aux] = 0
+            b.rooms[req.dst_aux] = 0
+
+    def step(self) -> None:
+        managers = self.instance.managers
+        # _resolve_pending_reqs: fast path once every rank knows the prefill instance.
+        for req in list(self.pending):
+            if all(m.prefill_info_table.get(self.addr) is not None for m in managers):
+                self.pending.remove(req)
+                for recv in req.receivers:
+                    self.check.call("receiver init", recv.init, 0)
+                self.prealloc.append(req)
+            elif time.monotonic() - self.last_ensure > 0.05:
+                # upstream retries every 1 s; the replay is faster to keep scenarios short
+                self.last_ensure = time.monotonic()
+                for m in managers:
+                    self.check.call(
+                        "try_ensure_parallel_info", m.try_ensure_parallel_info, self.addr
+                    )
+        # _update_handshake_waiters, then pop_preallocated → _send_kv_metadata.
+        for req in list(self.prealloc):
+            polls = [
+                self.check.poll("decode", req, r, recv, before_init=True)
+                for r, recv in enumerate(req.receivers)
+            ]
+            status = min_poll(polls)
+            if status == KVPoll.Failed:
+                self.prealloc.remove(req)
+                req.decode_reasons = [
+                    self.check.failure("decode", req, r, recv)
+                    for r, recv in enumerate(req.receivers)
+                ]
+                req.decode_outcome = "Failed"
+                self._release(req)
+            elif status == KVPoll.WaitingForInput:
+                if req.decode_waits_for_prefill and req.prefill_outcome is None:
+                    continue
+                self.prealloc.remove(req)
+                for recv in req.receivers:
+                    self.check.call(
+                        "send_metadata",
+                        recv.send_metadata,
+                        np.asarray(req.dst_pages, np.int32),
+                        req.dst_aux,
+                        [[req.dst_state]],
+                        decode_prefix_len=0,
+                    )
+                self.transfer.append(req)
+        # pop_transferred with the metadata gate.
+        for req in list(self.transfer):
+            if (
+                req.decode_abort_after is not None
+                and self.prefill_progress(req) >= req.decode_abort_after
+            ):
+                r = req.decode_abort_rank
+                self.check.abort("decode", req, r, req.receivers[r])
+                req.decode_abort_after = None
+            polls = []
+            for r, (recv, b) in enumerate(zip(req.receivers, self.instance.buffers, strict=True)):
+                value = self.check.poll("decode", req, r, recv, before_init=False)
+                if value == KVPoll.Success and b.rooms[req.dst_aux, 0] == 0:
+                    value = KVPoll.Transferring  # _apply_metadata_gate
+                polls.append(value)
+            status = min_poll(polls)
+            if status == KVPoll.Success:
+                self.transfer.remove(req)
+                req.decode_outcome = "Success"
+                self.on_commit(req)
+                self._release(req)
+            elif status == KVPoll.Failed:
+                self.transfer.remove(req)
+                req.decode_reasons = [
+                    self.check.failure("decode", req, r, recv)
+                    for r, recv in enumerate(req.receivers)
+                ]
+                req.decode_outcome = "Failed"
+                for recv in req.receivers:
+                    if not recv.abort_notified:
+                        self.check.call(
+                            "ensure_abort_notified", recv.ensure_abort_notified, force_arm=True
+                        )
+                self.deferred.append((req, time.monotonic()))
+        # resolve_deferred_releases: pages come back when every rank says it is safe, or
+        # when SGLang's deferred-release timeout runs out (then kvfsm did not settle in time).
+        now = time.monotonic()
+        for req, since in list(self.deferred):
+            if now - since > DEFERRED_RELEASE_TIMEOUT_S:
+                self.deferred.remove((req, since))
+                self.timed_out.append(req)
+                self._release(req)
+                continue
+            safe = [
+                self.check.call(
+                    "is_abort_release_safe",
+                    m.is_abort_release_safe,
+                    req.room,
+                    len(recv.bootstrap_infos) if recv.abort_notified else 0,
+                )
+                for m, recv in zip(managers, req.receivers, strict=True)
+            ]
+            if min(safe):
+                self.deferred.remove((req, since))
+                for m in managers:
+                    self.check.call(
+                        "clear_deferred_abort_state", m.clear_deferred_abort_state, req.room
+                    )
+                self._release(req)
+                self.released.append(req)
+                for b in self.instance.buffers:  # decode reuses the pages: mark them
+                    for kv in b.kv:
+                        kv[req.dst_pages] = CANARY
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.prealloc or self.transfer or self.deferred)
+
+
+def verify_success(req: Request, prefill: Instance, decode: Instance) -> list[str]:
+    """Success ⇒ every byte the request owns on decode equals the prefill rank's bytes. Called
+    when decode commits the request (before its aux slot is cleared)."""
+    bad = []
+    for r, (src, dst) in enumerate(zip(prefill.buffers, decode.buffers, strict=True)):
+        for i, (s, d) in enumerate(zip(src.kv, dst.kv, strict=True)):
+            if not np.array_equal(s[req.src_pages], d[req.dst_pages]):
+                bad.append(f"room {req.room} rank {r}: kv buffer {i} differs")
+        if not np.array_equal(src.output_ids[req.src_aux], dst.output_ids[req.dst_aux]):
+            bad.append(f"room {req.room} rank {r}: aux output ids differ")
+        if dst.rooms[req.dst_aux, 0] != req.room:
+            bad.append(
+                f"room {req.room} rank {r}: aux bootstrap_room is {dst.rooms[req.dst_aux, 0]}"
+            )
+        if not np.array_equal(src.state[req.src_state], dst.state[req.dst_state]):
+            bad.append(f"room {req.room} rank {r}: state row differs")
+    return bad
+
+
+@dataclass
+class Outcome:
+    requests: list[Request]
+    violations: list[str]
+    leaks: list[str]
+    #: Failed requests whose pages SGLang's timeout released because kvfsm never said safe.
+    timed_out: list[int]
+    slowest_call_s: float
+    calls: int
+
+    def by_room(self) -> dict[int, Request]:
+        return {r.room: r for r in self.requests}
+
+
+class Pair:
+    """A prefill instance and a decode instance with their schedulers, driven in lockstep."""
+
+    def __init__(self, prefill: Instance, decode: Instance, port: int) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.addr = f"127.0.0.1:{port}"
+        self.check = Checker()
+        self.p = PrefillScheduler(prefill, self.check, self.addr)
+        self.d = DecodeScheduler(decode, self.check, self.addr)
+        self.d.prefill_progress = lambda req: req.chunks_sent
+        self.d.on_commit = lambda req: self.check.violations.extend(
+            verify_success(req, prefill, decode)
+        )
+
+    def run(self, requests: Sequence[Request], timeout: float = 60.0) -> Outcome:
+        """Submit ``requests`` to both schedulers and drive them to the end."""
+        self.submit(requests)
+        return self.drive(requests, timeout)
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        for req in requests:
+            self.d.add(req)
+            self.p.add(req)
+
+    def step(self) -> None:
+        """One iteration of each scheduler's event loop."""
+        self.p.step()
+        self.d.step()
+
+    def drive(self, requests: Sequence[Request], timeout: float = 60.0) -> Outcome:
+        """Step both schedulers until every request ended on both sides, then drain."""
+        deadline = time.monotonic() + timeout
+        while not all(r.done for r in requests) or self.d.busy:
+            if time.monotonic() > deadline:
+                stuck = [r.room for r in requests if not r.done]
+                self.check.violations.append(f"requests never finished: {stuck}")
+                break
+            self.step()
+            time.sleep(0.001)
+        return self.finish(requests)
+
+    def finish(self, requests: Sequence[Request]) -> Outcome:
+        leaks = self.drain()
+        for req in self.d.released:
+            for r, b in enumerate(self.decode.buffers):
+                for i, kv in enumerate(b.kv):
+                    if not (kv[req.dst_pages] == CANARY).all():
+                        self.check.violations.append(
+                            f"room {req.room} rank {r}: kv buffer {i} written after its pages "
+                            "were released"
+                        )
+        return Outcome(
+            list(requests),
+            self.check.violations,
+            leaks,
+            [r.room for r in self.d.timed_out],
+            self.check.slowest,
+            self.check.calls,
+        )
+
+    def drain(self, timeout: float = 30.0) -> list[str]:
+        """Wait until every room on both sides is settled and reaped; report what is left."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.prefill.live_rooms() and not self.decode.live_rooms():
+                break
+            time.sleep(0.02)
+        return self.prefill.leaks() + self.decode.leaks()

@@ -1,0 +1,251 @@
+"""Conformance: SGLang 0.5.23's scheduler sequences, replayed call for call against kvfsm's adapter
+over real NIXL (DRAM) and a real bootstrap server, with two TP ranks on each side.
+
+Every scenario checks the invariants of contract §7.4 through
+:class:`tests.sglang.scheduler.Checker` (legal polls, forward-only, sticky terminals, abort →
+Failed, ``failure_exception`` raises, no call over a few ms, Success ⇒ identical KV/aux/state
+bytes, no write after release), that every per-room entry is gone once the rooms settle, and that
+decode never had to fall back on SGLang's deferred-release timeout. Scenarios include the
+incidents of contract §8.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvfsm.sglang import KvfsmKVBootstrapServer
+from tests.sglang.conftest import DEADLINES
+from tests.sglang.scheduler import (
+    DecodeScheduler,
+    Instance,
+    Outcome,
+    Pair,
+    PrefillScheduler,
+    Request,
+    random_requests,
+)
+
+TP = 2
+
+
+@pytest.fixture
+def pair(bootstrap: KvfsmKVBootstrapServer) -> Iterator[Pair]:
+    prefill = Instance.start("prefill", bootstrap.port, TP)
+    try:
+        decode = Instance.start("decode", bootstrap.port, TP)
+    except BaseException:
+        prefill.close()
+        raise
+    yield Pair(prefill, decode, bootstrap.port)
+    decode.close()
+    prefill.close()
+
+
+def assert_clean(out: Outcome) -> None:
+    assert out.violations == []
+    assert out.leaks == []
+    assert out.timed_out == []
+
+
+def test_requests_succeed_with_identical_bytes(pair: Pair) -> None:
+    requests = random_requests(random.Random(7), 14)
+    requests[0].src_pages = requests[0].dst_pages = []
+    requests[0].chunks = [[]]  # no pages at all: init(0) and one zero-page last chunk
+    out = pair.run(requests)
+    assert_clean(out)
+    assert [r.prefill_outcome for r in requests] == ["Success"] * len(requests)
+    assert [r.decode_outcome for r in requests] == ["Success"] * len(requests)
+    metric = requests[1].metric
+    assert metric.transfer_latency_s is not None
+    assert metric.transfer_latency_s >= 0
+    assert metric.transfer_total_bytes >= len(requests[1].src_pages) * 4 * 1024
+
+
+def test_abort_during_a_non_last_chunk_fails_the_request_on_every_rank(pair: Pair) -> None:
+    requests = random_requests(random.Random(11), 8, max_pages=8)
+    aborted = []
+    for req in requests:
+        if len(req.src_pages) >= 3:
+            # three chunks at least; the abort comes after the first, before the last
+            k = len(req.src_pages)
+            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:k]]
+            req.prefill_abort_after = 1
+            req.prefill_abort_rank = len(aborted) % TP
+            aborted.append(req)
+    assert aborted
+    out = pair.run(requests)
+    assert_clean(out)
+    for req in requests:
+        expected = "Failed" if req in aborted else "Success"
+        assert (req.prefill_outcome, req.decode_outcome) == (expected, expected), req.room
+    for req in aborted:
+        reasons = req.prefill_reasons
+        assert "AbortReq" in reasons[req.prefill_abort_rank]
+        assert any("another rank" in r for r in reasons)
+        assert all(req.decode_reasons)
+
+
+def test_decode_abort_mid_transfer_fails_both_sides_and_holds_pages_until_safe(pair: Pair) -> None:
+    requests = random_requests(random.Random(12), 8, max_pages=8)
+    aborted = []
+    for i, req in enumerate(requests):
+        if len(req.src_pages) >= 2:
+            req.chunks = [req.src_pages[:1], req.src_pages[1:]]
+            req.decode_abort_after = 1
+            req.decode_abort_rank = i % TP
+            aborted.append(req)
+    assert aborted
+    out = pair.run(requests)
+    assert_clean(out)
+    for req in aborted:
+        assert req.decode_outcome == "Failed"
+        # prefill may have finished the last chunk before the abort reached it; either way the
+        # decode pages went back only once no write could reach them (canaries checked).
+        assert req.prefill_outcome in ("Failed", "Success")
+        assert "AbortReq" in req.decode_reasons[req.decode_abort_rank]
+    assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
+
+
+def test_late_metadata_for_a_cleared_room_fails_the_decode_side(pair: Pair) -> None:
+    requests = random_requests(random.Random(13), 6)
+    late = requests[:3]
+    for req in late:
+        req.prefill_abort_early = True  # prefill aborts and clears while bootstrapping
+        req.decode_waits_for_prefill = True  # decode's page list arrives only after that
+    out = pair.run(requests)
+    assert_clean(out)
+    for req in late:
+        assert req.prefill_outcome == "Failed"
+        assert req.decode_outcome == "Failed"
+        assert all("peer failed" in r or "another rank" in r for r in req.decode_reasons)
+    assert all(r.decode_outcome == "Success" for r in requests[3:])
+
+
+def test_duplicate_room_ids_fail_the_duplicate_not_the_original(pair: Pair) -> None:
+    first, other = random_requests(random.Random(14), 2)
+    twin = Request(
+        room=first.room,
+        src_pages=other.src_pages,
+        dst_pages=other.dst_pages,
+        chunks=other.chunks,
+        src_aux=other.src_aux,
+        dst_aux=other.dst_aux,
+        src_state=other.src_state,
+        dst_state=other.dst_state,
+    )
+    out = pair.run([first, twin])
+    assert_clean(out)
+    assert (first.prefill_outcome, first.decode_outcome) == ("Success", "Success"), (
+        first.prefill_reasons,
+        first.decode_reasons,
+    )
+    assert (twin.prefill_outcome, twin.decode_outcome) == ("Failed", "Failed")
+    reasons = twin.prefill_reasons + twin.decode_reasons
+    assert all("already live" in r or "another rank" in r for r in reasons), reasons
+    assert any("already live" in r for r in reasons), reasons
+
+
+def test_decode_times_out_when_prefill_never_sends(pair: Pair) -> None:
+    requests = random_requests(random.Random(15), 3)
+    requests[0].prefill_ignores = True
+    started = time.monotonic()
+    out = pair.run(requests)
+    took = time.monotonic() - started
+    assert_clean(out)
+    assert requests[0].decode_outcome == "Failed"
+    assert all("deadline" in r or "another rank" in r for r in requests[0].decode_reasons)
+    assert any("deadline" in r for r in requests[0].decode_reasons)
+    bound = sum(DEADLINES[r][s] for r in DEADLINES for s in DEADLINES[r])
+    assert took < bound + 10
+    assert all(r.decode_outcome == "Success" for r in requests[1:])
+
+
+def test_random_failures_on_one_rank_fail_the_request_everywhere(pair: Pair) -> None:
+    """SGLANG_TEST_DISAGG_FAILURE_PROB: a rank's poll is replaced by Failed at random; the MIN makes
+    the request Failed on every rank, whose ``failure_exception()`` must raise and clear."""
+    rng = random.Random(16)
+    requests = random_requests(rng, 12)
+    doomed = {r.room for r in requests if rng.random() < 0.4}
+
+    def inject(check_poll):  # type: ignore[no-untyped-def]
+        def poll(side, req, rank, conn, *, before_init):  # type: ignore[no-untyped-def]
+            value = check_poll(side, req, rank, conn, before_init=before_init)
+            return 0 if req.room in doomed and rank == 1 and side == "decode" else value
+
+        return poll
+
+    pair.d.check = type(pair.check)()  # the injected zeros are not the adapter's polls
+    pair.d.check.poll = inject(pair.d.check.poll)  # type: ignore[method-assign]
+    out = pair.run(requests)
+    assert_clean(out)
+    assert pair.d.check.violations == []
+    for req in requests:
+        if req.room in doomed:
+            assert req.decode_outcome == "Failed"
+            assert any("another rank" in r for r in req.decode_reasons)
+        else:
+            assert req.decode_outcome == "Success"
+
+
+def test_prefill_restarted_behind_the_same_address(bootstrap: KvfsmKVBootstrapServer) -> None:
+    prefill = Instance.start("prefill", bootstrap.port, TP)
+    decode = Instance.start("decode", bootstrap.port, TP)
+    try:
+        pair = Pair(prefill, decode, bootstrap.port)
+        before = random_requests(random.Random(17), 6)
+        for req in before:
+            req.chunks = [[p] for p in req.src_pages] or [[]]
+        pair.submit(before)
+        deadline = time.monotonic() + 30
+        while not any(r.chunks_sent for r in before) and time.monotonic() < deadline:
+            pair.step()
+            time.sleep(0.001)
+        prefill.close()  # the prefill instance dies with requests in flight
+        # Its scheduler is gone too: only decode's goes on, and must end every request.
+        deadline = time.monotonic() + 40
+        while any(r.decode_outcome is None for r in before) or pair.d.busy:
+            assert time.monotonic() < deadline, [r.room for r in before if not r.decode_outcome]
+            pair.d.step()
+            time.sleep(0.001)
+        assert any(r.decode_outcome == "Failed" for r in before)
+        assert pair.check.violations == []
+
+        restarted = Instance.start("prefill", bootstrap.port, TP, generation=1)
+        prefill = restarted
+        pair2 = Pair(restarted, decode, bootstrap.port)
+        after = random_requests(random.Random(18), 6, first_room=100)
+        out = pair2.run(after, timeout=60)
+        assert_clean(out)
+        assert all(r.decode_outcome == "Success" for r in after)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_unequal_tp_is_refused_with_a_reason(bootstrap: KvfsmKVBootstrapServer) -> None:
+    prefill = Instance.start("prefill", bootstrap.port, 2)
+    decode = Instance.start("decode", bootstrap.port, 1)
+    try:
+        from tests.sglang.scheduler import Checker
+
+        check = Checker()
+        d = DecodeScheduler(decode, check, f"127.0.0.1:{bootstrap.port}")
+        p = PrefillScheduler(prefill, check, f"127.0.0.1:{bootstrap.port}")
+        (req,) = random_requests(random.Random(19), 1)
+        req.prefill_ignores = True
+        p.add(req)
+        d.add(req)
+        deadline = time.monotonic() + 30
+        while req.decode_outcome is None and time.monotonic() < deadline:
+            d.step()
+            time.sleep(0.001)
+        assert req.decode_outcome == "Failed"
+        assert "unequal TP" in req.decode_reasons[0]
+        assert check.violations == []
+    finally:
+        decode.close()
+        prefill.close()
