@@ -3,6 +3,9 @@
 The decode peer of the data-path tests and of ``kvfsm run``, and the prefill rank of the
 control-plane tests, are such processes: the child sends one greeting when it is ready, then
 answers ``(op, *args)`` requests until ``("quit",)``. Killing it (SIGKILL) is part of the tests.
+
+A child can be started under a command prefix (``prefix=["ip", "netns", "exec", NAME]``): it then
+runs in another network namespace (kvfsm.chaos's two-host tests), still driven over the same pipe.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import resource_tracker, spawn
 from typing import Any, Final, TypeVar
 
 __all__ = ["NIXL_LEVELS", "ChildProcess", "environ", "spawn_quietly"]
@@ -23,23 +30,61 @@ __all__ = ["NIXL_LEVELS", "ChildProcess", "environ", "spawn_quietly"]
 #: ``NIXL_LOG_LEVEL`` for a child, by the level name of our ``nixl`` logger.
 NIXL_LEVELS: Final = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARN", "ERROR": "ERROR"}
 
+# ``spawn`` starts every child with one process-wide executable; a prefixed child swaps it for
+# the duration of its start, so every start takes this lock (spawn_quietly starts in threads).
+_START_LOCK = threading.Lock()
+
+
+def _launcher(prefix: Sequence[str], directory: str) -> str:
+    """A script that execs ``prefix`` + this Python with its arguments, as ``spawn``'s
+    executable: ``multiprocessing`` runs one path, not a command line. Every step execs in place,
+    so the child keeps its pid, its parent and the pipe's file descriptors."""
+    path = os.path.join(directory, "python")
+    command = shlex.join([*prefix, os.fsdecode(spawn.get_executable())])
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f'#!/bin/sh\nexec {command} "$@"\n')
+    os.chmod(path, 0o700)
+    return path
+
 
 class ChildProcess:
-    """Start ``target(conn, *args)`` in a new process and wait for its greeting."""
+    """Start ``target(conn, *args)`` in a new process and wait for its greeting. With
+    ``prefix``, the process is started as ``prefix + [python, ...]`` (see the module doc)."""
 
     def __init__(
-        self, target: Callable[..., None], *args: object, what: str, start_timeout_s: float = 60
+        self,
+        target: Callable[..., None],
+        *args: object,
+        what: str,
+        start_timeout_s: float = 60,
+        prefix: Sequence[str] = (),
     ) -> None:
         ctx = mp.get_context("spawn")
         self.what = what
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.process.start()
-        child.close()
-        if not self._conn.poll(start_timeout_s):
-            self.kill()
-            raise TimeoutError(f"{what} process did not start")
-        self.greeting: Any = self._conn.recv()
+        scratch = tempfile.mkdtemp(prefix="kvfsm-child-") if prefix else None
+        try:
+            with _START_LOCK:
+                if scratch is None:
+                    self.process.start()
+                else:
+                    # The tracker is started with the executable too: start it with ours first.
+                    resource_tracker.ensure_running()
+                    python = os.fsdecode(spawn.get_executable())
+                    ctx.set_executable(_launcher(prefix, scratch))
+                    try:
+                        self.process.start()
+                    finally:
+                        ctx.set_executable(python)
+            child.close()
+            if not self._conn.poll(start_timeout_s):
+                self.kill()
+                raise TimeoutError(f"{what} process did not start")
+            self.greeting: Any = self._conn.recv()
+        finally:
+            if scratch is not None:  # the script has been exec'd (or never will be)
+                shutil.rmtree(scratch, ignore_errors=True)
 
     def ask(self, *request: object, timeout: float = 30.0) -> Any:
         self._conn.send(request)

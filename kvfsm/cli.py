@@ -690,6 +690,9 @@ def _parser() -> argparse.ArgumentParser:
     from kvfsm import demo  # noqa: PLC0415 (not at the top: kvfsm.demo imports from here)
 
     demo.add_parser(sub)
+    from kvfsm.chaos import _cli as chaos_cli  # noqa: PLC0415 (it imports from here, lazily)
+
+    chaos_cli.add_parser(sub)
     d = RunOptions()
     run = sub.add_parser(
         "run",
@@ -815,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvfsm import demo  # noqa: PLC0415
 
         return demo.run(args)
+    if args.command == "chaos":
+        from kvfsm.chaos import _cli as chaos_cli  # noqa: PLC0415
+
+        return chaos_cli.run(args)
     if args.command != "run":  # pragma: no cover - argparse enforces the choices
         return 2
     opts = RunOptions(rooms=args.rooms, page_bytes=args.page_bytes, **workload_arguments(args))

@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Final
@@ -81,7 +81,7 @@ with contextlib.redirect_stdout(sys.stderr):  # see kvfsm.cli: NIXL binds its lo
     from kvfsm.states import TERMINAL, KVPoll
     from kvfsm.transport._peer import make_buffers, make_layout
 
-__all__ = ["DemoOptions", "add_parser", "run", "run_demo"]
+__all__ = ["DemoOptions", "Site", "add_parser", "run", "run_demo"]
 
 _log = logging.getLogger("kvfsm.demo")
 
@@ -132,10 +132,12 @@ class Request:
         return np.split(np.asarray(self.src, np.int32), self.cuts)
 
 
-def make_plan(opts: DemoOptions, seed: int) -> Iterator[Request]:
-    """The requests, in order, lazily (a long run does not hold its plan in memory)."""
-    rng = np.random.default_rng(seed)
-    for room in range(opts.requests):
+def make_plan(opts: DemoOptions, seed: int, first_room: int = 0) -> Iterator[Request]:
+    """The requests, in order, lazily (a long run does not hold its plan in memory). A later
+    batch of the same ranks (``first_room`` > 0, see ``("run", first_room)``) gets room ids
+    from ``first_room`` on and plans of its own; the sources stay those of ``seed``."""
+    rng = np.random.default_rng(seed if first_room == 0 else (seed, first_room))
+    for room in range(first_room, first_room + opts.requests):
         n = int(rng.integers(0, opts.max_room_pages + 1))  # 0: an aux-only room
         src = ((int(rng.integers(opts.num_pages)) + np.arange(n)) % opts.num_pages).astype(np.int32)
         if rng.random() < 0.5:
@@ -195,6 +197,8 @@ class Outcome:
     #: Decode only: bytes compared and bytes that differ (pages and aux row).
     checked: int = 0
     mismatched: int = 0
+    #: When the room was seen terminal (``time.time()``: comparable across the processes).
+    ended_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -210,6 +214,7 @@ class _Live:
     status: int = 0
     reason: str = ""
     ended: float = 0.0
+    ended_at: float = 0.0
     wedged: bool = False
     checked: int = 0
     mismatched: int = 0
@@ -238,7 +243,8 @@ class _Rank:
                 continue
             request: Any = self.conn.recv()
             if request[0] == "run":  # answered once the first rooms exist
-                self.run(make_plan(self.opts, self.seed))
+                first_room = int(request[1]) if len(request) > 1 else 0
+                self.run(make_plan(self.opts, self.seed, first_room))
             else:
                 self._answer(request)
 
@@ -252,6 +258,8 @@ class _Rank:
             self.conn.send(True)
         elif op == "stats":
             self.conn.send(self.manager.stats())
+        elif op == "nixl":
+            self.conn.send(_nixl_counters(self.manager))
         elif op == "results":
             reports, self.reports = self.reports, []
             self.conn.send([asdict(r) for r in reports])
@@ -311,6 +319,7 @@ class _Rank:
                         unsettled and not room.settled,
                         item.checked,
                         item.mismatched,
+                        item.ended_at,
                     )
                 )
                 item.phase = 4
@@ -319,6 +328,7 @@ class _Rank:
         status = room.poll()
         if status in TERMINAL:
             item.status, item.reason, item.ended = int(status), room.reason, now
+            item.ended_at = time.time()
             if status is KVPoll.Success:
                 self._landed(item)
             room.clear()
@@ -327,6 +337,7 @@ class _Rank:
         if now - item.started > self.opts.room_timeout_s:
             room.abort("wedged")
             item.status, item.reason, item.ended = int(KVPoll.Failed), "wedged", now
+            item.ended_at = time.time()
             item.wedged = True
             room.clear()
             item.phase = 3
@@ -476,17 +487,40 @@ class _DecodeRank(_Rank):
         self.free_aux[item.dst_aux] = True
 
 
+def _nixl_counters(manager: PrefillManager | DecodeManager) -> dict[str, int]:
+    """The agent's (and on prefill the transport's) handle and list counts: after a drain,
+    every transfer handle is released and only the local lists and live peers' lists remain."""
+    agent = manager.agent
+    out = {
+        "dlists_prepped": agent.dlists_prepped,
+        "dlists_released": agent.dlists_released,
+        "peers_added": agent.peers_added,
+        "peers_removed": agent.peers_removed,
+    }
+    if isinstance(manager, PrefillManager):
+        out.update(manager.transport.snapshot())
+    return out
+
+
 def _rank_main(  # noqa: PLR0917 (ChildProcess passes its arguments positionally)
-    conn: Connection, role: str, opts: DemoOptions, seed: int, url: str, log_level: int
+    conn: Connection,
+    role: str,
+    opts: DemoOptions,
+    seed: int,
+    url: str,
+    log_level: int,
+    configure: Callable[[str], ManagerConfig] | None = None,
 ) -> None:
-    """A rank's process: build its buffers and manager, greet, serve the parent."""
+    """A rank's process: build its buffers and manager, greet, serve the parent.
+    ``configure(role)`` (picklable: a module-level function or a partial of one) gives the
+    manager's config; default ``ManagerConfig()``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo process stops us, after the run
     logging.basicConfig(
         level=log_level, stream=sys.stderr, format=f"%(levelname)s {role} %(name)s: %(message)s"
     )
     kv, aux = make_buffers(opts.shape())
     layout = make_layout(kv, aux)
-    config = ManagerConfig()
+    config = configure(role) if configure is not None else ManagerConfig()
     rank: _Rank
     manager: PrefillManager | DecodeManager
     if role == "prefill":
@@ -511,9 +545,9 @@ def _rank_main(  # noqa: PLR0917 (ChildProcess passes its arguments positionally
 class _Registry:
     """The bootstrap registry, embedded: a ``BootstrapServer`` on a loop in its own thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.loop = asyncio.new_event_loop()
-        self.server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
+        self.server = BootstrapServer(host, 0, expected_ranks=1)
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="kvfsm-registry", daemon=True
         )
@@ -570,14 +604,37 @@ def _collect(
     return starved
 
 
-def run_demo(opts: DemoOptions) -> dict[str, Any]:
+class Site:
+    """Where the demo's processes run. This one: the registry in this process on loopback, both
+    ranks on this machine with default configs. ``kvfsm demo --two-hosts`` uses another
+    (:mod:`kvfsm.chaos._two_hosts`): each rank in its own network namespace."""
+
+    def start_registry(self) -> tuple[str, Callable[[], None]]:
+        """Start the registry; its URL and how to stop it."""
+        registry = _Registry()
+        return registry.url, registry.close
+
+    def rank(self, role: str) -> tuple[Sequence[str], Callable[[str], ManagerConfig] | None]:
+        """How to start ``role``'s process: a command prefix and a picklable config factory."""
+        return (), None
+
+    def started(self) -> None:
+        """Both ranks are up; the run starts now."""
+
+    def report(self) -> dict[str, Any]:
+        """Added to the summary after the run (before the ranks stop)."""
+        return {}
+
+
+def run_demo(opts: DemoOptions, site: Site | None = None) -> dict[str, Any]:
     """Run the demo and return its summary as a JSON-able dict (see the module docstring).
     Stops both ranks (prefill first) and the registry whatever happens, Ctrl-C included."""
     opts.validate()
+    site = site if site is not None else Site()
     seed = (
         opts.seed if opts.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
     )
-    registry: _Registry | None = None
+    stop_registry: Callable[[], None] | None = None
     children: list[ChildProcess] = []
     progress = _Progress(opts.requests, opts.progress)
     pre: dict[int, Outcome] = {}
@@ -585,14 +642,17 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     t_setup = time.perf_counter()
     try:
         level = logging.getLogger("kvfsm").getEffectiveLevel()
-        registry = _Registry()
-        url = registry.url
+        url, stop_registry = site.start_registry()
 
         def factory(role: str) -> Callable[[], ChildProcess]:
-            return lambda: ChildProcess(_rank_main, role, opts, seed, url, level, what=role)
+            prefix, configure = site.rank(role)
+            return lambda: ChildProcess(
+                _rank_main, role, opts, seed, url, level, configure, what=role, prefix=prefix
+            )
 
         children = spawn_quietly([factory("prefill"), factory("decode")])
         prefill, decode = children
+        site.started()
         setup_s = time.perf_counter() - t_setup
         t0 = time.perf_counter()
         # Prefill first, and it answers once its first rooms exist: from then on its rooms are
@@ -611,6 +671,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         progress.show(len(dec), ok, len(dec) - ok, force=True)
         pids = {"prefill": prefill.pid, "decode": decode.pid}
         stats = {"prefill": prefill.ask("stats"), "decode": decode.ask("stats")}
+        extra = site.report()
     finally:
         progress.end()
         with _sigint_deferred():
@@ -622,13 +683,14 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
                     child.close()
                 except Exception:
                     _log.exception("stopping the %s process failed", child.what)
-            if registry is not None:
+            if stop_registry is not None:
                 try:
-                    registry.close()
+                    stop_registry()
                 except Exception:
                     _log.exception("stopping the registry failed")
     summary = _summarize(opts, seed, pre=pre, dec=dec, seconds=seconds, setup_s=setup_s, pids=pids)
     summary["engines"] = stats
+    summary.update(extra)
     return summary
 
 
@@ -728,6 +790,8 @@ def ok(summary: dict[str, Any]) -> bool:
         and summary["failed_unexpectedly"] == summary["mismatched"] == 0
         and summary["mismatched_bytes"] == 0
         and summary["wedged"] == summary["unsettled"] == 0
+        # --two-hosts: the KV must have crossed the veth, not a shared-memory shortcut.
+        and summary.get("two_hosts", {}).get("crossed_wire", True)
     )
 
 
@@ -754,6 +818,19 @@ def print_text(s: dict[str, Any]) -> None:
         ("p99 ms / room", f"{s['p99_ms']:.2f}"),
         ("setup s", f"{s['setup_seconds']:.2f}"),
     ]
+    two = s.get("two_hosts")
+    if two is not None:
+        p, d, wire = two["prefill"], two["decode"], two["wire"]
+        rows += [
+            ("prefill host", f"netns {p['netns']}, {p['device']} {p['address']}"),
+            ("decode host", f"netns {d['netns']}, {d['device']} {d['address']}"),
+            ("UCX", " ".join(f"{k}={v}" for k, v in two["ucx"]["prefill"].items())),
+            (
+                "veth sent",
+                f"{wire['prefill_tx_bytes']} B by prefill, {wire['decode_tx_bytes']} B by decode",
+            ),
+            ("crossed veth", "yes" if two["crossed_wire"] else "NO (shared memory?)"),
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
@@ -807,6 +884,12 @@ def add_parser(
         help="seconds a rank's scheduler naps when an iteration did nothing (%(default)s)",
     )
     a("--seed", type=int, default=None, help="random seed (default: random)")
+    a(
+        "--two-hosts",
+        action="store_true",
+        help="run prefill and decode in two network namespaces joined by a veth pair, NIXL on "
+        "UCX TCP over it (needs root and iproute2)",
+    )
     a("--no-progress", action="store_true", help="no progress line on stderr")
     a("--json", action="store_true", help="print the summary as one JSON object")
     a("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging")
@@ -825,6 +908,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.json:
             print(f"kvfsm demo: layout: {describe_layout(opts)}", file=sys.stderr)
-    return run_command(
-        "demo", opts.validate, lambda: run_demo(opts), print_text, ok, as_json=args.json
-    )
+    go: Callable[[], dict[str, Any]] = lambda: run_demo(opts)  # noqa: E731
+    if args.two_hosts:
+        from kvfsm.chaos._two_hosts import run_demo_two_hosts  # noqa: PLC0415 - only then
+
+        go = lambda: run_demo_two_hosts(opts)  # noqa: E731
+    return run_command("demo", opts.validate, go, print_text, ok, as_json=args.json)

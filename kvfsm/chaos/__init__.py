@@ -1,0 +1,15 @@
+"""Fault injection and reliability campaigns (docs/reliability.md).
+
+* ``_plan``: seeded fault plans, one random stream per fault site (replayable from the seed).
+* ``_transport_faults``: a proxy around the raw NIXL agent (``AgentConfig(interpose=...)``) that
+  makes real transfers fail on post, fail on completion, never complete, or complete late.
+* ``_control_proxy``: a TCP proxy between decode and prefill that drops, duplicates, reorders,
+  delays, truncates or corrupts control frames, or cuts the connection.
+* ``_hostile``: hostile clients for a prefill rank's control port.
+* ``_campaign``, ``_rank``, ``_options``, ``_cli``: ``kvfsm chaos``, randomized episodes against a
+  real prefill process and a real decode process, with the report and its checks.
+* ``_scripted``: a deterministic in-process room pair (scripted link and transport) for the
+  hypothesis property test of tests/chaos/test_room_pair_properties.py.
+* ``_netns``, ``_two_hosts``: two network namespaces joined by a veth pair, the demo and a
+  link-cut scenario across them (``kvfsm demo --two-hosts``).
+"""

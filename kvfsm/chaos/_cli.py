@@ -1,0 +1,100 @@
+"""``kvfsm chaos``: the parser and the text report (the campaign is :mod:`._campaign`)."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+from typing import Any
+
+from kvfsm.chaos._options import CampaignOptions
+
+__all__ = ["add_parser", "print_text", "run"]
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    d = CampaignOptions()
+    p = subparsers.add_parser(
+        "chaos",
+        help="fault campaign: real prefill and decode processes under transfer faults, control "
+        "frame faults, hostile frames, aborts, SIGSTOP/SIGKILL and registry restarts",
+        description="Run randomized fault episodes against a real prefill-decode pair and check "
+        "that no room wedges, nothing leaks, no byte lands in settled pages and no "
+        "scheduler-facing call blocks. Exit status 1 on any violation.",
+    )
+    a = p.add_argument
+    a("--seed", type=int, default=None, help="campaign seed (default: random; printed)")
+    a("--duration", type=float, default=None, help="run episodes for this many seconds")
+    a("--episodes", type=int, default=d.episodes, help="episodes without --duration (%(default)s)")
+    a("--rooms", type=int, default=d.rooms, help="rooms per episode (%(default)s)")
+    a("--concurrency", type=int, default=d.concurrency, help="rooms in flight (%(default)s)")
+    a("--abort-rate", type=float, default=d.abort_rate, help="aborted rooms (%(default)s)")
+    a("--slow-call-ms", type=float, default=d.slow_call_ms, help="blocking threshold (ms)")
+    a("--no-secret", action="store_true", help="unsigned control frames and registry")
+    a("--no-kill", action="store_true", help="no SIGKILL of ranks")
+    a("--break", dest="break_invariant", choices=("canary",), default="", help=argparse.SUPPRESS)
+    a("--json", action="store_true", help="print the report as one JSON object")
+    a("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging")
+    return p
+
+
+def options(args: argparse.Namespace) -> CampaignOptions:
+    seed = args.seed if args.seed is not None else secrets.randbits(31)
+    extra: dict[str, Any] = {"sigkill_rate": 0.0} if args.no_kill else {}
+    return CampaignOptions(
+        seed=seed,
+        duration_s=args.duration,
+        episodes=args.episodes,
+        rooms=args.rooms,
+        concurrency=args.concurrency,
+        abort_rate=args.abort_rate,
+        slow_call_ms=args.slow_call_ms,
+        use_secret=not args.no_secret,
+        break_invariant=args.break_invariant,
+        **extra,
+    )
+
+
+def print_text(s: dict[str, Any]) -> None:
+    print(
+        f"kvfsm chaos: seed {s['seed']} (replay: kvfsm chaos --seed {s['seed']} ...); "
+        f"{s['episodes']} episodes in {s['seconds']} s"
+    )
+    rows: list[tuple[str, Any]] = [
+        ("rooms", s["rooms"]),
+        ("succeeded", s["succeeded"]),
+        ("failed", s["failed"]),
+        ("lost with a killed rank", s["killed"]),
+        ("wedged", s["wedged"]),
+        ("unsettled", s["unsettled"]),
+        ("late writes", s["late_writes"]),
+        ("mismatched bytes", s["mismatched_bytes"]),
+        ("slow calls", f"{s['slow_calls']} of {s['calls']}"),
+        ("leaks", s["leaks"]),
+        ("max room s", f"{s['max_room_s']} (bounds {s['bound_s']})"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    for role, reasons in s["failed_by_reason"].items():
+        for reason, n in reasons.items():
+            print(f"  {role} failed {n:>5}  {reason}")
+    print(f"  faults: {s['faults']}")
+    print(f"  hostile connections: {s['hostile']}")
+    for line in s["violations"]:
+        print(f"  VIOLATION: {line}")
+    print("  OK" if s["ok"] else "  FAILED", file=sys.stdout)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfsm.chaos._campaign import ok, run_campaign  # noqa: PLC0415 - NIXL import
+    from kvfsm.cli import run_command  # noqa: PLC0415 - kvfsm.cli imports this module
+
+    opts = options(args)
+    if not args.json:
+        print(f"kvfsm chaos: seed {opts.seed}", file=sys.stderr)
+    return run_command(
+        "chaos", opts.validate, lambda: run_campaign(opts), print_text, ok, as_json=args.json
+    )

@@ -1,0 +1,1 @@
+"""Fault tools and campaigns (kvfsm.chaos)."""

@@ -1,0 +1,148 @@
+"""Transfer faults injected into real NIXL WRITEs (UCX, DRAM to DRAM into another process):
+each kind fires, and the data path answers it as the design says (law 3: the room ends; law 4:
+its pages are settled only when nothing can write them; every handle is released)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvfsm.chaos._plan import FaultPlan, TransferRates
+from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
+from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
+from kvfsm.transport import Agent, NixlTransport, TransferConfig
+from kvfsm.transport._peer import (
+    PeerProcess,
+    Shape,
+    make_buffers,
+    make_layout,
+    page_digests,
+    wait_for,
+)
+from tests.transport.test_transport import RecordingControl
+
+SHAPE = Shape(layers=2, num_pages=64, page_bytes=1024, aux_rows=8, aux_row_bytes=64)
+QUARANTINE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[PeerProcess]:
+    process = PeerProcess(SHAPE, name=f"chaos-peer-{os.getpid()}")
+    yield process
+    process.close()
+
+
+class FaultyPrefill:
+    """A prefill engine whose agent goes through the fault proxy, every handle faulted by
+    ``rates`` (rate 1.0: every handle)."""
+
+    def __init__(self, peer: PeerProcess, rates: TransferRates, seed: int = 1) -> None:
+        self.kv, self.aux = make_buffers(SHAPE)
+        rng = np.random.default_rng(seed)
+        for buf in (*self.kv, self.aux):
+            buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+        self.faults = TransportFaults(FaultPlan(seed, rates))
+        self.agent = Agent(
+            f"chaos-prefill-{os.getpid()}-{id(self)}",
+            make_layout(self.kv, self.aux),
+            faulty_agent_config(self.faults),
+        )
+        config = TransferConfig(deadline_base_s=0.5, quarantine_s=QUARANTINE_S)
+        self.transport = NixlTransport(self.agent, RecordingControl(), config)
+        self.engine = RoomEngine(self.transport, RoomConfig()).start()
+        self.engine.call(self.transport.connect_peer("decode", peer.metadata, peer.summary))
+
+    def room(self, room: int, src: list[int], dst: list[int]) -> SenderRoom:
+        sender = self.engine.sender(room)
+        packed = np.asarray(dst, np.int32).tobytes()
+        self.engine.post(sender.key, DestinationReceived(packed, 1, peer="decode"))
+        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        sender.init(len(src), 0)
+        sender.send(np.asarray(src, np.int32))
+        return sender
+
+    def close(self) -> None:
+        self.engine.close()
+        self.transport.close()
+        stats = self.transport.snapshot()
+        self.agent.close()
+        assert stats["handles_created"] == stats["handles_released"], stats
+        assert stats["in_flight"] == 0, stats
+        assert self.faults.snapshot()["outstanding"] == 0
+        assert self.agent.dlists_prepped == self.agent.dlists_released
+        assert self.agent.peers_added == self.agent.peers_removed
+
+
+@pytest.fixture
+def make(peer: PeerProcess) -> Iterator[list[FaultyPrefill]]:
+    made: list[FaultyPrefill] = []
+    yield made
+    for prefill in made:
+        prefill.close()
+
+
+def run_one(made: list[FaultyPrefill], peer: PeerProcess, rates: TransferRates) -> SenderRoom:
+    prefill = FaultyPrefill(peer, rates)
+    made.append(prefill)
+    sender = prefill.room(1, [1, 2, 3], [10, 11, 12])
+    wait_for(lambda: sender.poll() in TERMINAL, timeout=30)
+    wait_for(lambda: sender.settled, timeout=30)
+    return sender
+
+
+@pytest.mark.parametrize(
+    ("rates", "reason"),
+    [
+        (TransferRates(post_error=1.0), "(ERR)"),
+        (TransferRates(post_raise=1.0), "InjectedTransferError"),
+        (TransferRates(completion_error=1.0), "(ERR)"),
+        (TransferRates(post_disconnect=1.0), "peer lost"),
+    ],
+    ids=["post_error", "post_raise", "completion_error", "post_disconnect"],
+)
+def test_an_errored_transfer_fails_its_room_settled(
+    make: list[FaultyPrefill], peer: PeerProcess, rates: TransferRates, reason: str
+) -> None:
+    sender = run_one(make, peer, rates)
+    assert sender.poll() is KVPoll.Failed
+    assert reason in sender.reason
+    injected = make[0].faults.plan.injected()
+    assert sum(injected.values()) >= 1, injected
+
+
+def test_a_never_completing_handle_stalls_then_settles_after_quarantine(
+    make: list[FaultyPrefill], peer: PeerProcess
+) -> None:
+    prefill = FaultyPrefill(peer, TransferRates(never_complete=1.0))
+    make.append(prefill)
+    sender = prefill.room(2, [4, 5], [20, 21])
+    wait_for(lambda: sender.poll() in TERMINAL, timeout=30)
+    # Failed at the chunk deadline, while the released WRITE is still quarantined: its pages
+    # are not settled yet (the quarantine is 3 s; the room failed at most a moment ago).
+    assert sender.poll() is KVPoll.Failed
+    assert "stalled" in sender.reason
+    assert not sender.settled
+    wait_for(lambda: sender.settled, timeout=30)
+    assert prefill.transport.stats.chunks_stalled == 1
+
+
+def test_a_delayed_completion_still_succeeds_with_the_bytes(
+    make: list[FaultyPrefill], peer: PeerProcess
+) -> None:
+    sender = run_one(make, peer, TransferRates(delay=1.0, delay_max_s=0.3))
+    assert sender.poll() is KVPoll.Success, sender.reason
+    prefill = make[0]
+    want = page_digests(prefill.kv, np.asarray([1, 2, 3], np.int32))
+    assert peer.ask("digests", np.asarray([10, 11, 12], np.int32).tobytes()) == want
+    assert prefill.faults.snapshot()["injected_delay"] >= 1
+
+
+def test_no_faults_is_a_plain_proxy(make: list[FaultyPrefill], peer: PeerProcess) -> None:
+    sender = run_one(make, peer, TransferRates())
+    assert sender.poll() is KVPoll.Success, sender.reason
+    snapshot = make[0].faults.snapshot()
+    assert snapshot["handles_made"] == snapshot["handles_released"] >= 1

@@ -1,0 +1,189 @@
+"""Prefill and decode on two "hosts": two network namespaces joined by a veth pair.
+
+Real processes, real NIXL on UCX TCP over the veth (its byte counters must show the KV), a real
+registry and control channel across it, and the link cut under transfers in flight.
+
+These need root and iproute2 (CI has both). Without them they fail, saying why; they are
+skipped only when ``KVFSM_NO_NETNS=1`` is set explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvfsm.chaos import _netns
+from kvfsm.chaos._netns import NetnsError, TwoHosts, check_environment
+from kvfsm.chaos._two_hosts import run_demo_two_hosts, run_link_cut
+from kvfsm.demo import DemoOptions, ok
+
+
+@pytest.fixture
+def netns() -> None:
+    """Namespaces can be made here, or the test fails with the reason (skip only on request)."""
+    if os.environ.get("KVFSM_NO_NETNS") == "1":
+        pytest.skip("KVFSM_NO_NETNS=1: two-host (network namespace) tests skipped on request")
+    try:
+        check_environment()
+    except NetnsError as exc:
+        pytest.fail(f"two-host tests cannot run: {exc}", pytrace=False)
+
+
+DEMO = [sys.executable, "-m", "kvfsm.cli", "demo"]
+
+
+def _ours() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("kvfsm-")}
+
+
+def _connect(hosts: TwoHosts, address: str, port: int) -> int:
+    """Exit status of a TCP connect from the decode namespace (0 connected, 1 refused, 2 no
+    answer within a second)."""
+    code = (
+        "import socket, sys\n"
+        "try:\n"
+        f"    socket.create_connection(({address!r}, {port}), timeout=1).close()\n"
+        "except ConnectionRefusedError:\n"
+        "    sys.exit(1)\n"
+        "except OSError:\n"
+        "    sys.exit(2)\n"
+    )
+    return hosts.run(hosts.decode, sys.executable, "-c", code).returncode
+
+
+# -- the environment check (runs anywhere) ---------------------------------------------------
+
+
+def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_netns.shutil, "which", lambda name: "/usr/sbin/ip")
+    monkeypatch.setattr(_netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(NetnsError, match=r"needs root.*KVFSM_NO_NETNS=1"):
+        check_environment()
+
+
+def test_no_iproute2_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_netns.shutil, "which", lambda name: None)
+    with pytest.raises(NetnsError, match="iproute2"):
+        check_environment()
+
+
+# -- the namespaces ------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("netns")
+def test_two_hosts_wire_cut_restore_and_teardown() -> None:
+    before = _ours()
+    with TwoHosts() as hosts, TwoHosts() as other:
+        names = {hosts.prefill.netns, hosts.decode.netns, other.prefill.netns, other.decode.netns}
+        assert len(names) == 4  # parallel runs never share a name
+        assert names <= _ours()
+        p = hosts.prefill
+        listing = hosts.run(p, "ip", "-o", "addr", "show", "dev", p.device).stdout
+        assert f"{p.address}/24" in listing
+        # Only lo and the veth end exist in there, and UCX lists devices from /sys.
+        assert hosts.run(p, "ls", "/sys/class/net").stdout.split() == ["lo", p.device]
+        assert hosts.command(p, {"UCX_TLS": "tcp"})[:4] == ["ip", "netns", "exec", p.netns]
+        assert _connect(hosts, p.address, 9) == 1  # reachable: nothing listens, refused
+        with hosts.wire_bytes() as delta:
+            for mode in ("blackhole", "down"):
+                hosts.cut(mode)  # type: ignore[arg-type]
+                assert _connect(hosts, p.address, 9) == 2  # no answer at all
+                hosts.restore()
+                assert _connect(hosts, p.address, 9) == 1
+            assert delta()["decode_tx"] > 0
+    assert _ours() == before
+
+
+@pytest.mark.usefixtures("netns")
+def test_teardown_after_ctrl_c_and_stale_namespaces_go() -> None:
+    before = _ours()
+    names: set[str] = set()
+
+    def interrupted() -> None:
+        with TwoHosts() as hosts:
+            names.update((hosts.prefill.netns, hosts.decode.netns))
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    assert names
+    assert not names & _ours()
+    # A run killed with SIGKILL leaves its namespaces; the next run removes them.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{_netns.PREFIX}{dead.pid}-0abc-p"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    with TwoHosts() as hosts:
+        assert stale in hosts.stale_removed
+        assert stale not in _ours()
+    assert _ours() == before
+
+
+# -- the demo across the namespaces ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("netns")
+def test_demo_across_two_hosts_crosses_the_veth() -> None:
+    before = _ours()
+    summary = run_demo_two_hosts(DemoOptions(requests=60, progress=False, seed=11))
+    assert ok(summary), summary["failures"]
+    assert summary["succeeded"] == 60
+    assert summary["mismatched_bytes"] == 0
+    assert summary["checked_bytes"] > 0
+    two = summary["two_hosts"]
+    assert two["ucx"]["prefill"] == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "veth-prefill"}
+    # Every byte decode checked went out of prefill's veth end and into decode's.
+    assert two["crossed_wire"]
+    assert two["wire"]["prefill_tx_bytes"] >= summary["bytes"]
+    assert two["wire"]["decode_rx_bytes"] >= summary["bytes"]
+    assert _ours() == before
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("netns")
+def test_kvfsm_demo_two_hosts_flag() -> None:
+    done = subprocess.run(
+        [*DEMO, "--two-hosts", "--requests", "20", "--json", "--no-progress", "--seed", "5"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["succeeded"] == 20
+    assert summary["two_hosts"]["crossed_wire"]
+
+
+# -- cutting the link mid-transfer -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("netns")
+@pytest.mark.parametrize("mode", ["blackhole", "down"])
+def test_link_cut_mid_transfer(mode: str) -> None:
+    """Cut while chunks are on the wire: every room on both sides ends, Failed with a reason
+    within its deadline bound or Success with its bytes right; nothing is lost; prefill's
+    handles drain; after the restore a full batch succeeds on the same processes."""
+    before = _ours()
+    report = run_link_cut(mode=mode)  # type: ignore[arg-type]
+    assert report.ok, "\n".join(report.problems)
+    figures = report.figures
+    assert figures["chunks_in_flight_at_cut"] > 0
+    for side in ("prefill", "decode"):
+        assert figures["cut_batch"][side]["live_at_cut_failed"] > 0
+        assert (
+            figures["cut_batch"][side]["cut_to_failed_s_max"] <= (figures["deadline_bound_s"][side])
+        )
+    assert figures["after_restore"]["not_succeeded"] == 0
+    assert (
+        report.nixl["prefill_final"]["handles_created"]
+        == (report.nixl["prefill_final"]["handles_released"])
+    )
+    assert _ours() == before
