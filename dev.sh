@@ -21,12 +21,19 @@ setup() {
     # shellcheck disable=SC1091
     . "$VENV/bin/activate"
     local stamp="$VENV/.kvfsm-installed"
-    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    local sglang_reqs=tests/sglang/requirements-cpu.txt
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$sglang_reqs" -nt "$stamp" ]; then
         python -m pip install --quiet --upgrade pip
         # torch 2.13.0 is the CPU build (a local wheel on these machines); pyproject's range
         # admits it, so the editable install below adds nothing heavier.
         python -m pip install --quiet "torch==2.13.0"
         python -m pip install --quiet -e '.[dev]'
+        # SGLang 0.5.23 itself, for tests/sglang (the adapter against SGLang's real base classes
+        # and plugin loader). Without its dependencies: they pin a CUDA torch, flashinfer and
+        # more; the few its disaggregation base module needs on a CPU are in $sglang_reqs
+        # (docs/sglang-import.md). pip's resolver warnings about them are expected.
+        python -m pip install --quiet -r "$sglang_reqs"
+        python -m pip install --quiet --no-deps "sglang==0.5.23"
         touch "$stamp"
     fi
 }

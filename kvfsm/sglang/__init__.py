@@ -4,17 +4,24 @@ Install ``kvfsm[sglang]``, set ``KVFSM_SGLANG=1`` and launch SGLang with
 ``--disaggregation-transfer-backend nixl``: the plugin (``kvfsm.sglang._plugin``) routes SGLang's
 backend lookup to the classes here. They subclass SGLang's own base classes when SGLang is
 installed (``BASES == "sglang"``) and a pinned copy of them otherwise (``"pinned"``).
+
+The names below are imported on first use: SGLang loads the plugin in every one of its processes
+(the detokenizer too), and only the schedulers and the bootstrap server need NIXL and the engine.
 """
 
 from __future__ import annotations
 
-from kvfsm.sglang._args import Topology, UnsupportedError, layout_from_kv_args
-from kvfsm.sglang._bases import BASES
-from kvfsm.sglang._conn import KvfsmKVReceiver, KvfsmKVSender, SGLangTransferError
-from kvfsm.sglang._manager import KvfsmKVManager, PrefillInfo
-from kvfsm.sglang._plugin import ENV_SWITCH, register
-from kvfsm.sglang._server import KvfsmKVBootstrapServer
-from kvfsm.sglang._settings import configure
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfsm.sglang._args import Topology, UnsupportedError, layout_from_kv_args
+    from kvfsm.sglang._bases import BASES
+    from kvfsm.sglang._conn import KvfsmKVReceiver, KvfsmKVSender, SGLangTransferError
+    from kvfsm.sglang._manager import KvfsmKVManager, PrefillInfo
+    from kvfsm.sglang._plugin import ENV_SWITCH, register
+    from kvfsm.sglang._server import KvfsmKVBootstrapServer
+    from kvfsm.sglang._settings import configure
 
 __all__ = [
     "BASES",
@@ -31,3 +38,28 @@ __all__ = [
     "layout_from_kv_args",
     "register",
 ]
+
+_HOMES = {
+    "Topology": "_args",
+    "UnsupportedError": "_args",
+    "layout_from_kv_args": "_args",
+    "BASES": "_bases",
+    "KvfsmKVReceiver": "_conn",
+    "KvfsmKVSender": "_conn",
+    "SGLangTransferError": "_conn",
+    "KvfsmKVManager": "_manager",
+    "PrefillInfo": "_manager",
+    "ENV_SWITCH": "_plugin",
+    "register": "_plugin",
+    "KvfsmKVBootstrapServer": "_server",
+    "configure": "_settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvfsm.sglang' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kvfsm.sglang.{home}"), name)
+    globals()[name] = value
+    return value
