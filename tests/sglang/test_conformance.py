@@ -11,14 +11,17 @@ incidents of contract §8.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from kvfsm.sglang import KvfsmKVBootstrapServer
-from tests.sglang.conftest import DEADLINES
+from kvfsm.chaos._plan import FaultPlan, TransferRates
+from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.sglang import KvfsmKVBootstrapServer, configure
+from tests.sglang.conftest import CONFIG, DEADLINES
 from tests.sglang.scheduler import (
     DecodeScheduler,
     Instance,
@@ -246,6 +249,38 @@ def test_unequal_tp_is_refused_with_a_reason(bootstrap: KvfsmKVBootstrapServer) 
         assert req.decode_outcome == "Failed"
         assert "unequal TP" in req.decode_reasons[0]
         assert check.violations == []
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_transfer_stuck_in_progress_fails_in_bounded_time(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """NIXL handles that report PROC forever (contract §8 #11, #14): the chunk deadline fails the
+    request on both sides, the pages stay reserved until the quarantine ends, nothing leaks."""
+    faults = TransportFaults(FaultPlan(21, TransferRates(never_complete=0.3)))
+    configure(dataclasses.replace(CONFIG, agent=faulty_agent_config(faults)))
+    try:
+        prefill = Instance.start("prefill", bootstrap.port, TP)
+    finally:
+        configure(CONFIG)
+    decode = Instance.start("decode", bootstrap.port, TP)
+    try:
+        requests = random_requests(random.Random(22), 12)
+        started = time.monotonic()
+        out = Pair(prefill, decode, bootstrap.port).run(requests, timeout=90)
+        took = time.monotonic() - started
+        assert_clean(out)
+        assert faults.plan.counts[("xfer", "never_complete")] > 0, faults.plan.counts
+        failed = [r for r in requests if r.decode_outcome == "Failed"]
+        assert failed
+        for req in failed:
+            assert req.prefill_outcome == "Failed"
+            assert any("stall" in r or "deadline" in r for r in req.prefill_reasons), req
+        assert all(r.prefill_outcome == "Success" for r in requests if r not in failed)
+        bound = sum(DEADLINES[r][s] for r in DEADLINES for s in DEADLINES[r])
+        assert took < bound + 30
     finally:
         decode.close()
         prefill.close()
