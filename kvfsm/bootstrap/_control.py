@@ -421,7 +421,7 @@ class ControlPlane:
         try:
             await stream.send(self._codec.encode(hello))
             with anyio.fail_after(self.config.connect_timeout_s):
-                theirs = await self._first_frame(stream, reader)
+                theirs, early = await self._first_frame(stream, reader)
             check_hello(theirs)
             if expect_rank is not None and theirs.rank != expect_rank:
                 raise FrameError(
@@ -446,19 +446,43 @@ class ControlPlane:
         self._links[link_key] = link
         self.stats["links_opened"] += 1
         assert self._tg is not None
+        if early and not self._take(link, early):
+            self._lose(link, f"connection to {link.peer_id} closed: fatal frame after Hello")
+            await stream.aclose()
+            return link
         self._tg.start_soon(self._read, link, stream, reader)
         self._tg.start_soon(self._write, link, stream)
         return link
 
-    async def _first_frame(self, stream: SocketStream, reader: FrameReader) -> Hello:
+    async def _first_frame(
+        self, stream: SocketStream, reader: FrameReader
+    ) -> tuple[Hello, list[Frame | FrameError]]:
+        """The peer's Hello, and whatever frames came in the same read after it: the peer may
+        send its first room frames as soon as it has our Hello, and a slow handshake here (a
+        NIXL connect, a loaded machine) lets them arrive in one segment with its Hello."""
         while True:
             data = await stream.receive()
-            for item in reader.feed(data):
-                if isinstance(item, FrameError):
-                    raise item
-                if not isinstance(item, Hello):
-                    raise FrameError(f"expected Hello, got {type(item).__name__}", None, True)
-                return item
+            items = reader.feed(data)
+            if not items:
+                continue
+            first = items[0]
+            if isinstance(first, FrameError):
+                raise first
+            if not isinstance(first, Hello):
+                raise FrameError(f"expected Hello, got {type(first).__name__}", None, True)
+            return first, items[1:]
+
+    def _take(self, link: _Link, items: list[Frame | FrameError]) -> bool:
+        """Handle decoded frames in order; False after a fatal error (the link must go)."""
+        for item in items:
+            if isinstance(item, FrameError):
+                self._rejected(link, item)
+                if item.fatal:
+                    return False
+            else:
+                self.stats["frames_in"] += 1
+                self._on_frame(link, item)
+        return True
 
     async def _read(self, link: _Link, stream: SocketStream, reader: FrameReader) -> None:
         loop = self._running_loop()
@@ -466,14 +490,9 @@ class ControlPlane:
             while not link.closed:
                 data = await stream.receive()
                 link.last_seen = loop.time()
-                for item in reader.feed(data):
-                    if isinstance(item, FrameError):
-                        self._rejected(link, item)
-                        if item.fatal:
-                            raise item
-                    else:
-                        self.stats["frames_in"] += 1
-                        self._on_frame(link, item)
+                items = reader.feed(data)
+                if not self._take(link, items):
+                    raise next(i for i in items if isinstance(i, FrameError) and i.fatal)
         except (
             anyio.EndOfStream,
             anyio.BrokenResourceError,

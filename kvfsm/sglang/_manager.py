@@ -91,6 +91,8 @@ class KvfsmKVManager(BaseKVManager):
         self._peers: dict[int, tuple[str, int]] = {}
         self._next_peer = itertools.count(1)
         self._clients: dict[str, BootstrapClient] = {}
+        self._clients_closed = False
+        self._closed = False
         self._receivers: dict[int, ReceiverRoom] = {}
         self._cleared: dict[int, ReceiverRoom] = {}
         self._lock = threading.Lock()
@@ -166,6 +168,11 @@ class KvfsmKVManager(BaseKVManager):
     # -- decode: finding prefill ranks (loop thread) -------------------------------------------
 
     def _client(self, addr: str) -> BootstrapClient:
+        # Loop thread only, like _close_clients: a lookup still in flight when close() begins
+        # cannot open a client that nothing would close (its socket would hold up the loop's
+        # shutdown).
+        if self._clients_closed:
+            raise RuntimeError("the kvfsm manager is closed")
         client = self._clients.get(addr)
         if client is None:
             client = BootstrapClient(f"http://{addr}", secret=self.config.secret)
@@ -268,16 +275,24 @@ class KvfsmKVManager(BaseKVManager):
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         return True
 
+    async def _close_clients(self) -> None:
+        self._clients_closed = True
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            try:
+                await client.close()
+            except Exception:
+                _log.exception("closing a bootstrap client failed")
+
     def close(self) -> None:
         """Stop the rank: abort live rooms, let them settle, release NIXL. Idempotent."""
         engine = self.kvfsm.engine
-        if engine is not None and self._clients:
-            clients, self._clients = list(self._clients.values()), {}
-            for client in clients:
-                try:
-                    engine.call(client.close(), timeout=10)
-                except Exception:
-                    _log.exception("closing a bootstrap client failed")
+        if engine is not None and not self._closed:
+            self._closed = True
+            try:
+                engine.call(self._close_clients(), timeout=10)
+            except Exception:
+                _log.exception("closing the bootstrap clients failed")
         self.kvfsm.close()
 
     def teardown(self) -> None:

@@ -39,8 +39,10 @@ class KvfsmKVBootstrapServer(BaseKVBootstrapServer):
             asyncio.set_event_loop(self._loop)
             try:
                 self._loop.run_until_complete(self._server.start())
-            except BaseException as exc:
+            except BaseException as exc:  # the port is taken, say: raised by __init__
                 failure.append(exc)
+                self._loop.close()
+                self._stopped.set()
                 started.set()
                 return
             started.set()

@@ -155,3 +155,18 @@ def test_the_listener_still_serves_a_real_decode_rank_afterwards(live: LivePrefi
         assert stats["links_opened"] >= 2
     finally:
         decode.close()
+
+
+def test_a_room_frame_in_the_same_segment_as_the_hello_is_not_lost(live: LivePrefill) -> None:
+    """A decode rank sends its first page list as soon as it has prefill's Hello; when prefill's
+    side of the handshake is slow, that frame arrives in one read with decode's Hello. It used to
+    be dropped there, leaving the room to its Bootstrapping deadline."""
+    room = 4242
+    pages = np.asarray([3, 4], np.int32).tobytes()
+    metadata = CODEC.encode(RoomMetadata(room, 1, pages, 0))
+    sender = live.engine.sender(room)
+    with socket.create_connection(("127.0.0.1", live.control.port), timeout=5) as sock:
+        sock.sendall(live.hello + metadata)  # one write: one segment on loopback
+        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
+        sender.abort("test over")
+        wait_for(lambda: sender.settled, timeout=10)

@@ -1,0 +1,666 @@
+"""The adapter's own logic on a real pair: one prefill and one decode rank (TP 1), each a
+``KvfsmKVManager`` with its own NIXL agent over UCX and DRAM buffers, and a real bootstrap server.
+
+What the conformance suite covers (whole scheduler flows, MIN over ranks, byte checks) is not
+repeated; these tests pin single calls: what ``poll`` says before ``init``, ``clear``/``abort``
+idempotence, what ``failure_exception`` raises, the requests kvfsm refuses and why, the trailing
+zero-page send, the metric, the deferred-release flags, the manager's lookups and the bootstrap
+server.
+
+Where a check must see a room before kvfsm's loop moved it on, the loop is held still
+(:func:`frozen`): the scheduler-facing calls only post events, so what ``poll`` says then is the
+adapter's own doing.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvfsm.rooms import KVTransferError
+from kvfsm.sglang import (
+    KvfsmKVBootstrapServer,
+    KvfsmKVManager,
+    KvfsmKVReceiver,
+    KvfsmKVSender,
+    PrefillInfo,
+    SGLangTransferError,
+)
+from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
+from tests.sglang.scheduler import (
+    AUX_ROWS,
+    LAYERS,
+    PAGE_BYTES,
+    Instance,
+    RankBuffers,
+    server_args,
+)
+
+PRE_INIT = {KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput}
+#: Generous: every wait here is for something that takes milliseconds on an idle machine.
+WAIT_S = 20.0
+_rooms = count(1000)
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def wait_poll(conn: Any, *values: int) -> int:
+    wait_for(f"{conn!r} to reach {values}", lambda: conn.poll() in values)
+    return int(conn.poll())
+
+
+@contextmanager
+def frozen(mgr: KvfsmKVManager) -> Iterator[None]:
+    """Hold ``mgr``'s kvfsm loop still: events posted meanwhile wait until the block ends."""
+    engine = mgr.kvfsm.engine
+    assert engine is not None
+    entered, release = threading.Event(), threading.Event()
+
+    def block() -> None:
+        entered.set()
+        release.wait(WAIT_S)
+
+    engine.loop.call_soon_threadsafe(block)
+    assert entered.wait(WAIT_S), "the loop did not run the block"
+    try:
+        yield
+    finally:
+        release.set()
+
+
+@dataclass
+class Pair:
+    prefill: Instance
+    decode: Instance
+    addr: str
+
+    @property
+    def pm(self) -> KvfsmKVManager:
+        return self.prefill.managers[0]
+
+    @property
+    def dm(self) -> KvfsmKVManager:
+        return self.decode.managers[0]
+
+    def known(self) -> None:
+        """Decode learned the prefill instance's sizes (``try_ensure_parallel_info``)."""
+        wait_for("parallel info", lambda: self.dm.try_ensure_parallel_info(self.addr))
+
+    def sender(self, room: int) -> KvfsmKVSender:
+        return KvfsmKVSender(self.pm, self.addr, room)
+
+    def receiver(self, room: int | None) -> KvfsmKVReceiver:
+        return KvfsmKVReceiver(self.dm, self.addr, room)
+
+    def handshake(
+        self, pages: int = 3
+    ) -> tuple[KvfsmKVSender, KvfsmKVReceiver, np.ndarray, np.ndarray]:
+        """A request up to the point where prefill may ``init``: both sides WaitingForInput."""
+        self.known()
+        room = next(_rooms)
+        sender, receiver = self.sender(room), self.receiver(room)
+        receiver.init(0)
+        status = wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed)
+        assert status == KVPoll.WaitingForInput, receiver.reason
+        src = np.arange(pages, dtype=np.int32) + 10
+        dst = np.arange(pages, dtype=np.int32) + 40
+        receiver.send_metadata(dst, 3, [[4]], decode_prefix_len=0)
+        status = wait_poll(sender, KVPoll.WaitingForInput, KVPoll.Failed)
+        assert status == KVPoll.WaitingForInput, sender.reason
+        return sender, receiver, src, dst
+
+    def transfer(self, pages: int = 3) -> tuple[KvfsmKVSender, KvfsmKVReceiver]:
+        """A request through to Success on both sides (not cleared)."""
+        sender, receiver, src, _dst = self.handshake(pages)
+        sender.init(pages, 5)
+        sender.send(src, [[6]])
+        assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, sender.reason
+        assert wait_poll(receiver, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, receiver.reason
+        return sender, receiver
+
+
+@pytest.fixture
+def pair(bootstrap: KvfsmKVBootstrapServer) -> Iterator[Pair]:
+    prefill = Instance.start("prefill", bootstrap.port, 1)
+    try:
+        decode = Instance.start("decode", bootstrap.port, 1)
+    except BaseException:
+        prefill.close()
+        raise
+    yield Pair(prefill, decode, f"127.0.0.1:{bootstrap.port}")
+    decode.close()
+    prefill.close()
+
+
+def raised(conn: Any) -> SGLangTransferError:
+    with pytest.raises(SGLangTransferError) as info:
+        conn.failure_exception()
+    error = info.value
+    assert isinstance(error, KVTransferError)
+    assert error.room == conn.bootstrap_room
+    assert error.failure_reason
+    return error
+
+
+# -- poll before init ------------------------------------------------------------------------------
+
+
+def test_polls_before_init_are_pre_init_values(pair: Pair) -> None:
+    pair.known()
+    room = next(_rooms)
+    sender = pair.sender(room)
+    assert sender.poll() == KVPoll.Bootstrapping  # no decode has asked for the room yet
+    receiver = pair.receiver(room)
+    assert receiver.poll() == KVPoll.Bootstrapping  # not told its prefill rank yet
+    receiver.init(0)
+    assert wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
+    assert sender.poll() in PRE_INIT
+    receiver.send_metadata(np.array([1, 2], np.int32), 0, [[0]])
+    assert wait_poll(sender, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
+    # Without init, prefill can go no further, whatever time it is given.
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        assert sender.poll() == KVPoll.WaitingForInput
+        assert receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        time.sleep(0.01)
+    sender.clear()
+    receiver.clear()
+
+
+def test_receiver_polls_stay_pre_init_until_send_metadata(pair: Pair) -> None:
+    pair.known()
+    room = next(_rooms)
+    sender, receiver = pair.sender(room), pair.receiver(room)
+    receiver.init(0)
+    assert wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        assert receiver.poll() == KVPoll.WaitingForInput
+        assert sender.poll() in PRE_INIT
+        time.sleep(0.01)
+    receiver.clear()
+    sender.clear()
+
+
+# -- clear, abort, failure_exception ---------------------------------------------------------------
+
+
+def test_clear_twice_before_init_fails_the_room_once(pair: Pair) -> None:
+    room = next(_rooms)
+    sender, receiver = pair.sender(room), pair.receiver(room)
+    for conn in (sender, receiver):
+        conn.clear()
+        conn.clear()
+        assert conn.poll() == KVPoll.Failed
+        assert "cleared before completion" in conn.reason
+        assert "cleared before completion" in raised(conn).failure_reason
+
+
+def test_clear_after_success_keeps_success(pair: Pair) -> None:
+    sender, receiver = pair.transfer()
+    for conn in (sender, receiver):
+        conn.clear()
+        conn.clear()
+        assert conn.poll() == KVPoll.Success
+        assert conn.reason == ""
+    assert receiver.conclude_state is None
+
+
+def test_clear_after_failure_exception_is_a_noop(pair: Pair) -> None:
+    sender, receiver, _src, _dst = pair.handshake()
+    for conn in (sender, receiver):
+        conn.abort()
+        reason = raised(conn).failure_reason
+        conn.clear()
+        conn.clear()
+        assert conn.poll() == KVPoll.Failed
+        assert conn.reason == reason
+
+
+def test_abort_makes_poll_failed_at_once(pair: Pair) -> None:
+    sender, receiver, _src, _dst = pair.handshake()
+    with frozen(pair.pm), frozen(pair.dm):
+        sender.abort()
+        receiver.abort()
+        # kvfsm's loops have not seen the aborts yet: Failed is the adapter's own answer.
+        assert sender.poll() == KVPoll.Failed
+        assert receiver.poll() == KVPoll.Failed
+        assert receiver.conclude_state == KVPoll.Failed
+    for conn in (sender, receiver):
+        conn.abort()  # again: no-op
+        assert conn.poll() == KVPoll.Failed
+        error = raised(conn)
+        assert "AbortReq" in error.failure_reason
+        assert error.is_from_another_rank is False
+
+
+def test_abort_after_success_is_a_noop(pair: Pair) -> None:
+    sender, receiver = pair.transfer()
+    sender.abort()
+    receiver.abort()
+    receiver.ensure_abort_notified(force_arm=True)
+    assert sender.poll() == KVPoll.Success
+    assert receiver.poll() == KVPoll.Success
+    assert receiver.conclude_state is None
+    assert receiver.abort_notified is False
+    sender.clear()
+    receiver.clear()
+
+
+def test_failure_exception_on_a_live_room_says_another_rank_and_ends_it(pair: Pair) -> None:
+    room = next(_rooms)
+    sender = pair.sender(room)  # Bootstrapping: no decode asked for it
+    error = raised(sender)
+    assert error.is_from_another_rank is True
+    assert "another rank" in error.failure_reason
+    assert "Bootstrapping" in error.failure_reason
+    assert sender.poll() == KVPoll.Failed  # cleared, so aborted: it does not wait out a deadline
+    again = raised(sender)  # raises every time; now the room itself failed
+    assert again.is_from_another_rank is False
+
+    pair.known()
+    receiver = pair.receiver(room + 1)
+    receiver.init(0)
+    assert wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
+    error = raised(receiver)
+    assert error.is_from_another_rank is True
+    assert "WaitingForInput" in error.failure_reason
+    assert receiver.poll() == KVPoll.Failed
+
+
+def test_receiver_without_a_bootstrap_room_fails_with_a_reason(pair: Pair) -> None:
+    receiver = pair.receiver(None)
+    assert receiver.bootstrap_room == -1
+    assert receiver.poll() == KVPoll.Failed
+    assert receiver.conclude_state == KVPoll.Failed
+    assert "no bootstrap_room" in receiver.reason
+    pair.known()
+    receiver.init(0)  # the scheduler goes on regardless; nothing changes
+    assert receiver.poll() == KVPoll.Failed
+    assert "no bootstrap_room" in raised(receiver).failure_reason
+
+
+# -- requests kvfsm refuses ------------------------------------------------------------------------
+
+
+def test_host_destination_fails_the_room(pair: Pair) -> None:
+    pair.known()
+    room = next(_rooms)
+    sender, receiver = pair.sender(room), pair.receiver(room)
+    receiver.init(0)
+    wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed)
+    receiver.send_metadata(np.array([1], np.int32), 0, None, destination=KVTransferDestination.HOST)
+    assert receiver.poll() == KVPoll.Failed
+    assert "destination" in receiver.reason
+    assert "device KV only" in receiver.reason
+    assert "device KV only" in raised(receiver).failure_reason
+    sender.clear()
+
+
+def test_decode_prefix_reuse_fails_the_room(pair: Pair) -> None:
+    pair.known()
+    room = next(_rooms)
+    sender, receiver = pair.sender(room), pair.receiver(room)
+    receiver.init(0)
+    wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed)
+    receiver.send_metadata(np.array([1], np.int32), 0, [[0]], decode_prefix_len=32)
+    assert receiver.poll() == KVPoll.Failed
+    reason = raised(receiver).failure_reason
+    assert "decode_prefix_len=32" in reason
+    assert "not supported" in reason
+    sender.clear()
+
+
+def test_no_state_indices_for_the_ranks_state_type_fails_the_room(pair: Pair) -> None:
+    sender, receiver, src, _dst = pair.handshake()
+    sender.init(len(src), 0)
+    sender.send(src, [])  # one state type registered, no entry for it
+    assert sender.poll() == KVPoll.Failed
+    assert "no state indices for state type 0" in raised(sender).failure_reason
+    receiver.clear()
+
+
+def _stateless(mode: str, port: int, keep: list[RankBuffers]) -> KvfsmKVManager:
+    buffers = RankBuffers.make(1 if mode == "prefill" else None)
+    keep.append(buffers)
+    args = buffers.kv_args(0)
+    args.state_types = []
+    args.state_data_ptrs = []
+    args.state_data_lens = []
+    args.state_item_lens = []
+    return KvfsmKVManager(args, DisaggregationMode(mode), server_args(port, 1), False)
+
+
+def test_state_indices_for_a_rank_without_state_buffers(bootstrap: KvfsmKVBootstrapServer) -> None:
+    keep: list[RankBuffers] = []
+    pm = _stateless("prefill", bootstrap.port, keep)
+    try:
+        dm = _stateless("decode", bootstrap.port, keep)
+    except BaseException:
+        pm.close()
+        raise
+    try:
+        assert pm.state_type is None
+        assert pm.layout.state == ()
+        addr = f"127.0.0.1:{bootstrap.port}"
+        wait_for("parallel info", lambda: dm.try_ensure_parallel_info(addr))
+        # Entries that name no rows are fine: the whole transfer succeeds.
+        room = next(_rooms)
+        sender, receiver = KvfsmKVSender(pm, addr, room), KvfsmKVReceiver(dm, addr, room)
+        receiver.init(0)
+        wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed)
+        receiver.send_metadata(np.array([7, 8], np.int32), 1, [None])
+        assert wait_poll(sender, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
+        sender.init(2, 2)
+        sender.send(np.array([3, 4], np.int32), [[]])
+        assert wait_poll(receiver, KVPoll.Success, KVPoll.Failed) == KVPoll.Success
+        np.testing.assert_array_equal(keep[1].kv[0][[7, 8]], keep[0].kv[0][[3, 4]])
+        sender.clear()
+        receiver.clear()
+        # Rows the rank has no buffers for: refused on either side.
+        room = next(_rooms)
+        receiver = KvfsmKVReceiver(dm, addr, room)
+        receiver.send_metadata(np.array([1], np.int32), 0, [[5]])
+        assert receiver.poll() == KVPoll.Failed
+        assert "registered no state buffers" in raised(receiver).failure_reason
+        sender = KvfsmKVSender(pm, addr, room)
+        sender.init(1, 0)
+        sender.send(np.array([1], np.int32), [[5]])
+        assert sender.poll() == KVPoll.Failed
+        assert "registered no state buffers" in raised(sender).failure_reason
+    finally:
+        dm.close()
+        pm.close()
+
+
+# -- the last chunk --------------------------------------------------------------------------------
+
+
+def test_trailing_zero_page_send_after_the_last_chunk_is_ignored(pair: Pair) -> None:
+    sender, receiver, src, _dst = pair.handshake()
+    sender.init(len(src), 5)
+    sender.send(src, [[6]])
+    sender.send(np.array([], np.int32), None)  # SGLang's empty "last" segment
+    sender.send(np.array([], np.int32), [[]])
+    assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, sender.reason
+    assert wait_poll(receiver, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, receiver.reason
+
+
+def test_state_rows_after_the_last_chunk_fail_the_room(pair: Pair) -> None:
+    sender, receiver, src, _dst = pair.handshake()
+    with frozen(pair.pm):  # the first send cannot have completed the room yet
+        sender.init(len(src), 5)
+        sender.send(src, None)  # reaches the page count: kvfsm sends it as the last chunk
+        sender.send(np.array([], np.int32), [[6]])
+        assert sender.poll() == KVPoll.Failed
+    assert "state rows arrived after the last chunk" in raised(sender).failure_reason
+    receiver.clear()
+
+
+def test_a_zero_page_request_sends_its_empty_last_chunk(pair: Pair) -> None:
+    sender, receiver, _src, _dst = pair.handshake(pages=0)
+    assert sender.should_send_kv_chunk(0, last_chunk=True)
+    sender.init(0, 5)
+    sender.send(np.array([], np.int32), [[6]])
+    assert wait_poll(receiver, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, receiver.reason
+    assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success
+    metric = sender.get_transfer_metric()
+    assert metric.transfer_total_bytes == pair.pm.layout.aux_row_bytes()
+
+
+def test_should_send_kv_chunk_truth_table(pair: Pair) -> None:
+    sender = pair.sender(next(_rooms))
+    table = {(n, last): sender.should_send_kv_chunk(n, last) for n in (0, 1, 5) for last in (0, 1)}
+    assert table == {
+        (0, False): False,
+        (0, True): True,
+        (1, False): True,
+        (1, True): True,
+        (5, False): True,
+        (5, True): True,
+    }
+    sender.clear()
+
+
+def test_transfer_metric(pair: Pair) -> None:
+    sender, receiver, src, _dst = pair.handshake(pages=4)
+    assert sender.get_transfer_metric().transfer_latency_s is None
+    sender.init(4, 5)
+    sender.send(src[:3], None)
+    sender.send(src[3:], [[6]])
+    assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success
+    metric = sender.get_transfer_metric()
+    page_bytes = 2 * LAYERS * PAGE_BYTES
+    aux_row_bytes = (16 * 4 * AUX_ROWS + 8 * 8 * AUX_ROWS) // AUX_ROWS  # output ids + rooms
+    assert pair.pm.layout.page_bytes() == page_bytes
+    assert metric.transfer_total_bytes == 4 * page_bytes + aux_row_bytes
+    assert metric.transfer_latency_s is not None
+    assert metric.transfer_latency_s >= 0
+    assert sender.get_transfer_metric() == metric  # fixed once Success was seen
+    receiver.clear()
+    sender.clear()
+
+
+# -- decode: conclude_state, abort notification, deferred release ----------------------------------
+
+
+def test_conclude_state(pair: Pair) -> None:
+    pair.known()
+    room = next(_rooms)
+    receiver = pair.receiver(room)
+    assert receiver.conclude_state is None
+    receiver.init(0)
+    assert receiver.conclude_state is None
+    receiver.abort()
+    assert receiver.conclude_state == KVPoll.Failed
+    bad = pair.receiver(room + 1)
+    bad.init(5)  # DP rank out of range: refused in init, seen right after it
+    assert bad.conclude_state == KVPoll.Failed
+    assert "out of range" in bad.reason
+    assert bad.bootstrap_infos == []
+
+
+def test_abort_notified_and_bootstrap_infos(pair: Pair) -> None:
+    pair.known()
+    room = next(_rooms)
+    early = pair.receiver(room)
+    assert early.bootstrap_infos == []
+    assert early.abort_notified is False
+    early.abort()  # failed before naming a prefill rank: nobody to tell
+    assert early.abort_notified is False
+
+    sender, receiver, _src, _dst = pair.handshake()
+    assert receiver.bootstrap_infos == [(pair.addr, 0)]
+    assert receiver.abort_notified is False  # live
+    receiver.ensure_abort_notified(force_arm=True)
+    assert receiver.poll() == KVPoll.Failed
+    assert "deferred release" in receiver.reason
+    assert receiver.abort_notified is True
+    receiver.ensure_abort_notified(force_arm=True)  # again: no-op
+    assert "deferred release" in raised(receiver).failure_reason
+    wait_for("the room to settle", receiver.is_abort_release_safe)
+    assert pair.dm.is_abort_release_safe(receiver.bootstrap_room, 1)
+    wait_poll(sender, KVPoll.Failed)
+
+
+def test_is_abort_release_safe_only_once_prefill_can_no_longer_write(pair: Pair) -> None:
+    sender, receiver, _src, _dst = pair.handshake()
+    room = receiver.bootstrap_room
+    # Prefill holds decode's page list; while it cannot answer, decode may not reuse the pages.
+    with frozen(pair.pm):
+        receiver.abort()
+        receiver.clear()  # the scheduler clears before it asks (failure_exception does)
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            assert not pair.dm.is_abort_release_safe(room, 1)
+            assert not receiver.is_abort_release_safe()
+            time.sleep(0.01)
+        assert pair.dm.tracked_rooms() == 1
+    wait_for("the release to be safe", lambda: pair.dm.is_abort_release_safe(room, 1))
+    assert receiver.is_abort_release_safe()
+    pair.dm.clear_deferred_abort_state(room)
+    assert pair.dm.tracked_rooms() == 0
+    assert pair.dm.is_abort_release_safe(room, 1)  # forgotten rooms are safe
+    assert pair.dm.is_abort_release_safe(123456789)
+    wait_poll(sender, KVPoll.Failed)
+
+
+def test_tracked_rooms_return_to_zero_once_cleared_and_settled(pair: Pair) -> None:
+    dm = pair.dm
+    assert dm.tracked_rooms() == 0
+    done_sender, done = pair.transfer()
+    aborted_sender, aborted, _src, _dst = pair.handshake()
+    aborted.abort()
+    never = pair.receiver(next(_rooms))
+    nameless = pair.receiver(None)
+    receivers = [done, aborted, never, nameless]
+    assert dm.tracked_rooms() == len(receivers)
+    for receiver in receivers:
+        receiver.clear()
+    done_sender.clear()
+    aborted_sender.clear()
+    wait_for("tracked rooms to drain", lambda: dm.tracked_rooms() == 0)
+    for receiver in receivers:
+        assert dm.is_abort_release_safe(receiver.bootstrap_room, 1)
+
+
+# -- manager ---------------------------------------------------------------------------------------
+
+
+def test_try_ensure_parallel_info_never_blocks(pair: Pair) -> None:
+    dm = pair.dm
+    assert pair.addr not in dm.prefill_info_table
+    answers: list[bool] = []
+    slowest = 0.0
+    deadline = time.monotonic() + WAIT_S
+    while not answers or not answers[-1]:
+        assert time.monotonic() < deadline, "parallel info never arrived"
+        start = time.perf_counter()
+        answers.append(dm.try_ensure_parallel_info(pair.addr))
+        slowest = max(slowest, time.perf_counter() - start)
+        time.sleep(0.001)
+    assert answers[0] is False  # the lookup runs on kvfsm's loop, not in the call
+    assert slowest < 0.02, f"try_ensure_parallel_info took {slowest * 1e3:.1f} ms"
+    assert dm.prefill_info_table[pair.addr] == PrefillInfo(dp_size=1, tp_size=1)
+    assert dm.prefill_info_table[pair.addr].follow_bootstrap_room is True
+    assert dm.try_ensure_parallel_info(pair.addr) is True
+
+
+def test_try_ensure_parallel_info_for_an_unreachable_instance_stays_false(pair: Pair) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{probe.getsockname()[1]}"
+    dm = pair.dm
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        assert dm.try_ensure_parallel_info(addr) is False
+        time.sleep(0.05)
+    wait_for("the lookup to give up", lambda: addr not in dm._fetching)
+    assert dm.try_ensure_parallel_info(addr) is False  # and a new lookup starts
+    assert addr not in dm.prefill_info_table
+    assert isinstance(dm.peer_for(addr, 0), str)
+
+
+def test_peer_for_reasons_and_peer_ids(pair: Pair) -> None:
+    dm = pair.dm
+    reason = dm.peer_for("10.0.0.1:8998", 0)
+    assert isinstance(reason, str)
+    assert "unknown" in reason
+    dm.prefill_info_table["10.0.0.2:8998"] = PrefillInfo(dp_size=1, tp_size=2)
+    reason = dm.peer_for("10.0.0.2:8998", 0)
+    assert isinstance(reason, str)
+    assert "unequal TP" in reason
+    assert "attention TP 2" in reason
+    dm.prefill_info_table["10.0.0.3:8998"] = PrefillInfo(dp_size=2, tp_size=1)
+    for dp_rank in (2, -1):
+        reason = dm.peer_for("10.0.0.3:8998", dp_rank)
+        assert isinstance(reason, str)
+        assert f"prefill DP rank {dp_rank} out of range (dp_size 2)" in reason
+    first, second = dm.peer_for("10.0.0.3:8998", 0), dm.peer_for("10.0.0.3:8998", 1)
+    assert isinstance(first, int)
+    assert isinstance(second, int)
+    assert first != second
+    assert dm.peer_for("10.0.0.3:8998", 0) == first  # one peer id per prefill rank
+
+
+def test_manager_surface_the_scheduler_reads(pair: Pair) -> None:
+    for mgr in (pair.pm, pair.dm):
+        assert mgr.is_dummy_cp_rank is False
+        assert mgr.enable_all_cp_ranks_for_transfer is False
+        assert mgr.enable_deferred_decode_kv_release is True
+        assert mgr.supports_host_destination is False
+        assert mgr.supports_role_switch is False
+        assert mgr.should_verify_kv_checksum(pair.addr) is True
+        assert mgr.transfer_infos == {}
+        mgr.register_to_bootstrap()
+    assert (pair.pm.mode, pair.dm.mode) == ("prefill", "decode")
+    with pytest.raises(RuntimeError, match="no receivers"):
+        pair.pm.new_receiver(1)
+    with pytest.raises(RuntimeError, match="no senders"):
+        pair.dm.new_sender(1)
+
+
+def test_conn_surface_the_scheduler_reads(pair: Pair) -> None:
+    room = next(_rooms)
+    sender, receiver = pair.sender(room), pair.receiver(room)
+    assert sender.kv_mgr is pair.pm
+    assert receiver.kv_mgr is pair.dm
+    assert sender.supports_host_tensor_indices is False
+    assert sender._early_send_wait_event is None
+    assert receiver.require_staging is False
+    assert f"room={room}" in repr(sender)
+    sender.clear()
+    receiver.clear()
+
+
+# -- bootstrap server ------------------------------------------------------------------------------
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        return json.loads(response.read())
+
+
+def test_bootstrap_server_serves_the_registry(
+    pair: Pair, bootstrap: KvfsmKVBootstrapServer
+) -> None:
+    assert bootstrap.url == f"http://127.0.0.1:{bootstrap.port}"
+    assert bootstrap.port > 0
+    get_json(f"{bootstrap.url}/health")
+    rank = get_json(f"{bootstrap.url}/v1/ranks/sglang/0")
+    assert (rank["rank"], rank["tp_size"], rank["dp_size"]) == (0, 1, 1)
+
+
+def test_bootstrap_server_close_is_idempotent() -> None:
+    server = KvfsmKVBootstrapServer("127.0.0.1", 0)
+    url = server.url
+    get_json(f"{url}/health")
+    server.close()
+    server.close()
+    with pytest.raises(urllib.error.URLError):
+        get_json(f"{url}/health")
+
+
+def test_bootstrap_server_on_a_port_in_use_raises(bootstrap: KvfsmKVBootstrapServer) -> None:
+    with pytest.raises(OSError, match=r"(?i)address already in use"):
+        KvfsmKVBootstrapServer("127.0.0.1", bootstrap.port)
+    get_json(f"{bootstrap.url}/health")  # the first one is unaffected
