@@ -239,7 +239,11 @@ class KvfsmKVManager(BaseKVManager):
     def track(self, room: int, receiver: ReceiverRoom) -> None:
         with self._lock:
             self._sweep()
-            self._receivers[room] = receiver
+            held = self._receivers.get(room)
+            # A duplicate room id (refused by the engine, settled at once) must not hide the
+            # live room's pages: the scheduler asks by room id, so answer for the live one.
+            if held is None or held.settled:
+                self._receivers[room] = receiver
 
     def cleared(self, room: int, receiver: ReceiverRoom) -> None:
         with self._lock:
