@@ -200,9 +200,20 @@ class NixlTransport:
         self._attempts: dict[str, bytes] = {}  # metadata of each connection in progress
         self._lost_at: dict[str, float] = {}
         self._known: dict[str, tuple[bytes, LayoutSummary]] = {}
+        # Peers in the worker's hands: an old generation it is to disconnect, or a new one it
+        # connected that the loop has not adopted yet. If the engine stops meanwhile (the loop
+        # ends, connect_peer's task is cancelled, a queued job is cancelled by close()), nobody
+        # else knows them: close() disconnects what is left here, or their lists and remote
+        # agent would leak.
+        self._in_worker: list[Peer] = []
         self._records: set[_Xfer] = set()  # accepted, final event not yet delivered
         self._active: list[_Xfer] = []  # posted and still in progress: the pump's list
         self._leaked: list[Any] = []  # handles whose release NIXL refused; retried at close
+        # Peer generations lost to a remote disconnect. Their remote agent is removed, after
+        # which NIXL reports their handles ERR ("remote agent invalidated"): that says nothing
+        # about the WRITE itself, which over TCP can still land. Such chunks are quarantined.
+        self._lost: set[Peer] = set()
+        self._held: set[_Xfer] = set()  # quarantined: released, final after the quarantine
         self._closed = False
 
     # -- CommandSink (loop thread) -------------------------------------------------------------
@@ -253,9 +264,12 @@ class NixlTransport:
         self._attempts[peer_id] = metadata
         try:
             old = self._peers.pop(peer_id, None)
+            if old is not None:
+                self._in_worker.append(old)
             peer = await loop.run_in_executor(
                 self._worker, self._reconnect_blocking, old, peer_id, metadata, summary
             )
+            self._in_worker.remove(peer)  # adopted: in _peers from here on
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
                 future.cancel()
@@ -277,8 +291,14 @@ class NixlTransport:
         self, old: Peer | None, peer_id: str, metadata: bytes, summary: LayoutSummary
     ) -> Peer:
         if old is not None:
-            self.agent.disconnect(old)
-        return self.agent.connect(peer_id, metadata, summary)
+            self._disconnect_blocking(old)
+        peer = self.agent.connect(peer_id, metadata, summary)
+        self._in_worker.append(peer)
+        return peer
+
+    def _disconnect_blocking(self, peer: Peer) -> None:
+        self.agent.disconnect(peer)
+        self._in_worker.remove(peer)
 
     def peer(self, peer_id: str) -> Peer | None:
         return self._peers.get(peer_id)
@@ -288,13 +308,19 @@ class NixlTransport:
         if self._peers.get(peer.peer_id) is not peer:
             return  # an older generation; the current one is not condemned by it
         del self._peers[peer.peer_id]
+        self._lost.add(peer)
         self.stats.peers_lost += 1
         _log.warning("peer %s generation %d lost: %s", peer.peer_id, peer.generation, reason)
         for record in list(self._records):
             if record.peer is peer:
                 self._deliver(record.key, PeerLost(reason))
+                record.dropped = True  # not posted yet: the poster skips it
+                if record in self._active:
+                    # Released before the remote agent goes (Agent.disconnect wants that).
+                    self._quarantine(record, f"peer lost ({reason}); released")
         loop = self._running_loop()
-        loop.run_in_executor(self._worker, self.agent.disconnect, peer)
+        self._in_worker.append(peer)
+        loop.run_in_executor(self._worker, self._disconnect_blocking, peer)
         # NIXL drops a disconnected peer's metadata; reload it, rate-limited, in case the
         # disconnect was transient. A restarted peer comes back through connect_peer instead.
         last = self._lost_at.get(peer.peer_id, -1e9)
@@ -435,7 +461,10 @@ class NixlTransport:
     def _posted(self, batch: list[tuple[_Xfer, BaseException | None]]) -> None:
         """Loop thread: the poster is done with these records."""
         for record, exc in batch:
-            if isinstance(exc, LayoutError):
+            if exc is None and record.handles and record.peer in self._lost:
+                # Posted while its peer was being lost: its state means nothing now.
+                self._quarantine(record, "peer lost while posting; released")
+            elif isinstance(exc, LayoutError):
                 self.stats.chunks_rejected += 1
                 self._finish(record, ChunkFailed(record.chunk, str(exc)))
             elif exc is not None:
@@ -467,7 +496,7 @@ class NixlTransport:
         check, progress = nixl.check_xfer_state, nixl.get_new_notifs
         idle_rounds = 0
         while True:
-            if not self._active:
+            if not self._active and not self._held:
                 wake.clear()
                 await wake.wait()
                 idle_rounds = 0
@@ -480,8 +509,11 @@ class NixlTransport:
             now = loop.time()
             pending = len(batch)
             for record in batch:
-                if record not in self._records:
-                    continue  # finished meanwhile (peer lost)
+                if record not in self._records or record in self._held:
+                    continue  # finished or quarantined meanwhile (peer lost)
+                if record.peer in self._lost:
+                    self._quarantine(record, "peer lost; released")
+                    continue
                 try:
                     states = [check(h) for h in record.handles]
                 except Exception as exc:
@@ -497,7 +529,7 @@ class NixlTransport:
                         ChunkDone(record.chunk) if done else ChunkFailed(record.chunk, _ERR_REASON),
                     )
                 elif now > record.due:
-                    self._stall(record, loop)
+                    self._stall(record)
                 else:
                     self._active.append(record)
             self.stats.pump_rounds += 1
@@ -510,27 +542,50 @@ class NixlTransport:
     def _failed(self, record: _Xfer, exc: BaseException) -> None:
         reason = describe(exc)
         if is_remote_disconnect(exc):
-            # The peer died: its rooms fail with a peer-lost reason first, then the errored
-            # handle settles the chunk (nothing more can be written by a dead peer's link).
+            # The peer is reported gone: its rooms fail with a peer-lost reason first.
             self._peer_lost(record.peer, f"NIXL remote disconnect from {record.peer.peer_id}")
+        if record not in self._records or record in self._held:
+            return
+        if record.handles and (record.peer in self._lost or "PROC" in record.states):
+            # A part of this chunk was posted and may still be moving bytes (an earlier
+            # handle when a later one failed to post; any, once its peer is lost): the error
+            # does not end that WRITE. Released and quarantined like a stall.
+            self._quarantine(record, f"{reason}; released")
+            return
         self._finish(record, ChunkFailed(record.chunk, reason))
 
-    def _stall(self, record: _Xfer, loop: asyncio.AbstractEventLoop) -> None:
+    def _stall(self, record: _Xfer) -> None:
         self.stats.chunks_stalled += 1
-        self._release_all(record)
         reason = f"in flight past its {self.config.deadline_s(record.nbytes):g}s deadline; released"
         _log.warning("room %s chunk %d: %s", record.key.room, record.chunk, reason)
+        self._quarantine(record, reason)
+
+    def _quarantine(self, record: _Xfer, reason: str) -> None:
+        """Release a chunk whose WRITE may still be moving: it is reported stalled now and
+        fails (its pages settle) only after the quarantine. The pump forgets it."""
+        self._release_all(record)
+        # Progress-driven transports (UCX over TCP) move a released WRITE's queued bytes only
+        # when the agent is progressed: the pump keeps progressing while anything is held, so
+        # those bytes land within the quarantine, not whenever the next transfer comes.
+        self._held.add(record)
+        if self._wake is not None:
+            self._wake.set()
+        if record in self._active:
+            self._active.remove(record)
         self._deliver(record.key, ChunkStalled(record.chunk, reason))
         quarantined = ChunkFailed(
             record.chunk, f"{reason}; quarantine of {self.config.quarantine_s:g}s over"
         )
-        loop.call_later(self.config.quarantine_s, self._finish, record, quarantined)
+        self._running_loop().call_later(self.config.quarantine_s, self._finish, record, quarantined)
 
     def _finish(self, record: _Xfer, event: ChunkDone | ChunkFailed) -> None:
         if record not in self._records:
             return
         self._release_all(record)
         self._records.discard(record)
+        self._held.discard(record)
+        if record.peer in self._lost and not any(r.peer is record.peer for r in self._records):
+            self._lost.discard(record.peer)  # its last chunk is over: nothing left to judge
         ok = isinstance(event, ChunkDone)
         if ok:
             self.stats.chunks_done += 1
@@ -605,9 +660,14 @@ class NixlTransport:
         leaked, self._leaked = self._leaked, []
         for handle in leaked:
             self._release(handle)
-        for peer in list(self._peers.values()):
+        # The worker has stopped: a peer still in its hands was never adopted or never
+        # disconnected (see _in_worker).
+        self._lost.clear()
+        self._held.clear()
+        for peer in [*self._peers.values(), *self._in_worker]:
             self.agent.disconnect(peer)
         self._peers.clear()
+        self._in_worker.clear()
 
 
 def _backoff(idle_rounds: int) -> float:
