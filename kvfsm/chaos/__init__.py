@@ -11,5 +11,6 @@
 * ``_scripted``: a deterministic in-process room pair (scripted link and transport) for the
   hypothesis property test of tests/chaos/test_room_pair_properties.py.
 * ``_netns``, ``_two_hosts``: two network namespaces joined by a veth pair, the demo and a
-  link-cut scenario across them (``kvfsm demo --two-hosts``).
+  link-cut scenario across them (``kvfsm demo --two-hosts``); ``kvfsm chaos --two-hosts`` runs
+  the campaign across them, with link cuts as one more fault.
 """

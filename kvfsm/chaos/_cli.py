@@ -34,6 +34,12 @@ def add_parser(
     a("--slow-call-ms", type=float, default=d.slow_call_ms, help="blocking threshold (ms)")
     a("--no-secret", action="store_true", help="unsigned control frames and registry")
     a("--no-kill", action="store_true", help="no SIGKILL of ranks")
+    a(
+        "--two-hosts",
+        action="store_true",
+        help="prefill and decode in two network namespaces joined by a veth (root, iproute2), "
+        "NIXL on UCX TCP over it, and the link cut as one more fault",
+    )
     a("--break", dest="break_invariant", choices=("canary",), default="", help=argparse.SUPPRESS)
     a("--json", action="store_true", help="print the report as one JSON object")
     a("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging")
@@ -53,6 +59,7 @@ def options(args: argparse.Namespace) -> CampaignOptions:
         slow_call_ms=args.slow_call_ms,
         use_secret=not args.no_secret,
         break_invariant=args.break_invariant,
+        two_hosts=args.two_hosts,
         **extra,
     )
 
@@ -69,6 +76,9 @@ def print_text(s: dict[str, Any]) -> None:
         ("lost with a killed rank", s["killed"]),
         ("wedged", s["wedged"]),
         ("unsettled", s["unsettled"]),
+        ("unsettled, frames disordered", s["unsettled_disordered"]),
+        ("starved", s["starved"]),
+        ("decode restarts", s["decode_restarts"]),
         ("late writes", s["late_writes"]),
         ("mismatched bytes", s["mismatched_bytes"]),
         ("slow calls", f"{s['slow_calls']} of {s['calls']}"),

@@ -15,6 +15,12 @@ part of it and cut the connection (truncate), flip one body byte (corrupt), or c
 connection before it. A length the proxy cannot frame (over ``max_frame_bytes``) switches that
 direction to raw pass-through, so a hostile or broken peer's bytes still reach the real
 parser, which is what must refuse them.
+
+A dropped or reordered frame breaks the promise TCP makes (nothing lost or reordered without
+the connection failing), so a room whose settle acknowledgement was dropped may legitimately
+never settle: for the campaign's checks, the proxy remembers the rooms named by frames it
+dropped or reordered, per direction (:meth:`ControlProxy.disordered`). It reads the room id
+from the frame's msgpack payload without checking anything else.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
+import msgspec
+
+from kvfsm.bootstrap._frames import _MAC_BYTES
 from kvfsm.chaos._plan import FaultPlan, FrameFault
 
 __all__ = ["ControlProxy", "ProxyThread"]
@@ -45,6 +54,21 @@ class _CutError(Exception):
     """The plan cut this connection."""
 
 
+def room_of(frame: bytes) -> int | None:
+    """The room a frame (``length | auth | mac | msgpack map``) names, or None: read, not
+    checked, so a broken or hostile frame names nothing."""
+    body = frame[_PREFIX:]
+    if not body:
+        return None
+    offset = 1 + (_MAC_BYTES if body[0] == 1 else 0)
+    try:
+        payload = msgspec.msgpack.decode(body[offset:])
+    except msgspec.DecodeError:
+        return None
+    room = payload.get("room") if isinstance(payload, dict) else None
+    return room if isinstance(room, int) and not isinstance(room, bool) else None
+
+
 class ControlProxy:
     """Forwards and breaks control frames. Runs on the event loop that calls :meth:`listen`."""
 
@@ -52,6 +76,9 @@ class ControlProxy:
         self.plan = plan
         self.host = host
         self.stats: Counter[str] = Counter()
+        #: Rooms named by a frame this proxy dropped or reordered, by direction (proxy loop;
+        #: read with :meth:`disordered` from other threads).
+        self._disordered: dict[str, set[int]] = {"to_prefill": set(), "to_decode": set()}
         self._servers: dict[Address, asyncio.Server] = {}
         self._ports: dict[Address, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -71,6 +98,12 @@ class ControlProxy:
         self._servers[upstream] = server
         self._ports[upstream] = port
         return port
+
+    def disordered(self, site: str, room: int) -> bool:
+        """Whether a frame naming ``room`` going ``site`` was dropped or reordered. Any thread:
+        a set membership test is atomic under the GIL, and a late answer only means the frame
+        was not disordered yet."""
+        return room in self._disordered[site]
 
     async def aclose(self) -> None:
         for server in self._servers.values():
@@ -177,10 +210,11 @@ class ControlProxy:
             await self._send(writer, frame[: _PREFIX + int(param * (len(frame) - _PREFIX))])
             raise _CutError
         if fault is FrameFault.REORDER and held is None:
+            self._disorder(site, frame)
             return frame  # goes out after the next frame
         out: list[bytes] = []
         if fault is FrameFault.DROP:
-            pass
+            self._disorder(site, frame)
         elif fault is FrameFault.DUPLICATE:
             out += [frame, frame]
         elif fault is FrameFault.CORRUPT and len(frame) > _PREFIX:
@@ -197,6 +231,11 @@ class ControlProxy:
         for piece in out:
             await self._send(writer, piece)
         return None
+
+    def _disorder(self, site: str, frame: bytes) -> None:
+        room = room_of(frame)
+        if room is not None:
+            self._disordered[site].add(room)
 
     async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.write(data)
@@ -238,6 +277,9 @@ class ProxyThread:
             return (self.proxy.host, proxy_port)
 
         return resolve
+
+    def disordered(self, site: str, room: int) -> bool:
+        return self.proxy.disordered(site, room)
 
     def stats(self) -> dict[str, int]:
         async def read() -> dict[str, int]:

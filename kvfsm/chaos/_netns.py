@@ -21,7 +21,7 @@ packet either way is dropped silently, as a dead switch or a pulled cable betwee
 would. Neither kernel reports anything to the sockets (no RST, no ICMP, no carrier change), so
 what notices is what a real partition leaves: the control channel's heartbeat silence and the
 data path's own deadlines. ``cut("down")`` sets the prefill end down instead (both ends lose
-carrier); established TCP sockets see that no sooner (measured: see docs/two-hosts.md).
+carrier); established TCP sockets see that no sooner (measured: see docs/reliability.md).
 """
 
 from __future__ import annotations

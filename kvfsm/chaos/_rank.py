@@ -4,7 +4,10 @@ The campaign process drives it over a pipe: ``("episode", index, first_room)`` s
 episode's rooms (from :func:`~kvfsm.chaos._options.episode_plan`, the same list on both ranks),
 ``("poll",)`` returns the outcomes since the last poll and whether the episode is over,
 ``("drain", timeout)`` waits until the engine has no room left and returns what is still held,
-``("close",)`` closes the manager and returns the NIXL accounting, ``("quit",)`` ends it.
+``("close",)`` closes the manager and returns the NIXL accounting, ``("quit",)`` ends it. Every
+answer to poll, drain and close carries ``counters``: what was counted since the previous
+answer (calls, slow calls, late writes, injected faults), so the campaign adds them up without
+counting anything twice and loses at most one poll's worth when the rank is killed.
 
 What a rank checks itself, because only it can:
 
@@ -16,6 +19,10 @@ What a rank checks itself, because only it can:
 * **no late writes** (decode): a settled room's pages are filled with a canary, and checked before
   they are handed out again and at every drain. A changed byte is a write that landed after its
   pages were declared free.
+* **settled** (both): a terminal room must settle before its own settle timeout; decode rooms of
+  a lost link settle ``peer_lost_grace_s`` after the loss. A decode room whose frames the fault
+  proxy dropped or reordered (TCP never does) is reported as such: its acknowledgement may have
+  been the frame lost.
 * **the bytes** (decode): a Success room's pages and aux row must equal prefill's sources, which
   both ranks compute from the seed.
 """
@@ -113,6 +120,8 @@ class _Rank:
         self.calls = 0
         self.late_writes = 0
         self.late_notes: list[str] = []
+        self.reported: Counter[str] = Counter()  # cumulative counters as last reported
+        self.settle_wait = opts.settle_wait_s()
         self.broken = False
         self.quit = False
         self.bound = opts.bound_s(Role.SENDER if role == "prefill" else Role.RECEIVER)
@@ -124,9 +133,9 @@ class _Rank:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def build(self, secret: bytes | None, seed_salt: int) -> None:
+    def build(self, secret: bytes | None, seed_salt: int, host: str) -> None:
         opts = self.opts
-        config = opts.manager_config(secret)
+        config = opts.manager_config(secret, host)
         # Each incarnation of a rank gets its own fault streams (a restarted rank must not
         # replay its predecessor's faults); the salt is the campaign's, so still reproducible.
         plan = FaultPlan(opts.seed * 1000 + seed_salt, opts.transfer, opts.control)
@@ -182,7 +191,13 @@ class _Rank:
             self.conn.send(True)
         elif op == "poll":
             outcomes, self.outcomes = self.outcomes, []
-            self.conn.send({"done": not (self.live or self.pending), "outcomes": outcomes})
+            self.conn.send(
+                {
+                    "done": not (self.live or self.pending),
+                    "outcomes": outcomes,
+                    "counters": self._counters(),
+                }
+            )
         elif op == "port":
             self.conn.send(self.manager.port if isinstance(self.manager, PrefillManager) else 0)
         elif op == "drain":
@@ -233,7 +248,7 @@ class _Rank:
     def _step(self, item: _Live, now: float) -> bool:
         room = item.room
         if item.phase == 3:
-            grace_over = now - item.ended > self.opts.settle_grace_s + self.frozen_since(item)
+            grace_over = now - item.ended > self.settle_wait + self.frozen_since(item)
             if room.settled or grace_over:
                 self._finish(item, settled=room.settled)
                 item.phase = 4
@@ -399,8 +414,12 @@ class _Rank:
             self._check_canary(np.empty(0, np.int32), int(aux), clear=False)
 
     def _finish(self, item: _Live, *, settled: bool) -> None:
-        if self.role == "decode" and settled:
-            self._release(item)
+        disordered = False
+        if self.role == "decode":
+            if settled:
+                self._release(item)
+            if self.proxy is not None:
+                disordered = self.proxy.disordered("to_decode", item.plan.room)
         self.outcomes.append(
             _outcome(
                 item.plan.room,
@@ -412,6 +431,7 @@ class _Rank:
                 mismatched=item.mismatched,
                 checked=item.checked,
                 aborted=bool(item.plan.abort_side),
+                disordered=disordered,
             )
         )
 
@@ -429,33 +449,57 @@ class _Rank:
             "live_rooms": len(engine.rooms()),
             "engine": engine.stats(),
             "control": dict(self.manager.control.stats) if self.manager.control else {},
-            "slow_calls": dict(self.slow),
             "max_call_ms": {k: round(v, 3) for k, v in self.max_call_ms.items()},
-            "calls": self.calls,
-            "late_writes": self.late_writes,
-            "late_notes": list(self.late_notes),
             "frozen_s": round(self.frozen, 3),
+            "counters": self._counters(),
         }
         if isinstance(self.manager, PrefillManager):
             out["transport"] = self.manager.transport.snapshot()
         if self.faults is not None:
             out["transfer_faults"] = self.faults.snapshot()
-            out["fault_plan"] = self.faults.plan.injected()
-        if self.proxy is not None:
-            out["proxy"] = self.proxy.stats()
         if self.role == "decode":
             out["written_off_pages"] = int(
                 self.opts.num_pages - np.count_nonzero(self.free_pages)
             ) - sum(len(i.plan.src) for i in self.live)
+            out["written_off_aux"] = int(self.opts.aux_rows - np.count_nonzero(self.free_aux)) - (
+                len(self.live)
+            )
         return out
 
+    def _counters(self) -> dict[str, Any]:
+        """What was counted since the last call: calls (total and slow, by name), late writes
+        and their notes, injected transfer faults, the frame proxy's counters."""
+        now: Counter[str] = Counter({"calls": self.calls, "late_writes": self.late_writes})
+        now.update({f"slow.{name}": n for name, n in self.slow.items()})
+        if self.faults is not None:
+            now.update(
+                {
+                    f"fault.transfer_{name[len('injected_') :]}": n
+                    for name, n in self.faults.snapshot().items()
+                    if name.startswith("injected_")
+                }
+            )
+        if self.proxy is not None:
+            now.update(
+                {
+                    f"fault.frame_{name.replace(':', '_')}": n
+                    for name, n in self.proxy.stats().items()
+                    if ":" in name and not name.endswith(":frames")
+                }
+            )
+        delta = {name: n - self.reported[name] for name, n in now.items()}
+        self.reported = now
+        notes, self.late_notes = self.late_notes, []
+        return {"delta": {k: v for k, v in delta.items() if v}, "late_notes": notes}
+
     def _close(self) -> dict[str, Any]:
-        final = self._drain(self.opts.settle_grace_s)
+        final = self._drain(self.settle_wait)
         manager = self.manager
         if self.client is not None and manager.engine is not None:
             with contextlib.suppress(Exception):
                 manager.engine.call(self.client.close(), timeout=10)
         manager.close()
+        counters = self._counters()  # anything counted during the close itself
         if self.proxy is not None:
             self.proxy.close()
         agent = manager.agent
@@ -469,6 +513,7 @@ class _Rank:
             final["transport"] = manager.transport.snapshot()
         if self.faults is not None:
             final["transfer_faults"] = self.faults.snapshot()
+        final["counters"] = counters
         return final
 
 
@@ -496,6 +541,7 @@ def rank_main(  # noqa: PLR0917 - ChildProcess passes its arguments positionally
     secret: bytes | None,
     salt: int,
     log_level: int,
+    host: str = "127.0.0.1",
 ) -> None:
     """A rank's process: build, greet with the pid, serve the campaign process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the campaign process stops us
@@ -503,7 +549,7 @@ def rank_main(  # noqa: PLR0917 - ChildProcess passes its arguments positionally
         level=log_level, stream=sys.stderr, format=f"%(levelname)s {role} %(name)s: %(message)s"
     )
     rank = _Rank(conn, role, opts, url)
-    rank.build(secret, salt)
+    rank.build(secret, salt, host)
     try:
         conn.send(os.getpid())
         rank.serve()

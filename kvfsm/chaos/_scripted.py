@@ -17,9 +17,12 @@ What it wires together, each piece modelled on the production code it stands for
 * **Control link**: the frames :class:`kvfsm.bootstrap.ControlPlane` carries (RoomMetadata and
   RoomAbort prefill-ward; RoomOutcome and RoomSettled decode-ward) in one FIFO per direction,
   and the plane's routing rules around the rooms: binding a sender when its metadata arrives,
-  holding metadata for a sender that does not exist yet, the tombstone of a sender that failed
-  before its page list came, answering an abort for a sender that is gone with RoomSettled,
-  unbinding on Success and on RoomSettled, ``PeerLost`` for every bound room when the link dies.
+  ignoring a retransmitted page list of the room already bound, holding metadata for a sender
+  that does not exist yet (answered with RoomOutcome(Failed) and RoomSettled when it expires),
+  the tombstone of a sender that failed before its page list came, answering an abort for a
+  sender that is gone with RoomSettled, unbinding on Success and on RoomSettled, ``PeerLost``
+  for every bound room when the link dies, and decode settling a room it lost the link of
+  ``peer_lost_grace_s`` later.
   Each :meth:`PairHarness.step_link` applies a :class:`FrameFate` to the head frame.
 * **Transport**: ``PostChunk`` copies bytes between two in-memory page pools (numpy), so
   "Success means the destination holds the source bytes" and "no byte lands after settle" are
@@ -190,6 +193,10 @@ class PairConfig:
     chunk_deadline_s: float = 10.0  # TransferConfig.deadline_base_s (bytes are negligible here)
     quarantine_s: float = 2.0  # TransferConfig.quarantine_s
     pending_ttl_s: float = 60.0  # ChannelConfig.pending_ttl_s
+    #: ChannelConfig.peer_lost_grace_s: decode declares a room's pages free this long after
+    #: the room's control link was lost (no acknowledgement can come over it). Above
+    #: ``silence_s + chunk_deadline_s + quarantine_s``, as the real one must be.
+    peer_lost_grace_s: float = 20.0
     #: ChannelConfig.silence_s: a control stream silent this long is declared lost, so no
     #: frame on a live link waits longer (DELAY is capped to it).
     silence_s: float = 2.0
@@ -341,12 +348,19 @@ class PairHarness:
     """The rig. Callers drive it through the facades (``sender``/``receiver``) and the step
     methods; :meth:`drain` ends an episode the way a healthy system would finish it."""
 
-    #: Whether expired held metadata is answered with RoomSettled after RoomOutcome(Failed).
-    #: ``ControlPlane._expire_pending`` does not (False, the production behaviour): the
-    #: receiver fails on the peer's word, so it sends no abort, and it never hears that its
-    #: pages are free although no sender ever had them. It gives up after the settle timeout
-    #: and leaks them. True is the proposed fix (what the tombstone path already does).
-    expiry_settles: bool = False
+    # The control plane's rules as they are now. Each switch turns one back into a bug this
+    # harness (helper-11's property test) or the campaign found, so a test can plant it and
+    # prove the checker sees what it did.
+
+    #: Expired held metadata is answered with RoomSettled after RoomOutcome(Failed) (nothing
+    #: was written into its pages). Without it the receiver, failed on the peer's word, sends
+    #: no abort, never hears that its pages are free, gives up after the settle timeout and
+    #: leaks them (the bug: ``ControlPlane._expire_pending`` before the fix).
+    expiry_settles: bool = True
+    #: A page list for the room already bound to this link is a retransmission and ignored.
+    #: False: refused as a second receiver (RoomOutcome(Failed) + RoomSettled), telling decode
+    #: its pages are free while the sender still writes them (the law-4 bug the campaign found).
+    retransmission_ignored: bool = True
 
     def __init__(self, request: Request, config: PairConfig | None = None) -> None:
         self.request = request
@@ -372,6 +386,8 @@ class PairHarness:
         self.queues: dict[Direction, deque[Frame]] = {d: deque() for d in Direction}
         self.paused_until: dict[Direction, float] = dict.fromkeys(Direction, 0.0)
         self.link_alive = True
+        #: When decode settles the room it lost the link of (``peer_lost_grace_s`` after).
+        self.grace_due = _INF
         self.resolving = False
         self.receiver_bound = False
         self.sender_bound = False
@@ -398,6 +414,12 @@ class PairHarness:
     @property
     def lossy(self) -> bool:
         return bool(self.faults)
+
+    @property
+    def frames_lost(self) -> bool:
+        """A frame was dropped or reordered: a receiver may then never hear its settle
+        acknowledgement (a lost link is not such a fault: decode settles after the grace)."""
+        return any(f.startswith(("drop ", "reorder ")) for f in self.faults)
 
     def outstanding(self) -> list[int]:
         """Chunks the transport has not reported final yet."""
@@ -521,8 +543,12 @@ class PairHarness:
         if isinstance(frame, Metadata):
             tombstone, self.tombstone = self.tombstone, None
             if self._current(Role.SENDER) is not None:
-                if self.sender_bound:
-                    # A second receiver for a bound room: refused (the plane's duplicate rule).
+                if self.sender_bound and self.retransmission_ignored:
+                    # One receiver and one link here: a page list for the bound room is always
+                    # a retransmission of the one that bound it (same link, same generation).
+                    self.stale_events += 1
+                elif self.sender_bound:
+                    # The bug: treated as a second receiver and refused as a duplicate room.
                     reason = "duplicate room id: prefill already serves another receiver"
                     self.send(Direction.TO_DECODE, Outcome(KVPoll.Failed, reason))
                     self.send(Direction.TO_DECODE, Settled())
@@ -617,9 +643,7 @@ class PairHarness:
             self.faults.append(f"reorder {frame}")
             queue.append(frame)
             return
-        if fate is FrameFate.DUPLICATE and not isinstance(frame, Metadata):
-            # Never a page list: decode sends it once per room, and the prefill plane treats a
-            # second one as another receiver of the same room id (see the duplicate rule).
+        if fate is FrameFate.DUPLICATE:
             queue.append(frame)
         self._arrive(direction, frame)
 
@@ -644,6 +668,9 @@ class PairHarness:
                 self.deliver(Role.SENDER, PeerLost(reason))
             if self.receiver_bound:
                 self.receiver_bound = False
+                # ControlPlane._lose on decode: no acknowledgement can come over this link, so
+                # the room's pages are declared free once prefill cannot be writing any more.
+                self.grace_due = self.now + self.config.peer_lost_grace_s
                 self.deliver(Role.RECEIVER, PeerLost(reason))
         if data_path and self.peer_alive:
             self.faults.append("peer lost")
@@ -782,6 +809,8 @@ class PairHarness:
         if self.pending is not None and self._current(Role.SENDER) is None:
             t = self.pending[0] + self.config.pending_ttl_s
             timers.append((t, self._expire_pending))
+        if self.grace_due < _INF:
+            timers.append((self.grace_due, self._settle_lost))
         # A paused direction resumes by itself: nothing fires, but the drain must get there.
         timers.extend(
             (self.paused_until[d], _nothing)
@@ -811,6 +840,12 @@ class PairHarness:
         self.send(Direction.TO_DECODE, Outcome(KVPoll.Failed, "no prefill room in time"))
         if self.expiry_settles:
             self.send(Direction.TO_DECODE, Settled())
+
+    def _settle_lost(self) -> None:
+        """``ControlPlane._settle_lost``: the grace after the link loss is over. A room that
+        settled meanwhile, or was reaped, drops it as a late or stale event."""
+        self.grace_due = _INF
+        self.deliver(Role.RECEIVER, PeerSettled(self.request.peer_rank))
 
     def next_timer(self) -> float:
         return min((t for t, _ in self._timers()), default=_INF)

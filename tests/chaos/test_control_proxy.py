@@ -170,23 +170,33 @@ def test_duplicated_frames_to_decode_resurrect_nothing(
     assert (receiver.poll(), sender.poll()) == first  # terminal is final
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ControlPlane answers a duplicated RoomMetadata of the room it already serves as "
-    "a duplicate room id (RoomOutcome Failed + RoomSettled) while the sender still writes: "
-    "fix requested in kvfsm/bootstrap/_control.py (see the chaos report)",
-)
 def test_a_duplicated_page_list_does_not_settle_pages_still_written(
     registry: str, pairs: list[ProxiedPair]
 ) -> None:
+    """Law 4 (the long campaign's late writes): every decode->prefill frame is duplicated, so
+    the room's RoomMetadata reaches prefill twice on the same link. The copy is a
+    retransmission, not a second receiver: prefill must ignore it (counted stale), not refuse it
+    as a duplicate room id, which would tell decode its pages are free while the sender is about
+    to write them. The room then transfers and succeeds, bytes intact."""
     pair = ProxiedPair(registry, ControlRates(duplicate=1.0))
     pairs.append(pair)
     receiver = pair.decode.receiver(9)
     receiver.init(0)
     sender = pair.prefill.sender(9)
     wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
-    receiver.send_metadata(np.asarray([5, 6], np.int32), aux_index=2)
+    dst = [5, 6]
+    receiver.send_metadata(np.asarray(dst, np.int32), aux_index=2)
     wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
-    wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
-    # Law 4: decode's pages may be declared free only once no transfer can write them.
-    assert not (receiver.settled and sender.poll() not in TERMINAL)
+    # Both copies have reached prefill's plane: the second was seen and dropped.
+    wait_for(lambda: pair.prefill.stats()["rooms"]["stale_events"] >= 1, timeout=10)
+    assert pair.prefill.stats()["control"]["duplicates_refused"] == 0
+    assert receiver.poll() not in TERMINAL
+    assert not receiver.settled  # the sender has not even started writing
+    src = [1, 2]
+    sender.init(len(src), aux_index=0)
+    sender.send(np.asarray(src, np.int32))
+    wait_for(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=30)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    for got, want in zip(pair.dst_kv, pair.src_kv, strict=True):
+        assert np.array_equal(got[dst], want[src])
+    assert np.array_equal(pair.dst_aux[2], pair.src_aux[0])

@@ -4,8 +4,11 @@ its pages are settled only when nothing can write them; every handle is released
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,3 +149,29 @@ def test_no_faults_is_a_plain_proxy(make: list[FaultyPrefill], peer: PeerProcess
     assert sender.poll() is KVPoll.Success, sender.reason
     snapshot = make[0].faults.snapshot()
     assert snapshot["handles_made"] == snapshot["handles_released"] >= 1
+
+
+def test_a_peer_connecting_when_the_engine_stops_is_released(peer: PeerProcess) -> None:
+    """The cause of a flaky teardown after ``post_disconnect``: the remote disconnect makes the
+    transport reload the peer on its worker thread; the engine stopped while that reload was
+    connecting, the loop never adopted the new generation, and its two descriptor lists and
+    remote agent were never released (``dlists_prepped`` 6, released 4). Forced here: the
+    worker is held inside ``Agent.connect`` while the engine stops."""
+    prefill = FaultyPrefill(peer, TransferRates())
+    agent, transport = prefill.agent, prefill.transport
+    entered, gate = threading.Event(), threading.Event()
+    connect = agent.connect
+
+    def held_connect(*args: Any) -> Any:
+        entered.set()
+        gate.wait(30)
+        return connect(*args)
+
+    agent.connect = held_connect  # type: ignore[method-assign]
+    asyncio.run_coroutine_threadsafe(
+        transport.connect_peer("decode", peer.metadata, peer.summary), prefill.engine.loop
+    )
+    assert entered.wait(30)
+    prefill.engine.close()  # the reconnect's task is cancelled with the loop
+    gate.set()
+    prefill.close()  # asserts every list and remote agent was released
