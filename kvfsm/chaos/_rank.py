@@ -419,7 +419,13 @@ class _Rank:
             if settled:
                 self._release(item)
             if self.proxy is not None:
-                disordered = self.proxy.disordered("to_decode", item.plan.room)
+                # Either way: a dropped abort or page list towards prefill leaves prefill with
+                # nothing to acknowledge (until its held metadata expires), a dropped
+                # acknowledgement towards decode is simply gone.
+                room = item.plan.room
+                disordered = self.proxy.disordered("to_decode", room) or self.proxy.disordered(
+                    "to_prefill", room
+                )
         self.outcomes.append(
             _outcome(
                 item.plan.room,
