@@ -79,7 +79,7 @@ with contextlib.redirect_stdout(sys.stderr):  # see kvfsm.cli: NIXL binds its lo
     from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
     from kvfsm.rooms import ReceiverRoom, SenderRoom
     from kvfsm.states import TERMINAL, KVPoll
-    from kvfsm.transport._peer import make_buffers, make_layout
+    from kvfsm.transport._peer import compare_room, make_buffers, make_layout
 
 __all__ = ["DemoOptions", "Site", "add_parser", "run", "run_demo"]
 
@@ -470,14 +470,18 @@ class _DecodeRank(_Rank):
     def _landed(self, item: _Live) -> None:
         """Check every byte of the room's pages and its aux row against the sources."""
         assert item.dst is not None
-        src = np.asarray(item.req.src, np.int64)
-        for got, want in zip(self.kv, self.want_kv, strict=True):
-            differ = got[item.dst] != want[src]
-            item.checked += differ.size
-            item.mismatched += int(np.count_nonzero(differ))
-        differ_aux = self.aux[item.dst_aux] != self.want_aux[item.req.src_aux]
-        item.checked += differ_aux.size
-        item.mismatched += int(np.count_nonzero(differ_aux))
+        checked, mismatched = compare_room(
+            self.kv,
+            self.want_kv,
+            self.aux,
+            self.want_aux,
+            dst=item.dst,
+            src=item.req.src,
+            dst_aux=item.dst_aux,
+            src_aux=item.req.src_aux,
+        )
+        item.checked += checked
+        item.mismatched += mismatched
 
     def _release(self, item: _Live) -> None:
         if not item.room.settled:

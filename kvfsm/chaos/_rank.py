@@ -54,7 +54,7 @@ from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, PrefillManager
 from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll, Role
-from kvfsm.transport._peer import Shape, make_buffers, make_layout
+from kvfsm.transport._peer import Shape, compare_room, make_buffers, make_layout
 
 __all__ = ["ABORT_REASON", "ENGINE", "rank_main"]
 
@@ -360,14 +360,18 @@ class _Rank:
         if self.role != "decode":
             return
         assert item.dst is not None
-        src = np.asarray(item.plan.src, np.int64)
-        for got, want in zip(self.kv, self.want_kv, strict=True):
-            differ = got[item.dst] != want[src]
-            item.checked += differ.size
-            item.mismatched += int(np.count_nonzero(differ))
-        differ_aux = self.aux[item.dst_aux] != self.want_aux[item.plan.src_aux]
-        item.checked += differ_aux.size
-        item.mismatched += int(np.count_nonzero(differ_aux))
+        checked, mismatched = compare_room(
+            self.kv,
+            self.want_kv,
+            self.aux,
+            self.want_aux,
+            dst=item.dst,
+            src=item.plan.src,
+            dst_aux=item.dst_aux,
+            src_aux=item.plan.src_aux,
+        )
+        item.checked += checked
+        item.mismatched += mismatched
 
     def _release(self, item: _Live) -> None:
         """The room is settled: its pages go back to the pool, holding a canary."""

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import time
 import zlib
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -134,3 +135,26 @@ def wait_for(predicate: Any, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(0.001)
+
+
+def compare_room(
+    kv: Sequence[npt.NDArray[np.uint8]],
+    want_kv: Sequence[npt.NDArray[np.uint8]],
+    aux: npt.NDArray[np.uint8],
+    want_aux: npt.NDArray[np.uint8],
+    *,
+    dst: npt.ArrayLike,
+    src: npt.ArrayLike,
+    dst_aux: int,
+    src_aux: int,
+) -> tuple[int, int]:
+    """``(checked, mismatched)`` bytes of a room: its destination pages of every buffer in ``kv``
+    against the source pages of ``want_kv``, and its aux row against the source row."""
+    src_pages, dst_pages = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    checked = mismatched = 0
+    for got, want in zip(kv, want_kv, strict=True):
+        differ = got[dst_pages] != want[src_pages]
+        checked += differ.size
+        mismatched += int(np.count_nonzero(differ))
+    differ_aux = aux[dst_aux] != want_aux[src_aux]
+    return checked + differ_aux.size, mismatched + int(np.count_nonzero(differ_aux))

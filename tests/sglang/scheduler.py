@@ -436,6 +436,12 @@ class DecodeScheduler:
         ]
         self.pending.append(req)
 
+    def _fail(self, req: Request) -> None:
+        req.decode_reasons = [
+            self.check.failure("decode", req, r, recv) for r, recv in enumerate(req.receivers)
+        ]
+        req.decode_outcome = "Failed"
+
     def _release(self, req: Request) -> None:
         for recv, b in zip(req.receivers, self.instance.buffers, strict=True):
             self.check.call("receiver clear", recv.clear)
@@ -468,11 +474,7 @@ class DecodeScheduler:
             status = min_poll(polls)
             if status == KVPoll.Failed:
                 self.prealloc.remove(req)
-                req.decode_reasons = [
-                    self.check.failure("decode", req, r, recv)
-                    for r, recv in enumerate(req.receivers)
-                ]
-                req.decode_outcome = "Failed"
+                self._fail(req)
                 self._release(req)
             elif status == KVPoll.WaitingForInput:
                 if req.decode_waits_for_prefill and req.prefill_outcome is None:
@@ -511,11 +513,7 @@ class DecodeScheduler:
                 self._release(req)
             elif status == KVPoll.Failed:
                 self.transfer.remove(req)
-                req.decode_reasons = [
-                    self.check.failure("decode", req, r, recv)
-                    for r, recv in enumerate(req.receivers)
-                ]
-                req.decode_outcome = "Failed"
+                self._fail(req)
                 for recv in req.receivers:
                     if not recv.abort_notified:
                         self.check.call(
