@@ -156,6 +156,9 @@ class DestinationReceived(Event, frozen=True):
     peer: str = ""
     #: The receiver's state rows (packed int32), empty when the model has no per-request state.
     state: bytes = b""
+    #: The write lease these pages are fenced by (law 4): the control link that brought them.
+    #: Every chunk into them is posted only while that lease is valid; 0 means unfenced.
+    fence: int = 0
 
 
 class Initialized(Event, frozen=True):
@@ -419,6 +422,8 @@ class PostChunk(Command, frozen=True):
     #: On the last chunk: state rows to copy (packed int32, equal counts), else empty.
     src_state: bytes = b""
     dst_state: bytes = b""
+    #: The write lease to check right before posting (``DestinationReceived.fence``); 0: none.
+    fence: int = 0
 
 
 class ReleaseHandles(Command, frozen=True):

@@ -78,8 +78,9 @@ class CommandSink(Protocol):
     the loop thread and must not block (queue the work, answer later with events).
 
     Optional hooks, looked up by name: ``room_spawned(key, role)`` right after a room's task is
-    created (a control channel may hold a message for it), and ``async aclose()`` at engine
-    shutdown, after the rooms, on the loop (stop background tasks).
+    created (a control channel may hold a message for it), ``room_reaped(key, role)`` as its task
+    ends (drop every per-room entry kept for it), and ``async aclose()`` at engine shutdown,
+    after the rooms, on the loop (stop background tasks).
     """
 
     def attach(self, inbox: Inbox) -> None: ...

@@ -96,6 +96,7 @@ class RoomCore:
         "_dst_aux",
         "_dst_peer",
         "_dst_state",
+        "_fence",
         "_num_pages",
         "_src_aux",
         "_submitted_pages",
@@ -124,6 +125,7 @@ class RoomCore:
         self._dst_aux = -1
         self._dst_peer = ""
         self._dst_state = b""
+        self._fence = 0
         self._num_pages = -1  # -1 until the caller's init
         self._src_aux = -1
         self._submitted_pages = 0
@@ -312,6 +314,7 @@ class RoomCore:
         self._dst_aux = event.aux_index
         self._dst_peer = event.peer
         self._dst_state = event.state
+        self._fence = event.fence
         return _NO_COMMANDS
 
     def _on_sender_init(self, event: Initialized) -> tuple[Command, ...]:
@@ -355,6 +358,7 @@ class RoomCore:
             peer=self._dst_peer,
             src_state=src_state if last else b"",
             dst_state=self._dst_state if last else b"",
+            fence=self._fence,
         )
 
 

@@ -61,6 +61,8 @@ class Registry:
         self._idle.set()
         hook = getattr(sink, "room_spawned", None)
         self._on_spawn: Callable[[RoomKey, Role], None] | None = hook if callable(hook) else None
+        hook = getattr(sink, "room_reaped", None)
+        self._on_reap: Callable[[RoomKey, Role], None] | None = hook if callable(hook) else None
         sink.attach(self)
 
     # -- spawning ------------------------------------------------------------------------------
@@ -155,6 +157,12 @@ class Registry:
         if self._current.get(ident) == room.key:
             del self._current[ident]
         self.stats.reaped += 1
+        if self._on_reap is not None:
+            # The control plane drops every per-room entry it keeps for this room.
+            try:
+                self._on_reap(room.key, room.role)
+            except Exception as exc:  # a bug in a hook must not stop reaping
+                self.record_error(room.key, exc)
         if self.observer is not None:
             self.observer.reaped(room.role, room.core.state)
         if not self._rooms:
