@@ -4,24 +4,32 @@ One TCP connection per (prefill rank, decode rank) pair, opened by decode, reuse
 the pair. Each connection starts with a ``Hello`` each way (protocol version, rank, NIXL agent
 metadata and layout, incarnation) and then carries typed frames (:mod:`kvfsm.bootstrap._frames`):
 
-    decode  -> prefill   RoomMetadata (where to write), RoomAbort
-    prefill -> decode    RoomOutcome (Success / Failed), RoomAbort, RoomSettled (abort ack)
+    decode  -> prefill   RoomClaim, RoomMetadata (where to write), RoomAbort, LeaseGrant,
+                         Reconcile
+    prefill -> decode    RoomOutcome (Success / Failed), RoomSettled (abort ack), LeaseRequest
     both ways            Heartbeat, Error
 
-Rules:
+This module is the IO around two sans-IO cores: every rule about which room a frame belongs to,
+what the peer must be told and when a lost link's pages settle lives in
+:mod:`kvfsm.bootstrap._routing` (``PrefillRouting``, ``DecodeRouting``); here are sockets, the
+handshake, heartbeats, the clock and the execution of the cores' actions.
 
-* Frames become room events; nothing here writes a room's state (law 2). A frame is routed by
-  (role, room id) to the current room, and a frame that names an older generation than the
-  room's peer knows is dropped (law 5).
+Rules kept here:
+
+* Frames become room events; nothing here writes a room's state (law 2).
 * Liveness: both sides send a heartbeat every ``heartbeat_s``; any frame counts as a sign of
   life. A peer silent for ``liveness_factor * heartbeat_s`` is lost: the connection is closed
-  and every live room bound to it gets ``PeerLost`` (law 3: detection within 2x the interval by
+  and every room bound to it gets ``PeerLost`` (law 3: detection within 2x the interval by
   default). A closed or reset socket is the same, only faster.
+* Fencing (law 4): prefill writes into a decode link's pages only under a lease that link
+  granted (``LeaseRequest`` / ``LeaseGrant``, see the cores); the transport checks it right
+  before each post. A lost link's lease is revoked at once.
 * Bad input fails at most the room it names (law 7): a frame that cannot be decoded but names a
   room fails that room; a fatal error (bad MAC, oversized frame, wrong version) drops the
-  connection, which is peer loss for its rooms. Nothing raises into the engine.
-* Decode may send a room's metadata before prefill has created that room (SGLang does). Such
-  metadata is held, bounded in count and time, and delivered when the sender room appears.
+  connection, which is peer loss for its rooms. A frame that cannot be *encoded* (a page list
+  over the frame limit) fails the room it is about. Nothing raises into the engine.
+* A handshake the local NIXL refuses (``add_remote_agent``) is answered with an ``Error`` frame
+  naming NIXL's error before the connection closes, so the peer's rooms fail with that reason.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import contextlib
 import itertools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,24 +57,34 @@ from kvfsm.bootstrap._frames import (
     FrameReader,
     Heartbeat,
     Hello,
+    LeaseGrant,
+    LeaseRequest,
+    Reconcile,
     RoomAbort,
+    RoomClaim,
     RoomMetadata,
     RoomOutcome,
     RoomSettled,
     check_hello,
+    clip_reason,
+)
+from kvfsm.bootstrap._routing import (
+    Action,
+    DecodeRouting,
+    Deliver,
+    GrantLease,
+    PrefillRouting,
+    RevokeLease,
+    RoutingConfig,
+    Send,
 )
 from kvfsm.rooms._actor import Inbox, RoomKey
 from kvfsm.rooms._registry import Registry
 from kvfsm.states import (
-    AbortRequested,
     Command,
-    DestinationReceived,
     EventRejected,
     KVPoll,
-    PeerFailed,
     PeerLost,
-    PeerResolved,
-    PeerSettled,
     PostChunk,
     ReleaseHandles,
     ReportOutcome,
@@ -73,7 +92,6 @@ from kvfsm.states import (
     ResolvePeer,
     Role,
     SendMetadata,
-    TransferConfirmed,
 )
 from kvfsm.transport._agent import Agent
 from kvfsm.transport._layout import LayoutSummary
@@ -104,35 +122,51 @@ class ChannelConfig:
     reconnect_max_s: float = 2.0
     #: Shared secret: every frame is HMAC-signed and checked. None: no authentication.
     secret: bytes | None = None
-    #: Metadata frames held for rooms that do not exist yet, at most this many, this long.
+    #: Claims and page lists held for rooms that do not exist yet: at most this many per link,
+    #: this long (tombstones and early-abort marks: as many, as long).
     pending_max: int = 4096
     pending_ttl_s: float = 60.0
     #: The decode side progresses its NIXL agent this often (the writer's flushes need it).
     progress_interval_s: float = 0.0005
-    #: Decode: after a link to a prefill rank is lost, how long its rooms' pages stay unsettled
-    #: (law 4). The lost prefill may still be alive (a partition): it notices within its
-    #: liveness window, fails those rooms and releases their transfers, and a transfer that
-    #: cannot be released ends at its chunk deadline and quarantine. Keep this above
-    #: prefill's ``silence_s + TransferConfig.deadline_s(largest chunk) + quarantine_s``.
-    peer_lost_grace_s: float = 20.0
+    #: Decode grants prefill write leases of this length; prefill renews every quarter of it.
+    #: A lost link's pages settle ``lease_s + fence_margin_s`` after the last lease decode
+    #: granted on it (law 4), however long the prefill process stays frozen.
+    lease_s: float = 2.0
+    #: What a write checked against its lease just before posting may still take (the rest of
+    #: one ``transfer()`` call; docs/reliability.md says what it covers and what it cannot).
+    fence_margin_s: float = 1.0
     #: How long shutdown waits for frames already queued (outcomes, settle acks) to go out.
     flush_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.heartbeat_s > 0 and self.liveness_factor >= 1.0):
             raise ValueError("heartbeat_s must be > 0 and liveness_factor >= 1")
-        if self.peer_lost_grace_s < 0 or self.flush_timeout_s < 0:
-            raise ValueError("peer_lost_grace_s and flush_timeout_s must be >= 0")
+        if not self.lease_s > 0 or self.fence_margin_s < 0 or self.flush_timeout_s < 0:
+            raise ValueError("lease_s must be > 0, fence_margin_s and flush_timeout_s >= 0")
 
     @property
     def silence_s(self) -> float:
         return self.heartbeat_s * self.liveness_factor
 
+    @property
+    def settle_after_loss_s(self) -> float:
+        """Longest a lost link's pages stay unsettled on decode: the fence's bound."""
+        return self.lease_s + self.fence_margin_s
+
+    def routing(self) -> RoutingConfig:
+        return RoutingConfig(
+            pending_max=self.pending_max,
+            pending_ttl_s=self.pending_ttl_s,
+            lease_s=self.lease_s,
+            fence_margin_s=self.fence_margin_s,
+        )
+
 
 class _Link:
-    """One live connection after the Hello exchange (loop side)."""
+    """One live connection after the Hello exchange (loop side). ``generation`` names it to the
+    routing core, and is the fence id of the writes made under its leases."""
 
-    __slots__ = ("closed", "generation", "hello", "key", "last_seen", "outbox", "peer_id", "rooms")
+    __slots__ = ("closed", "generation", "hello", "key", "last_seen", "outbox", "peer_id")
 
     def __init__(self, hello: Hello, generation: int, peer_id: str, now: float) -> None:
         self.key: int | str = peer_id
@@ -141,17 +175,18 @@ class _Link:
         self.peer_id = peer_id
         self.last_seen = now
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
-        self.rooms: set[RoomKey] = set()
         self.closed = False
 
 
 class ControlPlane:
     """The control channel for one engine of one role, plus the NIXL data path on prefill.
 
-    Prefill: ``ControlPlane("prefill", rank, agent, transport=NixlTransport(agent))``; it listens
-    on ``config.host:config.port`` (:attr:`port` once started). Decode:
-    ``ControlPlane("decode", rank, agent, resolver=...)``; a receiver room's ``init(peer_rank)``
-    resolves and connects that prefill rank (once per rank; the link is reused).
+    Prefill: ``ControlPlane("prefill", rank, agent, transport=NixlTransport(agent, ...))``; it
+    listens on ``config.host:config.port`` (:attr:`port` once started). Its transport's
+    ``leases`` (when it has them) fence every write by the lease of the decode link that sent the
+    pages. Decode: ``ControlPlane("decode", rank, agent, resolver=...)``; a receiver room's
+    ``init(peer_rank)`` resolves and connects that prefill rank (once per rank; the link is
+    reused) and claims the room there.
     """
 
     def __init__(
@@ -184,31 +219,27 @@ class ControlPlane:
         self._port = 0
         self._generations = itertools.count(1)
         # Decode keys its links by peer id as rooms name it, normally the prefill rank (one link
-        # per rank it reads from). Prefill keys
-        # them by peer id (role, rank, incarnation): several decode instances may each have a
-        # rank 0, and a restarted decode rank must not take over its predecessor's link.
+        # per rank it reads from). Prefill keys them by peer id (role, rank, incarnation):
+        # several decode instances may each have a rank 0, and a restarted decode rank must not
+        # take over its predecessor's link.
         self._links: dict[int | str, _Link] = {}
+        self._by_generation: dict[int, _Link] = {}
         self._connecting: dict[int, asyncio.Future[_Link]] = {}
         self._backoff: dict[int, float] = {}  # by peer rank: the last backoff step
         self._backoff_until: dict[int, float] = {}
-        self._room_link: dict[RoomKey, _Link] = {}
-        # A sender room knows only its own generation; decode's room generation, from its
-        # metadata, is echoed in every frame about that room.
-        self._decode_gen: dict[RoomKey, int] = {}
-        self._pending: dict[int, tuple[float, _Link, RoomMetadata]] = {}
-        # Sender rooms that failed before decode's page list arrived: (when, reason).
-        self._tombstones: dict[int, tuple[float, str]] = {}
-        # Rooms decode aborted before prefill created them: (when, reason).
-        self._aborted_early: dict[int, tuple[float, str]] = {}
         self.stats: dict[str, int] = {
             "frames_in": 0,
             "frames_out": 0,
             "frames_rejected": 0,
+            "frames_unencodable": 0,
             "links_opened": 0,
             "links_lost": 0,
-            "pending_dropped": 0,
-            "duplicates_refused": 0,
+            "handshakes_refused": 0,
         }
+        routing = self.config.routing()
+        self._prefill = PrefillRouting(routing, self.stats) if role == "prefill" else None
+        self._decode = DecodeRouting(routing, self.stats) if role == "decode" else None
+        self._leases = transport.leases if transport is not None else None
 
     # -- CommandSink ---------------------------------------------------------------------------
 
@@ -233,6 +264,12 @@ class ControlPlane:
     def port(self) -> int:
         return self._port
 
+    def entries(self) -> dict[str, int]:
+        """Per-room entries the routing core keeps (all 0 once every room is gone)."""
+        core = self._prefill if self._prefill is not None else self._decode
+        assert core is not None
+        return core.entries()
+
     def submit(self, key: RoomKey, command: Command) -> None:
         if isinstance(command, (PostChunk, ReleaseHandles)):
             assert self.transport is not None
@@ -240,88 +277,99 @@ class ControlPlane:
         elif isinstance(command, ResolvePeer):
             self._spawn(self._resolve(key, command.peer_rank))
         elif isinstance(command, SendMetadata):
-            self._send_for(
-                key,
-                RoomMetadata(
-                    key.room, key.generation, command.pages, command.aux_index, command.state
-                ),
+            assert self._decode is not None
+            frame = RoomMetadata(
+                key.room, key.generation, command.pages, command.aux_index, command.state
             )
+            self._do(self._decode.metadata(key, frame))
         elif isinstance(command, ReportOutcome):
-            self._report(key, command)
+            if self._prefill is not None:
+                now = self._now()
+                self._do(self._prefill.sender_outcome(key, command.status, command.reason, now))
+            elif command.status is KVPoll.Failed:
+                assert self._decode is not None
+                self._do(self._decode.receiver_failed(key, command.reason))
         elif isinstance(command, ReportSettled):
-            link = self._room_link.get(key)
-            if link is not None:
-                self._send(link, RoomSettled(key.room, self._peer_generation(key)))
-            self._unbind(key)
+            assert self._prefill is not None
+            self._do(self._prefill.sender_settled(key, self._now()))
         else:  # pragma: no cover - a new command type must be wired here
             raise TypeError(f"unknown command {command!r}")
 
     def room_spawned(self, key: RoomKey, role: Role) -> None:
-        """Registry hook: deliver metadata that arrived before this sender room existed."""
-        if role is Role.SENDER:
-            self._tombstones.pop(key.room, None)  # a new room reuses the id
-            aborted = self._aborted_early.pop(key.room, None)
-            if aborted is not None:
-                self._deliver(key, AbortRequested(aborted[1], origin="peer"))
-                return
-        held = self._pending.pop(key.room, None)
-        if held is None or role is not Role.SENDER:
-            return
-        _, link, frame = held
-        if not link.closed:
-            self._bind_sender(key, link, frame)
+        """Registry hook: a claim or page list may be waiting for this sender room."""
+        if self._prefill is not None and role is Role.SENDER:
+            self._do(self._prefill.sender_spawned(key, self._now()))
 
-    # -- outgoing ------------------------------------------------------------------------------
+    def room_reaped(self, key: RoomKey, role: Role) -> None:
+        """Registry hook: forget everything kept for this room."""
+        if self._prefill is not None and role is Role.SENDER:
+            self._do(self._prefill.sender_reaped(key))
+        elif self._decode is not None and role is Role.RECEIVER:
+            self._do(self._decode.receiver_reaped(key))
 
-    def _report(self, key: RoomKey, command: ReportOutcome) -> None:
-        link = self._room_link.get(key)
-        if link is None:
-            if self.role == "prefill" and command.status is KVPoll.Failed:
-                # Failed before decode's page list came: answer that list when it comes.
-                if len(self._tombstones) >= self.config.pending_max:
-                    del self._tombstones[next(iter(self._tombstones))]  # the oldest
-                self._tombstones[key.room] = (self._running_loop().time(), command.reason)
-                self._pending.pop(key.room, None)
-            return
-        if self.role == "prefill":
-            frame: Frame = RoomOutcome(
-                key.room, self._peer_generation(key), int(command.status), command.reason
-            )
-            if command.status is KVPoll.Success:
-                self._unbind(key)
-        else:
-            frame = RoomAbort(key.room, key.generation, command.reason or "aborted")
-        self._send(link, frame)
+    # -- executing the cores' actions ------------------------------------------------------------
 
-    def _send_for(self, key: RoomKey, frame: Frame) -> None:
-        link = self._room_link.get(key)
-        if link is not None:
-            self._send(link, frame)
+    def _do(self, actions: Iterable[Action]) -> None:
+        registry = self._registry
+        assert registry is not None
+        for action in actions:
+            if isinstance(action, Send):
+                link = self._by_generation.get(action.link)
+                if link is not None:
+                    self._send(link, action.frame)
+            elif isinstance(action, Deliver):
+                registry.deliver(action.key, action.event)
+            elif isinstance(action, GrantLease):
+                if self._leases is not None:
+                    self._leases.grant(action.fence, action.until)
+            elif isinstance(action, RevokeLease) and self._leases is not None:
+                self._leases.revoke(action.fence)
 
     def _send(self, link: _Link, frame: Frame) -> None:
         if link.closed:
             return
-        link.outbox.put_nowait(self._codec.encode(frame))
+        try:
+            data = self._codec.encode(frame)
+        except FrameError as exc:
+            # A frame this side cannot send (a page list over the frame limit): fail the room
+            # it is about (law 3), never the link or the engine.
+            self.stats["frames_unencodable"] += 1
+            _log.warning("cannot send %s to %s: %s", type(frame).__name__, link.peer_id, exc)
+            if exc.room is not None:
+                self._fail_named(link, exc.room, exc.generation, f"cannot send: {exc.reason}")
+            return
+        link.outbox.put_nowait(data)
         self.stats["frames_out"] += 1
 
-    def _peer_generation(self, key: RoomKey) -> int:
-        return self._decode_gen.get(key, 0)
+    def _fail_named(self, link: _Link, room: int, gen: int | None, reason: str) -> None:
+        """Fail the local rooms that a frame on ``link`` about ``(room, gen)`` concerns."""
+        registry = self._registry
+        assert registry is not None
+        core = self._prefill if self._prefill is not None else self._decode
+        assert core is not None
+        for key in core.rooms_named(link.generation, room, gen):
+            registry.deliver(key, EventRejected(reason))
+
+    def _now(self) -> float:
+        # One clock for everything the cores compare: leases are checked on the poster thread
+        # with time.monotonic(), which the loop's own clock need not be (uvloop caches its own).
+        return time.monotonic()
 
     # -- decode: resolving and connecting a prefill rank ------------------------------------
 
     async def _resolve(self, key: RoomKey, peer_rank: int) -> None:
+        registry = self._registry
+        assert registry is not None
+        assert self._decode is not None
         try:
             link = await self._link_to(peer_rank)
         except Exception as exc:
-            self._deliver(key, PeerLost(f"cannot reach prefill rank {peer_rank}: {exc}"))
+            registry.deliver(key, PeerLost(f"cannot reach prefill rank {peer_rank}: {exc}"))
             return
-        registry = self._registry
-        assert registry is not None
-        if registry.get(key) is None:
-            return  # the room ended while its peer was being resolved: nothing to bind
-        self._room_link[key] = link
-        link.rooms.add(key)
-        self._deliver(key, PeerResolved(peer_rank))
+        room = registry.get(key)
+        if room is None or room.core.terminal:
+            return  # the room ended while its peer was being resolved: nothing to claim
+        self._do(self._decode.bind(key, link.generation, peer_rank))
 
     async def _link_to(self, peer_rank: int) -> _Link:
         link = self._links.get(peer_rank)
@@ -418,6 +466,9 @@ class ControlPlane:
             msgspec.msgpack.encode(self.agent.layout.summary()) if self.role == "decode" else b"",
             self.incarnation,
         )
+        # Prefill: decode's Hello answers ours, so it is the link's first lease, counted from
+        # before ours went out.
+        hello_sent = self._now()
         try:
             await stream.send(self._codec.encode(hello))
             with anyio.fail_after(self.config.connect_timeout_s):
@@ -429,9 +480,7 @@ class ControlPlane:
                 )
             peer_id = f"{theirs.role}-{theirs.rank}-{theirs.incarnation}"
             if self.role == "prefill":
-                summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
-                assert self.transport is not None
-                await self.transport.connect_peer(peer_id, theirs.agent_metadata, summary)
+                await self._connect_data_path(stream, peer_id, theirs)
         except BaseException:
             await stream.aclose()
             raise
@@ -444,7 +493,14 @@ class ControlPlane:
         if old is not None:
             self._lose(old, "replaced by a new connection")
         self._links[link_key] = link
+        self._by_generation[link.generation] = link
         self.stats["links_opened"] += 1
+        now = self._now()
+        if self._prefill is not None:
+            self._do(self._prefill.link_opened(link.generation, peer_id, now, hello_sent))
+        else:
+            assert self._decode is not None
+            self._do(self._decode.link_opened(link.generation, peer_id, theirs.rank, now))
         assert self._tg is not None
         if early and not self._take(link, early):
             self._lose(link, f"connection to {link.peer_id} closed: fatal frame after Hello")
@@ -453,6 +509,26 @@ class ControlPlane:
         self._tg.start_soon(self._read, link, stream, reader)
         self._tg.start_soon(self._write, link, stream)
         return link
+
+    async def _connect_data_path(self, stream: SocketStream, peer_id: str, theirs: Hello) -> None:
+        """Prefill: load decode's NIXL metadata. A refusal is told to decode in an ``Error``
+        frame naming NIXL's error (two decode processes with one agent name get
+        ``NIXL_ERR_NOT_ALLOWED``): otherwise it would see only a closed connection."""
+        assert self.transport is not None
+        try:
+            summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
+            await self.transport.connect_peer(peer_id, theirs.agent_metadata, summary)
+        except Exception as exc:
+            self.stats["handshakes_refused"] += 1
+            reason = clip_reason(
+                f"prefill rank {self.rank} refused decode agent {theirs.agent!r}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            _log.warning("handshake refused: %s", reason)
+            with contextlib.suppress(Exception):
+                with anyio.fail_after(1.0):
+                    await stream.send(self._codec.encode(Error(None, reason)))
+            raise FrameError(reason, None, True) from exc
 
     async def _first_frame(
         self, stream: SocketStream, reader: FrameReader
@@ -468,6 +544,8 @@ class ControlPlane:
             first = items[0]
             if isinstance(first, FrameError):
                 raise first
+            if isinstance(first, Error):  # the peer refused this handshake and says why
+                raise FrameError(f"handshake refused: {first.reason}", None, True, tag="Error")
             if not isinstance(first, Hello):
                 raise FrameError(f"expected Hello, got {type(first).__name__}", None, True)
             return first, items[1:]
@@ -525,28 +603,36 @@ class ControlPlane:
 
     async def _watchdog(self) -> None:
         loop = self._running_loop()
-        tick = self.config.heartbeat_s / 10
+        tick = min(self.config.heartbeat_s, self.config.lease_s) / 10
         # Declared lost one tick early, so detection never takes longer than silence_s.
         limit = self.config.silence_s - tick
         while True:
             await anyio.sleep(tick)
-            now = loop.time()
+            now, mono = loop.time(), self._now()
             for link in list(self._links.values()):
                 if now - link.last_seen > limit:
                     self._lose(
                         link, f"{link.peer_id} silent for more than {self.config.silence_s:g}s"
                     )
-            self._expire_pending(now)
+                elif self._prefill is not None:
+                    # Leases are asked for on a timer, not when idle: a busy link must renew.
+                    self._do(self._prefill.lease_due(link.generation, mono))
+            core = self._prefill if self._prefill is not None else self._decode
+            assert core is not None
+            self._do(core.tick(mono))
 
     async def _progress(self) -> None:
         # Decode is a WRITE target; with progress threads off its UCX worker only advances when
         # polled, and the writer's completion flushes wait for it.
         progress = self.agent.nixl.get_new_notifs
         busy, idle = self.config.progress_interval_s, max(self.config.progress_interval_s, 0.05)
+        decode = self._decode
+        assert decode is not None
         while True:
             progress()
-            # Fast only while some room expects writes; an idle decode rank costs ~nothing.
-            await anyio.sleep(busy if self._room_link else idle)
+            # Fast only while some room's pages are exposed to a live link: an idle decode rank
+            # (or one whose rooms all ended) costs ~nothing.
+            await anyio.sleep(busy if decode.expecting_writes else idle)
 
     def _lose(self, link: _Link, reason: str) -> None:
         if link.closed:
@@ -555,171 +641,65 @@ class ControlPlane:
         self.stats["links_lost"] += 1
         if self._links.get(link.key) is link:
             del self._links[link.key]
+        self._by_generation.pop(link.generation, None)
         _log.warning("control link lost: %s", reason)
-        lost = list(link.rooms)
-        for key in lost:
-            self._room_link.pop(key, None)
-            self._decode_gen.pop(key, None)
-            self._deliver(key, PeerLost(reason))
-        link.rooms.clear()
+        core = self._prefill if self._prefill is not None else self._decode
+        assert core is not None
+        self._do(core.link_lost(link.generation, reason, self._now()))
         link.outbox.put_nowait(b"")  # wake the writer so it notices
-        if self.role == "decode" and lost:
-            # No acknowledgement can come over a lost link. Once the lost rank can no longer
-            # be writing (peer_lost_grace_s), the rooms' pages are settled; a room that heard
-            # the real acknowledgement first, or is gone, drops this as a late event.
-            self._running_loop().call_later(
-                self.config.peer_lost_grace_s, self._settle_lost, lost, link.hello.rank
-            )
-
-    def _settle_lost(self, keys: list[RoomKey], rank: int) -> None:
-        registry = self._registry
-        if registry is None:
-            return
-        for key in keys:
-            registry.deliver(key, PeerSettled(rank))
 
     # -- incoming frames -----------------------------------------------------------------------
 
     def _on_frame(self, link: _Link, frame: Frame) -> None:
         if isinstance(frame, Heartbeat):
             return
-        registry = self._registry
-        assert registry is not None
-        if isinstance(frame, RoomMetadata):
-            key = registry.current(Role.SENDER, frame.room)
-            tombstone = self._tombstones.pop(frame.room, None)
-            if key is not None and key in self._room_link:
-                if self._room_link[key] is link and self._decode_gen.get(key) == frame.generation:
-                    # The same page list again (a retransmission): the room is bound already.
-                    # Refusing it as a duplicate would tell decode its pages are settled while
-                    # this room still writes into them.
-                    registry.stats.stale_events += 1
-                    return
-                # The room already has a receiver: a second decode room with the same id (ids
-                # come from clients and can collide). Refuse the newcomer, keep the bound one.
-                self._refuse_duplicate(link, frame)
-            elif key is not None:
-                self._bind_sender(key, link, frame)
-            elif tombstone is not None:
-                # The sender already failed; nothing was ever posted to these pages.
-                self._send(
-                    link,
-                    RoomOutcome(frame.room, frame.generation, int(KVPoll.Failed), tombstone[1]),
-                )
-                self._send(link, RoomSettled(frame.room, frame.generation))
-            else:
-                self._hold(link, frame)
-        elif isinstance(frame, RoomAbort):
-            role = Role.SENDER if self.role == "prefill" else Role.RECEIVER
-            key = registry.current(role, frame.room)
-            if key is not None:
-                self._deliver(key, AbortRequested(frame.reason, origin="peer"))
-            elif self.role == "prefill":
-                # Decode gave up on a room prefill has not created yet: nothing was written
-                # to its pages (acknowledge now), and the room, if it comes, fails at once.
-                self._pending.pop(frame.room, None)
-                self._aborted_early[frame.room] = (self._running_loop().time(), frame.reason)
-                self._send(link, RoomSettled(frame.room, frame.generation))
-        elif isinstance(frame, (RoomOutcome, RoomSettled)):
-            key = registry.current(Role.RECEIVER, frame.room)
-            if key is None or key.generation != frame.generation:
-                registry.stats.stale_events += 1
-                return
-            if isinstance(frame, RoomSettled):
-                self._deliver(key, PeerSettled(link.hello.rank))
-                self._unbind(key)
-            elif frame.status == KVPoll.Success:
-                self._deliver(key, TransferConfirmed(link.hello.rank))
-                self._unbind(key)
-            else:
-                self._deliver(key, PeerFailed(frame.reason))
-        elif isinstance(frame, Error):
-            _log.warning("peer %s reported: %s", link.peer_id, frame.reason)
-
-    def _bind_sender(self, key: RoomKey, link: _Link, frame: RoomMetadata) -> None:
-        self._room_link[key] = link
-        self._decode_gen[key] = frame.generation
-        link.rooms.add(key)
-        self._deliver(
-            key, DestinationReceived(frame.pages, frame.aux_index, link.peer_id, frame.state)
-        )
-
-    def _unbind(self, key: RoomKey) -> None:
-        self._decode_gen.pop(key, None)
-        link = self._room_link.pop(key, None)
-        if link is not None:
-            link.rooms.discard(key)
-
-    def _refuse_duplicate(self, link: _Link, frame: RoomMetadata) -> None:
-        self.stats["duplicates_refused"] += 1
-        reason = f"duplicate room id {frame.room}: prefill already serves another receiver"
-        self._send(link, RoomOutcome(frame.room, frame.generation, int(KVPoll.Failed), reason))
-        self._send(link, RoomSettled(frame.room, frame.generation))  # nothing was written
-
-    def _hold(self, link: _Link, frame: RoomMetadata) -> None:
-        held = self._pending.get(frame.room)
-        if held is not None and (held[1] is not link or held[2].generation != frame.generation):
-            self._refuse_duplicate(link, frame)
+        gen, now = link.generation, self._now()
+        prefill, decode = self._prefill, self._decode
+        actions: list[Action] | None = None
+        if prefill is not None:
+            if isinstance(frame, LeaseGrant):
+                actions = prefill.lease_granted(gen, frame.seq, frame.lease_ms, now)
+            elif isinstance(frame, RoomClaim):
+                actions = prefill.on_claim(gen, frame, now)
+            elif isinstance(frame, RoomMetadata):
+                actions = prefill.on_metadata(gen, frame, now)
+            elif isinstance(frame, RoomAbort):
+                actions = prefill.on_abort(gen, frame, now)
+            elif isinstance(frame, Reconcile):
+                actions = prefill.on_reconcile(gen, frame)
+            elif isinstance(frame, Error):
+                _log.warning("peer %s reported: %s", link.peer_id, frame.reason)
+                actions = prefill.on_error(gen, frame)
+        else:
+            assert decode is not None
+            if isinstance(frame, LeaseRequest):
+                actions = decode.lease_requested(gen, frame, now)
+            elif isinstance(frame, RoomOutcome):
+                actions = decode.on_outcome(gen, frame)
+            elif isinstance(frame, RoomSettled):
+                actions = decode.on_settled(gen, frame)
+            elif isinstance(frame, RoomAbort):
+                actions = decode.on_abort(gen, frame)
+            elif isinstance(frame, Error):
+                _log.warning("peer %s reported: %s", link.peer_id, frame.reason)
+                actions = decode.on_error(gen, frame)
+        if actions is None:
+            # A valid frame that this role never receives: the peer is confused, not hostile.
+            self.stats["frames_rejected"] += 1
+            room = getattr(frame, "room", None)
+            reason = f"{type(frame).__name__} is not sent to a {self.role} rank"
+            self._send(link, Error(room, reason, getattr(frame, "generation", None)))
             return
-        if len(self._pending) >= self.config.pending_max:
-            self.stats["pending_dropped"] += 1
-            self._send(
-                link,
-                RoomOutcome(
-                    frame.room,
-                    frame.generation,
-                    int(KVPoll.Failed),
-                    "prefill holds too many rooms' metadata",
-                ),
-            )
-            self._send(link, RoomSettled(frame.room, frame.generation))  # nothing was written
-            return
-        self._pending[frame.room] = (self._running_loop().time(), link, frame)
-
-    def _expire_pending(self, now: float) -> None:
-        ttl = self.config.pending_ttl_s
-        for marks in (self._tombstones, self._aborted_early):
-            for room, (since, _) in list(marks.items()):
-                if now - since > ttl:
-                    del marks[room]
-        for room, (since, link, frame) in list(self._pending.items()):
-            if now - since > ttl:
-                del self._pending[room]
-                self.stats["pending_dropped"] += 1
-                self._send(
-                    link,
-                    RoomOutcome(
-                        room,
-                        frame.generation,
-                        int(KVPoll.Failed),
-                        f"no prefill room {room} within {ttl:g}s",
-                    ),
-                )
-                # Nothing was written into its pages: without this the receiver, failed by its
-                # peer, would wait for an acknowledgement that never comes.
-                self._send(link, RoomSettled(room, frame.generation))
+        self._do(actions)
 
     def _rejected(self, link: _Link, error: FrameError) -> None:
         self.stats["frames_rejected"] += 1
         _log.warning("frame from %s rejected: %s", link.peer_id, error.reason)
         if error.room is not None:
-            registry = self._registry
-            assert registry is not None
-            for role in (Role.SENDER, Role.RECEIVER):
-                key = registry.current(role, error.room)
-                if key is None or self._room_link.get(key) is not link:
-                    continue
-                # Only the room the frame was about: not a newer room that reuses the id.
-                ours = key.generation if role is Role.RECEIVER else self._peer_generation(key)
-                if error.generation is None or error.generation == ours:
-                    self._deliver(key, EventRejected(f"bad frame: {error.reason}"))
+            # Only the room the frame was about: not a newer room that reuses the id.
+            self._fail_named(link, error.room, error.generation, f"bad frame: {error.reason}")
         if not error.fatal and error.tag != "Error":  # never answer an Error with an Error
-            self._send(link, Error(error.room, error.reason[:1024]))
-
-    def _deliver(self, key: RoomKey, event: Any) -> None:
-        registry = self._registry
-        assert registry is not None
-        registry.deliver(key, event)
+            self._send(link, Error(error.room, clip_reason(error.reason), error.generation))
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

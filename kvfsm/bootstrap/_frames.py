@@ -21,15 +21,24 @@ Frames
     Hello          both, first       version, role, rank, NIXL agent name and metadata, layout,
                                      incarnation
     Heartbeat      both              a sign of life on an idle connection (any frame is one)
+    LeaseRequest   prefill -> decode asks for a write lease (sequence number)
+    LeaseGrant     decode -> prefill grants it: prefill may write into this decode's pages until
+                                     its own send time of that request plus ``lease_ms``
+    RoomClaim      decode -> prefill this decode room waits for that prefill room (sent as soon as
+                                     decode knows its prefill rank, before pages are reserved)
+    Reconcile      decode -> prefill after a reconnect: the rooms of the lost link whose pages
+                                     still wait for an acknowledgement (packed room, generation)
     RoomMetadata   decode -> prefill where to write: destination pages, aux row, state rows
     RoomOutcome    prefill -> decode the sender room's end: 4 (Success) or 0 (Failed) + reason
     RoomAbort      both              this side failed or aborted the room
     RoomSettled    prefill -> decode every transfer handle touching the room settled (abort ack)
     Error          both              the frame you sent was rejected; names its room if it had one
 
-Every room frame carries ``(room, generation)``, the room's identity (law 5). Page lists and state
-rows are packed little-endian int32 (``np.asarray(ids, "<i4").tobytes()``): one million pages are
-4 MiB and cost one copy to decode, where a msgpack list of ints costs one Python int per page. The
+Every room frame carries ``(room, generation)``, the room's identity (law 5): the generation is the
+decode room's (``RoomKey.generation`` of the receiver), and both sides route by the pair. Page
+lists and state rows are packed little-endian int32 (``np.asarray(ids, "<i4").tobytes()``): one
+million pages are 4 MiB and cost one copy to decode, where a msgpack list of ints costs one Python
+int per page. The
 codec checks that their length is a multiple of 4; whether each index is inside the peer's pool is
 for the transport, which knows the pool.
 
@@ -98,6 +107,7 @@ __all__ = [
     "FRAME_TYPES",
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
+    "REASON_MAX",
     "AnyFrame",
     "Error",
     "Frame",
@@ -106,15 +116,22 @@ __all__ = [
     "FrameReader",
     "Heartbeat",
     "Hello",
+    "LeaseGrant",
+    "LeaseRequest",
+    "Reconcile",
     "RoomAbort",
+    "RoomClaim",
     "RoomMetadata",
     "RoomOutcome",
     "RoomSettled",
     "check_hello",
+    "clip_reason",
+    "pack_refs",
+    "unpack_refs",
 ]
 
 #: The version this module speaks. Peers with another version are refused at ``Hello``.
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: write leases, room claims, reconciliation
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
@@ -130,6 +147,8 @@ _SIGNED: Final = bytes([_AUTH_HMAC_SHA256])
 _COPY_MAX: Final = 4096  # below this, slicing a payload out of its body copies it
 _INT63_MAX: Final = 2**63 - 1
 _REASON_MAX: Final = 1024
+#: A reason longer than this is clipped by the sender (``clip_reason``), never refused.
+REASON_MAX: Final = _REASON_MAX
 
 # Field types. The constraints are checked by the decoder, and its messages name the field.
 Room: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_INT63_MAX)]
@@ -175,6 +194,44 @@ class Heartbeat(Frame, frozen=True):
     """A sign of life on an otherwise idle connection."""
 
     seq: Count
+
+
+class LeaseRequest(Frame, frozen=True):
+    """Prefill → decode: please grant a write lease. ``seq`` grows by one per request."""
+
+    seq: Count
+
+
+class LeaseGrant(Frame, frozen=True):
+    """Decode → prefill: request ``seq`` is granted for ``lease_ms``. Prefill's lease ends at the
+    time *it sent* that request plus ``lease_ms`` (its own clock), so a grant that sat in a
+    buffer while prefill was frozen grants nothing; decode knows that no write it granted can
+    start later than its own grant time plus ``lease_ms``."""
+
+    seq: Count
+    lease_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)]
+
+
+class RoomClaim(Frame, frozen=True):
+    """Decode → prefill: the decode room ``(room, generation)`` waits for prefill's room
+    ``room``. Prefill binds the room to this link at once, so a lost decode fails it within
+    the liveness bound instead of its Bootstrapping deadline."""
+
+    room: Room
+    generation: Generation
+
+
+class Reconcile(Frame, frozen=True):
+    """Decode → prefill, first frame after a reconnect: rooms of the lost link whose pages still
+    wait for ``RoomSettled``, packed little-endian ``(room: u64, generation: u64)`` pairs.
+    Prefill answers ``RoomSettled`` for each once nothing of it can still write (at once if it
+    knows none)."""
+
+    rooms: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.rooms) % 16:
+            raise ValueError(f"`rooms` is {len(self.rooms)} bytes, not a multiple of 16")
 
 
 class RoomMetadata(Frame, frozen=True):
@@ -233,12 +290,26 @@ class Error(Frame, frozen=True):
 
 
 AnyFrame: TypeAlias = (
-    Hello | Heartbeat | RoomMetadata | RoomOutcome | RoomAbort | RoomSettled | Error
+    Hello
+    | Heartbeat
+    | LeaseRequest
+    | LeaseGrant
+    | RoomClaim
+    | Reconcile
+    | RoomMetadata
+    | RoomOutcome
+    | RoomAbort
+    | RoomSettled
+    | Error
 )
 #: Every frame class, in the order of the table in the module docstring.
 FRAME_TYPES: Final[tuple[type[Frame], ...]] = (
     Hello,
     Heartbeat,
+    LeaseRequest,
+    LeaseGrant,
+    RoomClaim,
+    Reconcile,
     RoomMetadata,
     RoomOutcome,
     RoomAbort,
@@ -297,6 +368,24 @@ class _Probe(msgspec.Struct):
 
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clip_reason(text: str) -> str:
+    """``text`` cut to fit a frame's reason field: a long reason is shortened, never refused."""
+    return _clip(text, _REASON_MAX)
+
+
+def pack_refs(refs: list[tuple[int, int]]) -> bytes:
+    """``(room, generation)`` pairs as ``Reconcile.rooms``."""
+    return b"".join(struct.pack("<QQ", room, gen) for room, gen in refs)
+
+
+def unpack_refs(packed: bytes) -> list[tuple[int, int]]:
+    return [
+        (room, gen)
+        for room, gen in struct.iter_unpack("<QQ", packed)
+        if room <= _INT63_MAX and gen <= _INT63_MAX
+    ]
 
 
 def _int63(value: Any) -> int | None:

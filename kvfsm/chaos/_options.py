@@ -148,7 +148,9 @@ class CampaignOptions:
             liveness_factor=_LIVENESS,
             connect_timeout_s=2.0,
             pending_ttl_s=10.0,
-            peer_lost_grace_s=self.grace_s(),
+            # The campaign's settle bound after a lost link is grace_s(): the lease plus the
+            # margin (ChannelConfig.settle_after_loss_s).
+            fence_margin_s=max(0.0, self.grace_s() - ChannelConfig().lease_s),
         )
 
     def channel_silence_s(self) -> float:

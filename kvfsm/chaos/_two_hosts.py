@@ -77,14 +77,13 @@ class Tuning:
 
     def channel(self, host: str) -> ChannelConfig:
         base = ChannelConfig(host=host)
+        margin = base.fence_margin_s
+        if self.peer_lost_grace_s is not None:  # the whole settle bound after a lost link
+            margin = max(0.0, self.peer_lost_grace_s - base.lease_s)
         return dataclasses.replace(
             base,
             heartbeat_s=self.heartbeat_s if self.heartbeat_s is not None else base.heartbeat_s,
-            peer_lost_grace_s=(
-                self.peer_lost_grace_s
-                if self.peer_lost_grace_s is not None
-                else base.peer_lost_grace_s
-            ),
+            fence_margin_s=margin,
         )
 
     def transfer(self) -> TransferConfig:
@@ -276,7 +275,7 @@ def cut_options(tuning: Tuning = CUT_TUNING, **overrides: Any) -> DemoOptions:
         "layers": 8,
         "max_room_pages": 16,
         "room_timeout_s": bound + 2.0,  # past the bound, a room counts as wedged
-        "settle_grace_s": channel.silence_s + channel.peer_lost_grace_s + 3.0,
+        "settle_grace_s": channel.silence_s + channel.settle_after_loss_s + 3.0,
         "idle_sleep_s": 0.0005,
         "progress": False,
         "seed": 7,
@@ -368,7 +367,7 @@ def run_link_cut(
     opts = opts if opts is not None else cut_options(tuning)
     opts.validate()
     writes_end = tuning.writes_end_s(largest_chunk_bytes(opts), cut_s)
-    grace = tuning.channel("127.0.0.1").peer_lost_grace_s
+    grace = tuning.channel("127.0.0.1").settle_after_loss_s
     if not grace > writes_end:
         raise ValueError(
             f"peer_lost_grace_s {grace:g} s must exceed the {writes_end:.1f} s a cut-off "
@@ -518,7 +517,7 @@ def _check_cut_batch(
         }
         for side, outcomes in (("prefill", pre), ("decode", dec))
     }
-    figures["peer_lost_grace_s"] = tuning.channel("127.0.0.1").peer_lost_grace_s
+    figures["settle_after_loss_s"] = tuning.channel("127.0.0.1").settle_after_loss_s
     figures["deadline_bound_s"] = {
         "prefill": tuning.bound_s(Role.SENDER),
         "decode": tuning.bound_s(Role.RECEIVER),

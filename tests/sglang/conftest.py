@@ -25,7 +25,7 @@ CONFIG = ManagerConfig(
     transfer=TransferConfig(deadline_base_s=3.0, quarantine_s=0.5, reconnect_interval_s=0.2),
     # A lost prefill can write for at most silence (0.5 s) + chunk deadline (3 s + bytes) +
     # quarantine (0.5 s): decode keeps the pages of its rooms that long.
-    channel=ChannelConfig(heartbeat_s=0.25, peer_lost_grace_s=5.0),
+    channel=ChannelConfig(heartbeat_s=0.25),
     register_interval_s=0.5,
     register_wait_s=10.0,
 )

@@ -1,0 +1,377 @@
+"""The control plane's routing cores, driven directly: every rule of kvfsm.bootstrap._routing,
+with ``now`` passed in and the actions checked as values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvfsm.bootstrap._frames import (
+    Error,
+    LeaseGrant,
+    LeaseRequest,
+    Reconcile,
+    RoomAbort,
+    RoomClaim,
+    RoomMetadata,
+    RoomOutcome,
+    RoomSettled,
+    pack_refs,
+    unpack_refs,
+)
+from kvfsm.bootstrap._routing import (
+    Action,
+    DecodeRouting,
+    Deliver,
+    GrantLease,
+    PrefillRouting,
+    RevokeLease,
+    RoutingConfig,
+    Send,
+)
+from kvfsm.rooms._actor import RoomKey
+from kvfsm.states import (
+    AbortRequested,
+    DestinationReceived,
+    EventRejected,
+    KVPoll,
+    PeerFailed,
+    PeerLost,
+    PeerResolved,
+    PeerSettled,
+    TransferConfirmed,
+)
+
+CONFIG = RoutingConfig(pending_max=8, pending_ttl_s=10.0, lease_s=2.0, fence_margin_s=1.0)
+PAGES = np.arange(4, dtype="<i4").tobytes()
+A, B = 1, 2  # link ids (the control plane's link generations; also the fence ids)
+S1, S2 = RoomKey(7, 101), RoomKey(7, 102)  # prefill sender keys (prefill's own generations)
+
+
+def sends(actions: list[Action], link: int | None = None) -> list[object]:
+    return [a.frame for a in actions if isinstance(a, Send) and (link is None or a.link == link)]
+
+
+def delivered(actions: list[Action]) -> list[tuple[RoomKey, object]]:
+    return [(a.key, a.event) for a in actions if isinstance(a, Deliver)]
+
+
+def metadata(room: int = 7, gen: int = 1) -> RoomMetadata:
+    return RoomMetadata(room, gen, PAGES, 3)
+
+
+@pytest.fixture
+def prefill() -> PrefillRouting:
+    core = PrefillRouting(CONFIG)
+    core.link_opened(A, "decode-0-1", now=0.0, hello_sent=0.0)
+    core.link_opened(B, "decode-0-2", now=0.0, hello_sent=0.0)
+    return core
+
+
+def idle(core: PrefillRouting | DecodeRouting, now: float = 1e6) -> dict[str, int]:
+    core.tick(now)
+    return {k: v for k, v in core.entries().items() if v}
+
+
+# -- prefill: claims and binding ---------------------------------------------------------------
+
+
+def test_a_claim_before_the_sender_binds_it_when_it_spawns(prefill: PrefillRouting) -> None:
+    assert prefill.on_claim(A, RoomClaim(7, 1), 0.0) == []
+    assert prefill.sender_spawned(S1, 0.1) == []
+    assert prefill.bound_to(A) == [S1]
+    (key, event), = delivered(prefill.on_metadata(A, metadata(), 0.2))
+    assert key == S1
+    assert event == DestinationReceived(PAGES, 3, "decode-0-1", b"", A)  # fenced by link A
+
+
+def test_a_page_list_without_a_claim_is_a_claim_too(prefill: PrefillRouting) -> None:
+    assert prefill.on_metadata(A, metadata(), 0.0) == []
+    (key, event), = delivered(prefill.sender_spawned(S1, 0.1))
+    assert key == S1
+    assert isinstance(event, DestinationReceived)
+    assert event.fence == A
+
+
+def test_a_lost_decode_fails_its_claimed_rooms_at_once_whatever_their_state(
+    prefill: PrefillRouting,
+) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_claim(A, RoomClaim(7, 1), 0.0)  # no page list yet: Bootstrapping
+    actions = prefill.link_lost(A, "decode gone", 1.0)
+    assert RevokeLease(A) in actions
+    assert delivered(actions) == [(S1, PeerLost("decode gone"))]
+    # It never had the pages: its failure needs no settle and leaves nothing behind.
+    assert prefill.sender_outcome(S1, KVPoll.Failed, "peer lost", 1.1) == []
+    prefill.sender_reaped(S1)
+    assert idle(prefill) == {}
+
+
+def test_a_retransmitted_page_list_changes_nothing(prefill: PrefillRouting) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    assert len(delivered(prefill.on_metadata(A, metadata(), 0.0))) == 1
+    assert prefill.on_metadata(A, metadata(), 0.1) == []
+    assert prefill.on_claim(A, RoomClaim(7, 1), 0.2) == []
+    assert prefill.stats["stale_frames"] == 2
+
+
+def test_a_second_receiver_from_another_decode_is_refused_and_the_first_untouched(
+    prefill: PrefillRouting,
+) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_metadata(A, metadata(), 0.0)
+    actions = prefill.on_metadata(B, metadata(gen=5), 0.1)
+    outcome, settled = sends(actions, B)
+    assert isinstance(outcome, RoomOutcome)
+    assert outcome.status == int(KVPoll.Failed)
+    assert "duplicate room id 7" in outcome.reason
+    assert settled == RoomSettled(7, 5)  # nothing was written to the newcomer's pages
+    assert delivered(actions) == []
+    assert prefill.bound_to(A) == [S1]
+
+
+def test_held_claims_are_capped_per_link_not_shared(prefill: PrefillRouting) -> None:
+    for room in range(CONFIG.pending_max):
+        assert prefill.on_claim(A, RoomClaim(room + 100, 1), 0.0) == []
+    refused = sends(prefill.on_claim(A, RoomClaim(999, 1), 0.0))
+    assert isinstance(refused[0], RoomOutcome)
+    assert "too many" in refused[0].reason
+    # Another decode link still has its own room.
+    assert prefill.on_claim(B, RoomClaim(999, 1), 0.0) == []
+
+
+def test_held_claims_expire_with_an_answer(prefill: PrefillRouting) -> None:
+    prefill.on_metadata(A, metadata(), 0.0)
+    assert prefill.tick(5.0) == []
+    outcome, settled = sends(prefill.tick(10.5), A)
+    assert isinstance(outcome, RoomOutcome)
+    assert outcome.status == int(KVPoll.Failed)
+    assert settled == RoomSettled(7, 1)
+    assert idle(prefill) == {}
+
+
+# -- prefill: ends, tombstones, early aborts ---------------------------------------------------
+
+
+def test_success_unbinds_and_a_late_abort_is_answered_without_marking_the_id(
+    prefill: PrefillRouting,
+) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_metadata(A, metadata(), 0.0)
+    assert sends(prefill.sender_outcome(S1, KVPoll.Success, "", 1.0)) == [
+        RoomOutcome(7, 1, int(KVPoll.Success), "")
+    ]
+    assert prefill.on_abort(A, RoomAbort(7, 1, "too late"), 1.1) == [Send(A, RoomSettled(7, 1))]
+    prefill.sender_reaped(S1)
+    # The id's next sender is not aborted by that late abort.
+    assert prefill.sender_spawned(S2, 2.0) == []
+
+
+def test_a_failed_sender_with_pages_settles_only_when_its_handles_did(
+    prefill: PrefillRouting,
+) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_metadata(A, metadata(), 0.0)
+    assert sends(prefill.sender_outcome(S1, KVPoll.Failed, "boom", 1.0)) == [
+        RoomOutcome(7, 1, int(KVPoll.Failed), "boom")
+    ]
+    assert sends(prefill.sender_settled(S1, 2.0)) == [RoomSettled(7, 1)]
+    prefill.sender_reaped(S1)
+    assert idle(prefill) == {}
+
+
+def test_a_sender_failed_before_any_claim_answers_the_claim_when_it_comes(
+    prefill: PrefillRouting,
+) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.sender_outcome(S1, KVPoll.Failed, "prefill aborted", 0.5)
+    prefill.sender_reaped(S1)
+    outcome, settled = sends(prefill.on_claim(A, RoomClaim(7, 1), 1.0))
+    assert outcome == RoomOutcome(7, 1, int(KVPoll.Failed), "prefill aborted")
+    assert settled == RoomSettled(7, 1)
+    assert idle(prefill) == {}
+
+
+def test_an_early_abort_is_acknowledged_and_fails_the_next_sender(prefill: PrefillRouting) -> None:
+    assert prefill.on_abort(A, RoomAbort(7, 1, "client gone"), 0.0) == [
+        Send(A, RoomSettled(7, 1))
+    ]
+    assert delivered(prefill.sender_spawned(S1, 0.5)) == [
+        (S1, AbortRequested("client gone", origin="peer"))
+    ]
+    # Its decode room knows already: no tombstone for the id's next claim.
+    prefill.sender_outcome(S1, KVPoll.Failed, "aborted", 0.6)
+    assert prefill.entries()["tombstones"] == 0
+
+
+def test_an_id_reused_after_an_early_abort_is_not_killed_by_it(prefill: PrefillRouting) -> None:
+    prefill.on_abort(A, RoomAbort(7, 1, "client gone"), 0.0)
+    prefill.on_claim(A, RoomClaim(7, 2), 0.1)  # generation 2 reuses the id
+    assert prefill.sender_spawned(S2, 0.2) == []
+    (key, event), = delivered(prefill.on_metadata(A, metadata(gen=2), 0.3))
+    assert key == S2
+    assert isinstance(event, DestinationReceived)
+
+
+def test_an_id_reused_while_the_old_generation_drains_both_settle(
+    prefill: PrefillRouting,
+) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_metadata(A, metadata(gen=1), 0.0)
+    assert delivered(prefill.on_abort(A, RoomAbort(7, 1, "retracted"), 0.1)) == [
+        (S1, AbortRequested("retracted", origin="peer"))
+    ]
+    # Decode reuses the id at once; prefill's old room still has writes to drain.
+    assert prefill.on_metadata(A, metadata(gen=2), 0.2) == []  # held, not refused
+    prefill.sender_outcome(S1, KVPoll.Failed, "aborted", 0.3)
+    assert sends(prefill.sender_settled(S1, 0.4)) == [RoomSettled(7, 1)]  # the old one settles
+    prefill.sender_reaped(S1)
+    (key, event), = delivered(prefill.sender_spawned(S2, 0.5))
+    assert key == S2
+    assert isinstance(event, DestinationReceived)
+
+
+def test_an_error_frame_fails_exactly_the_room_it_names(prefill: PrefillRouting) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_metadata(A, metadata(gen=1), 0.0)
+    assert prefill.on_error(A, Error(7, "nope", 2)) == []  # another generation
+    assert prefill.on_error(B, Error(7, "nope", 1)) == []  # another link
+    ((key, event),) = delivered(prefill.on_error(A, Error(7, "aux row 9 out of range", 1)))
+    assert key == S1
+    assert isinstance(event, EventRejected)
+    assert "aux row 9 out of range" in event.reason
+
+
+# -- prefill: links, reconciliation, leases ----------------------------------------------------
+
+
+def test_after_a_reconnect_the_rooms_still_writing_settle_on_the_new_link(
+    prefill: PrefillRouting,
+) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_metadata(A, metadata(), 0.0)
+    prefill.link_lost(A, "cut", 1.0)
+    prefill.sender_outcome(S1, KVPoll.Failed, "peer lost", 1.0)
+    assert prefill.entries()["orphans"] == 1
+    c = 3
+    prefill.link_opened(c, "decode-0-1", now=2.0, hello_sent=2.0)  # the same decode incarnation
+    refs = pack_refs([(7, 1), (8, 4)])
+    assert sends(prefill.on_reconcile(c, Reconcile(refs))) == [RoomSettled(8, 4)]  # unknown
+    assert sends(prefill.sender_settled(S1, 3.0), c) == [RoomSettled(7, 1)]
+    prefill.sender_reaped(S1)
+    assert idle(prefill) == {}
+
+
+def test_leases_count_from_prefills_own_send_time() -> None:
+    core = PrefillRouting(CONFIG)
+    assert core.link_opened(A, "d", now=0.05, hello_sent=0.0) == [GrantLease(A, 2.0)]
+    assert core.lease_due(A, 0.3) == []  # renewed every lease_s / 4
+    assert core.lease_due(A, 0.5) == [Send(A, LeaseRequest(1))]
+    assert core.lease_due(A, 0.6) == []
+    # The grant comes late (prefill was frozen): it grants from when it was asked.
+    assert core.lease_granted(A, 1, 2000, now=30.0) == [GrantLease(A, 2.5)]
+    assert core.lease_granted(A, 1, 2000, now=30.1) == []  # a replayed grant extends nothing
+    assert core.lease_granted(A, 99, 2000, now=30.1) == []  # never asked
+
+
+def test_every_entry_is_gone_once_the_rooms_are(prefill: PrefillRouting) -> None:
+    for i in range(50):
+        key = RoomKey(i, 1000 + i)
+        if i % 3:
+            prefill.on_claim(A, RoomClaim(i, i), 0.0)
+        prefill.sender_spawned(key, 0.0)
+        prefill.on_metadata(A, metadata(i, i), 0.0)
+        if i % 5 == 0:
+            prefill.on_abort(A, RoomAbort(i, i, "x"), 0.1)
+            prefill.sender_outcome(key, KVPoll.Failed, "aborted", 0.2)
+            prefill.sender_settled(key, 0.3)
+        else:
+            prefill.sender_outcome(key, KVPoll.Success, "", 0.2)
+        prefill.sender_reaped(key)
+    assert idle(prefill) == {}
+
+
+# -- decode ------------------------------------------------------------------------------------
+
+R1, R2 = RoomKey(7, 1), RoomKey(7, 2)
+
+
+@pytest.fixture
+def decode() -> DecodeRouting:
+    core = DecodeRouting(CONFIG)
+    core.link_opened(A, "prefill-0-9", rank=0, now=0.0)
+    return core
+
+
+def test_decode_claims_a_room_as_soon_as_its_prefill_is_connected(decode: DecodeRouting) -> None:
+    actions = decode.bind(R1, A, 0)
+    assert sends(actions, A) == [RoomClaim(7, 1)]
+    assert delivered(actions) == [(R1, PeerResolved(0))]
+    assert sends(decode.metadata(R1, metadata())) == [metadata()]
+    assert decode.expecting_writes
+    assert delivered(decode.on_outcome(A, RoomOutcome(7, 1, int(KVPoll.Success)))) == [
+        (R1, TransferConfirmed(0))
+    ]
+    assert not decode.expecting_writes
+    decode.receiver_reaped(R1)
+    assert idle(decode) == {}
+
+
+def test_a_decode_room_aborted_before_its_page_list_leaves_nothing_bound(
+    decode: DecodeRouting,
+) -> None:
+    decode.bind(R1, A, 0)
+    assert sends(decode.receiver_failed(R1, "client gone")) == [RoomAbort(7, 1, "client gone")]
+    assert decode.entries() == {"rooms": 0, "lost": 0, "exposed": 0}
+    assert not decode.expecting_writes
+
+
+def test_a_lost_links_pages_settle_when_the_last_lease_ran_out(decode: DecodeRouting) -> None:
+    decode.bind(R1, A, 0)
+    decode.metadata(R1, metadata())
+    assert sends(decode.lease_requested(A, LeaseRequest(4), now=5.0)) == [LeaseGrant(4, 2000)]
+    assert delivered(decode.link_lost(A, "silent", 6.0)) == [(R1, PeerLost("silent"))]
+    assert decode.tick(7.9) == []  # the lease granted at 5.0 runs to 7.0, plus 1.0 of margin
+    assert delivered(decode.tick(8.0)) == [(R1, PeerSettled(0))]
+    decode.receiver_reaped(R1)
+    assert idle(decode) == {}
+
+
+def test_after_a_reconnect_decode_reconciles_and_settles_early(decode: DecodeRouting) -> None:
+    decode.bind(R1, A, 0)
+    decode.metadata(R1, metadata())
+    decode.link_lost(A, "cut", 1.0)
+    c = 3
+    (frame,) = sends(decode.link_opened(c, "prefill-0-9", rank=0, now=1.5))
+    assert isinstance(frame, Reconcile)
+    assert unpack_refs(frame.rooms) == [(7, 1)]
+    assert delivered(decode.on_settled(c, RoomSettled(7, 1))) == [(R1, PeerSettled(0))]
+    assert decode.tick(100.0) == []  # not settled twice
+
+
+def test_another_prefill_incarnation_is_not_asked(decode: DecodeRouting) -> None:
+    decode.bind(R1, A, 0)
+    decode.metadata(R1, metadata())
+    decode.link_lost(A, "restart", 1.0)
+    assert decode.link_opened(3, "prefill-0-10", rank=0, now=1.5) == []
+
+
+def test_generations_of_one_id_are_routed_apart(decode: DecodeRouting) -> None:
+    decode.bind(R1, A, 0)
+    decode.metadata(R1, metadata(gen=1))
+    decode.receiver_failed(R1, "aborted")
+    decode.bind(R2, A, 0)  # reused before generation 1 settled
+    decode.metadata(R2, metadata(gen=2))
+    assert delivered(decode.on_settled(A, RoomSettled(7, 1))) == [(R1, PeerSettled(0))]
+    assert delivered(decode.on_outcome(A, RoomOutcome(7, 2, 0, "x"))) == [(R2, PeerFailed("x"))]
+    assert decode.on_outcome(A, RoomOutcome(7, 3, 0, "x")) == []  # never existed
+    assert decode.stats["stale_frames"] == 1
+
+
+def test_decode_fails_the_room_an_error_frame_names(decode: DecodeRouting) -> None:
+    decode.bind(R1, A, 0)
+    decode.bind(R2, A, 0)
+    ((key, event),) = delivered(decode.on_error(A, Error(7, "aux row 9 out of range", 2)))
+    assert key == R2
+    assert isinstance(event, EventRejected)
+    assert "aux row 9 out of range" in event.reason
