@@ -553,7 +553,10 @@ def run_job(opts: RunOptions) -> dict[str, Any]:
         src_kv, src_aux = make_buffers(shape)
         for buf in [*src_kv, src_aux]:
             _fill_random(rng, buf)
-        agent = Agent(f"prefill-{os.getpid()}", make_layout(src_kv, src_aux))
+        agent = Agent(  # host, pid, random incarnation: unique without configuration
+            f"prefill-{os.uname().nodename}-pid{os.getpid()}-{os.urandom(4).hex()}",
+            make_layout(src_kv, src_aux),
+        )
         transport = NixlTransport(agent)  # no control channel yet: outcomes go nowhere
         engine = RoomEngine(transport).start()
         engine.call(transport.connect_peer(_PEER_ID, peer.metadata, peer.summary))

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
+import os
+import secrets
+import socket
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -43,10 +45,28 @@ from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine, SenderRoom
 from kvfsm.status import StatusServer
 from kvfsm.transport import Agent, AgentConfig, Layout, NixlTransport, TransferConfig
 
-__all__ = ["DecodeManager", "ManagerConfig", "PrefillManager"]
+__all__ = ["DecodeManager", "ManagerConfig", "PrefillManager", "default_agent_name"]
 
 _log = logging.getLogger("kvfsm.manager")
-_names = itertools.count(1)
+#: The control channel's Hello carries the agent name in at most 256 characters.
+_AGENT_NAME_MAX = 256
+_HOST_MAX = 63  # one DNS label
+
+
+def default_agent_name(role: str, engine_id: str, rank: int) -> str:
+    """A NIXL agent name that no other process picks, without configuration.
+
+    NIXL refuses a second remote agent under a name it already knows (``NIXL_ERR_NOT_ALLOWED``),
+    so two ranks with the same role, engine and rank (two processes on one host, or a rank
+    restarted before its peer forgot it) must still differ: the name carries the host, the
+    pid, and a random incarnation (pids are reused, and containers share them across hosts).
+    It stays readable in logs, e.g. ``kvfsm-decode-default-r0-node7-pid1234-a1b2c3d4``, and
+    within the Hello's 256 characters (a long engine id is clipped, never the unique part).
+    """
+    host = socket.gethostname().split(".")[0][:_HOST_MAX] or "host"
+    unique = f"-{host}-pid{os.getpid()}-{secrets.token_hex(4)}"
+    prefix = f"kvfsm-{role}-{engine_id}-r{rank}"
+    return prefix[: _AGENT_NAME_MAX - len(unique)] + unique
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +116,7 @@ class _Manager:
         self.engine_id = engine_id
         self.rank = rank
         self.bootstrap_url = bootstrap_url
-        agent_name = name or f"kvfsm-{role}-{engine_id}-{rank}-{next(_names)}"
+        agent_name = name or default_agent_name(role, engine_id, rank)
         self.agent = Agent(agent_name, layout, self.config.agent)
         self._client: BootstrapClient | None = None
         self._closed = False

@@ -4,6 +4,8 @@ rooms driven through both sides' facades, bytes checked."""
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 from kvfsm import KVPoll
 from kvfsm.bootstrap import ChannelConfig
-from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
+from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager, default_agent_name
 from kvfsm.states import TERMINAL
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
@@ -93,3 +95,33 @@ def test_aborts_from_either_side_end_both_rooms(pair: Pair) -> None:
     wait_for(lambda: all(r.settled for _, r in rooms), timeout=10)
     for room, (sender, receiver) in enumerate(rooms):
         assert f"abort {room}" in (receiver.reason if room % 2 else sender.reason)
+
+
+def test_default_agent_names_are_unique_per_manager_and_name_the_process() -> None:
+    async def resolve(peer_rank: int) -> tuple[str, int]:
+        raise LookupError("no prefill in this test")
+
+    managers = []
+    try:
+        for _ in range(2):  # same role, engine and rank, one process: NIXL needs two names
+            kv, aux = make_buffers(SHAPE)
+            managers.append(
+                DecodeManager(make_layout(kv, aux), None, resolver=resolve, config=CONFIG)
+            )
+        first, second = (m.agent.name for m in managers)
+        assert first != second
+        for name in (first, second):
+            assert name.startswith("kvfsm-decode-default-r0-")
+            assert f"-pid{os.getpid()}-" in name
+            assert socket.gethostname().split(".")[0] in name
+    finally:
+        for manager in managers:
+            manager.close()
+
+
+def test_a_default_agent_name_fits_the_hello_and_keeps_its_unique_part() -> None:
+    name = default_agent_name("prefill", "e" * 400, 3)
+    assert len(name) == 256
+    assert name.startswith("kvfsm-prefill-eee")
+    assert f"-pid{os.getpid()}-" in name
+    assert default_agent_name("prefill", "x", 3) != default_agent_name("prefill", "x", 3)

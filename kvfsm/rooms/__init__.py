@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from kvfsm.rooms._actor import CommandSink, Inbox, Publication, Room, RoomKey
-from kvfsm.rooms._config import RoomConfig
-from kvfsm.rooms._core import IllegalEventError, RoomCore, page_count
+from kvfsm.rooms._config import DEFAULT_MAX_PAGES, RoomConfig
+from kvfsm.rooms._core import Claim, IllegalEventError, RoomCore, page_count
 from kvfsm.rooms._engine import RoomEngine
 from kvfsm.rooms._facade import KVTransferError, ReceiverRoom, SenderRoom, pack_pages
 from kvfsm.rooms._machine import MACHINES, build_machine, machine_edges
+from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._registry import DuplicateRoomError, Observer, Registry
 from kvfsm.rooms._runtime import LoopThread
 from kvfsm.rooms._stats import RoomStats
 
 __all__ = [
+    "DEFAULT_MAX_PAGES",
     "MACHINES",
+    "Claim",
     "CommandSink",
+    "DestinationOwners",
     "DuplicateRoomError",
     "IllegalEventError",
     "Inbox",

@@ -6,6 +6,22 @@ state, and then hands the core's commands to the sink (decide, then do IO). Afte
 terminal the task keeps draining settlement events until its pages are settled, then exits and
 the registry reaps it.
 
+Nothing kills a room task silently (law 3):
+
+* A command the sink cannot execute (``submit`` raises: a frame too large to encode, a bug)
+  fails that room with "could not execute <Command>: <error>", the error is recorded
+  (``Registry.errors``), and the commands of that failure are executed too. Their own errors
+  are recorded but fail nothing more: the room is terminal by then, so ``core.fail`` returns
+  no commands and the recursion stops one level down. A command whose ``submit`` raised may
+  still have taken effect (a chunk posted, a frame queued), so the ledger keeps counting it:
+  its room settles when the peer or the transport says so, or its settle timeout gives up.
+* Any other exception in the task (a bug in the loop, a raising observer) fails the room,
+  publishes Failed and reaps it. Its task is gone, so nothing will drain its settlement
+  events: unless it was already settled it stays *unsettled* (``settled`` False, logged,
+  counted in ``task_errors``), and a receiver's destinations stay held
+  (:mod:`kvfsm.rooms._owners`). Claiming settle for pages a transfer may still touch would
+  break law 4; a leak the operator can see is the lesser harm.
+
 Everything here runs on the engine's loop thread. Other threads never touch a ``Room``; they
 read its :class:`Publication` and post events through the loop.
 """
@@ -18,7 +34,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kvfsm.rooms._core import RoomCore
+from kvfsm.rooms._core import Claim, RoomCore
 from kvfsm.states import (
     SETTLEMENT_EVENTS,
     TERMINAL,
@@ -26,6 +42,7 @@ from kvfsm.states import (
     DeadlineExpired,
     Event,
     KVPoll,
+    MetadataSubmitted,
     Role,
     deadline_of,
 )
@@ -124,7 +141,14 @@ class Room:
     ) -> None:
         self.key = key
         self.role = role
-        self.core = RoomCore(role, registry.stats, strict=strict)
+        claim: Claim | None = None
+        if role is Role.RECEIVER:
+            owners = registry.owners
+
+            def claim(event: MetadataSubmitted) -> str | None:
+                return owners.claim(key, event.pages, event.aux_index, event.state)
+
+        self.core = RoomCore(role, registry.stats, strict=strict, claim=claim)
         self.publication = publication
         self._registry = registry
         self._sink = registry.sink
@@ -190,12 +214,41 @@ class Room:
                 self._waiter = None
         except asyncio.CancelledError:
             # Engine shutdown. Cleanup below is synchronous, so it cannot be cancelled halfway.
-            self._execute(core.state, core.fail("engine shut down"))
+            try:
+                self._execute(core.state, core.fail("engine shut down"))
+            except Exception as exc:  # a raising observer must not swallow the cancellation
+                self._registry.record_error(self.key, exc)
             raise
+        except Exception as exc:  # a bug: this room ends, nothing else does
+            self._died(exc)
         finally:
             if self._timer is not None:
                 self._timer.cancel()
             self._registry.reap(self)
+
+    def _died(self, exc: Exception) -> None:
+        """The task raised: fail the room, publish Failed, leave settle as it was (see the
+        module docstring). Never raises."""
+        registry = self._registry
+        registry.stats.task_errors += 1
+        registry.record_error(self.key, exc)
+        core, pub = self.core, self.publication
+        reason = f"internal error: {type(exc).__name__}: {exc}"
+        try:
+            self._execute(core.state, core.fail(reason))
+        except Exception as again:
+            registry.record_error(self.key, again)
+        if pub.status not in TERMINAL:  # publishing itself is what failed
+            pub.reason = core.reason or reason
+            pub.status = KVPoll.Failed
+        if not pub.settled:
+            _log.error(
+                "room %s gen %s: %s room task died in %s; its pages are left unsettled",
+                self.key.room,
+                self.key.generation,
+                self.role.value,
+                core.state.name,
+            )
 
     def _apply(self, event: Event) -> None:
         before = self.core.state
@@ -216,7 +269,18 @@ class Room:
         sink = self._sink
         key = self.key
         for command in commands:
-            sink.submit(key, command)
+            try:
+                sink.submit(key, command)
+            except Exception as exc:
+                self._not_executed(command, exc)
+
+    def _not_executed(self, command: Command, exc: Exception) -> None:
+        """``submit`` raised: fail this room and execute what that failure commands (see the
+        module docstring for why this cannot recurse further than once)."""
+        self._registry.record_error(self.key, exc)
+        core = self.core
+        before = core.state
+        self._execute(before, core.fail(f"could not execute {type(command).__name__}: {exc}"))
 
     def _entered(self, before: KVPoll, state: KVPoll) -> None:
         pub = self.publication
@@ -232,7 +296,10 @@ class Room:
             stats.failed += 1
         observer = registry.observer
         if observer is not None:
-            observer.transition(self.role, before, state, self.core.reason)
+            try:
+                observer.transition(self.role, before, state, self.core.reason)
+            except Exception as exc:  # a metric must not cost the room its commands
+                registry.record_error(self.key, exc)
         # Structured: every record carries the room's identity and the edge as attributes
         # (``extra``), for a JSON log formatter; the message reads well on its own too.
         if state is KVPoll.Failed:

@@ -53,10 +53,16 @@ from kvfsm.states import (
     failure_reason,
 )
 
-__all__ = ["IllegalEventError", "RoomCore", "page_count"]
+__all__ = ["Claim", "IllegalEventError", "RoomCore", "page_count"]
 
 _PAGE_BYTES: Final = 4  # pages travel as packed int32
 _NO_COMMANDS: Final[tuple[Command, ...]] = ()
+
+
+#: A receiver's admission of its destinations (the engine's ``DestinationOwners``): called with
+#: the ``MetadataSubmitted`` the room is about to apply; takes them and returns None, or returns
+#: why they cannot be had (another room holds some) and takes nothing.
+Claim: TypeAlias = Callable[[MetadataSubmitted], "str | None"]
 
 
 class IllegalEventError(RuntimeError):
@@ -90,6 +96,7 @@ class RoomCore:
         "_actions",
         "_stats",
         "_strict",
+        "_claim",
         # sender
         "_dst",
         "_dst_pages",
@@ -108,7 +115,14 @@ class RoomCore:
         "_exposed",
     )
 
-    def __init__(self, role: Role, stats: RoomStats | None = None, *, strict: bool = False):
+    def __init__(
+        self,
+        role: Role,
+        stats: RoomStats | None = None,
+        *,
+        strict: bool = False,
+        claim: Claim | None = None,
+    ):
         self.role: Final = role
         #: Written only by the ``transitions`` machine (``set_state``) and read by everyone.
         self.state: KVPoll = KVPoll.Bootstrapping
@@ -120,6 +134,7 @@ class RoomCore:
         self._actions = _ACTIONS[role]
         self._stats = stats if stats is not None else RoomStats()
         self._strict = strict
+        self._claim = claim
         self._dst = b""
         self._dst_pages = 0
         self._dst_aux = -1
@@ -176,6 +191,15 @@ class RoomCore:
             problem = check(self, event)
             if problem is not None:
                 return self._reject(problem)
+        if self._claim is not None and type(event) is MetadataSubmitted:
+            # Last, so that only metadata this room is about to apply takes its destinations,
+            # and before the transition, so that SendMetadata never names pages another room
+            # holds. A refusal is not an illegal event (strict cores do not raise): it is the
+            # caller's double booking, and it fails this room only.
+            problem = self._claim(event)
+            if problem is not None:
+                self._stats.destinations_refused += 1
+                return self._fail(EventRejected(problem))
         if type(event) in FAILURE_EVENTS:
             return self._fail(event)
         self._fire(event, dest)

@@ -94,12 +94,12 @@ class RoomEngine:
     def sender(self, room: int) -> SenderRoom:
         """A new prefill-side room. A duplicate live room id is published as Failed."""
         key, pub = self._spawn(Role.SENDER, room)
-        return SenderRoom(key, pub, self.post)
+        return SenderRoom(key, pub, self.post, max_pages=self.config.max_pages)
 
     def receiver(self, room: int) -> ReceiverRoom:
         """A new decode-side room. A duplicate live room id is published as Failed."""
         key, pub = self._spawn(Role.RECEIVER, room)
-        return ReceiverRoom(key, pub, self.post)
+        return ReceiverRoom(key, pub, self.post, max_pages=self.config.max_pages)
 
     def _spawn(self, role: Role, room: int) -> tuple[RoomKey, Publication]:
         key = RoomKey(int(room), next(self._generations))
@@ -122,10 +122,13 @@ class RoomEngine:
         return rows
 
     def stats(self) -> dict[str, int]:
-        """Counters (see :class:`kvfsm.rooms.RoomStats`); plus ``live``: rooms with a task."""
+        """Counters (see :class:`kvfsm.rooms.RoomStats`); plus ``live``: rooms with a task, and
+        ``held_pages``: destination pages receiver rooms hold (those of rooms reaped unsettled
+        included: a number that only grows is a leak to look into)."""
         registry = self.registry_on_loop()
         snapshot = registry.stats.snapshot()
         snapshot["live"] = len(registry)
+        snapshot["held_pages"] = registry.owners.held_pages
         return snapshot
 
     # -- loop side -----------------------------------------------------------------------------

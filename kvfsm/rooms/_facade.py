@@ -5,6 +5,10 @@ Thread-safety, for every method below: callable from any thread, and never block
 * ``poll()`` reads the room's published status. No lock, no loop round trip (law 6).
 * Every other call packs its arguments into an event and posts it to the engine's loop with
   ``call_soon_threadsafe``, then returns. Its effect shows in a later ``poll()``.
+* A call whose arguments are wrong on their face fails the room at once, in the caller's
+  thread: bad page indices, more pages than ``RoomConfig.max_pages`` (the page list would not
+  fit a control frame), ``init`` with a negative or oversized page count, a negative aux row.
+  ``poll()`` reports Failed when the call returns, with the reason; nothing reaches the wire.
 * ``abort()`` is the one call whose effect is immediate for its caller: once it returns, this
   facade's ``poll()`` reports Failed, even before the room task has processed the abort. That
   local view never contradicts the room: ``abort()`` is a no-op on a room already published
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm.rooms._config import DEFAULT_MAX_PAGES
 from kvfsm.states import (
     TERMINAL,
     AbortRequested,
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["KVTransferError", "PageIndices", "ReceiverRoom", "SenderRoom", "pack_pages"]
 
 PageIndices = npt.NDArray[np.integer] | Sequence[int] | bytes
+
+_PAGE_BYTES = 4  # packed int32
 
 
 class KVTransferError(RuntimeError):
@@ -75,14 +82,22 @@ Post = Callable[["RoomKey", Event], None]
 
 
 class _RoomFacade:
-    __slots__ = ("_local_failure", "_pub", "_post", "key")
+    __slots__ = ("_local_failure", "_max_pages", "_pub", "_post", "key")
 
     role: Role
 
-    def __init__(self, key: RoomKey, publication: Publication, post: Post) -> None:
+    def __init__(
+        self,
+        key: RoomKey,
+        publication: Publication,
+        post: Post,
+        *,
+        max_pages: int = DEFAULT_MAX_PAGES,
+    ) -> None:
         self.key = key
         self._pub = publication
         self._post = post
+        self._max_pages = max_pages
         #: Set by this caller's own abort (or its own bad call); makes poll() Failed at once.
         self._local_failure: str | None = None
 
@@ -131,6 +146,19 @@ class _RoomFacade:
             self._fail_locally(EventRejected(f"bad page indices: {exc}"))
             return None
 
+    def _too_many(self, call: str, pages: bytes, state: bytes) -> bool:
+        """More indices than one room may name: fail the room now (True)."""
+        if len(pages) + len(state) <= self._max_pages * _PAGE_BYTES:
+            return False
+        rows = f" and {len(state) // _PAGE_BYTES} state rows" if state else ""
+        self._fail_locally(
+            EventRejected(
+                f"{call} with {len(pages) // _PAGE_BYTES} pages{rows}: more than "
+                f"max_pages ({self._max_pages}) in one room"
+            )
+        )
+        return True
+
     def failure_exception(self) -> NoReturn:
         """Raise :class:`KVTransferError` with the room's reason (always raises)."""
         status = self.poll()
@@ -160,7 +188,12 @@ class SenderRoom(_RoomFacade):
 
     def init(self, num_pages: int, aux_index: int = -1) -> None:
         """Announce how many pages will be sent in total and the aux row to copy at the end."""
-        self._post(self.key, Initialized(num_pages=int(num_pages), aux_index=int(aux_index)))
+        num_pages = int(num_pages)
+        if not 0 <= num_pages <= self._max_pages:
+            what = "negative" if num_pages < 0 else f"more than max_pages ({self._max_pages})"
+            self._fail_locally(EventRejected(f"init with {num_pages} pages: {what}"))
+            return
+        self._post(self.key, Initialized(num_pages=num_pages, aux_index=int(aux_index)))
 
     def send(self, page_indices: PageIndices, state_indices: PageIndices | None = None) -> None:
         """Send one chunk of source pages. The chunk that brings the total to ``num_pages`` is
@@ -168,7 +201,7 @@ class SenderRoom(_RoomFacade):
         empty."""
         packed = self._pack(page_indices)
         state = b"" if state_indices is None else self._pack(state_indices)
-        if packed is not None and state is not None:
+        if packed is not None and state is not None and not self._too_many("send", packed, state):
             self._post(self.key, ChunkSubmitted(packed, state))
 
 
@@ -186,7 +219,12 @@ class ReceiverRoom(_RoomFacade):
         self, page_indices: PageIndices, aux_index: int, state_indices: PageIndices | None = None
     ) -> None:
         """Tell the sender which pages to write, which aux row and which state rows to fill."""
+        aux_index = int(aux_index)
+        if aux_index < 0:
+            self._fail_locally(EventRejected(f"aux row {aux_index} is negative"))
+            return
         packed = self._pack(page_indices)
         state = b"" if state_indices is None else self._pack(state_indices)
-        if packed is not None and state is not None:
-            self._post(self.key, MetadataSubmitted(packed, int(aux_index), state))
+        if packed is None or state is None or self._too_many("send_metadata", packed, state):
+            return
+        self._post(self.key, MetadataSubmitted(packed, aux_index, state))

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from kvfsm.rooms._actor import CommandSink, Publication, Room, RoomKey
 from kvfsm.rooms._config import RoomConfig
+from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._stats import RoomStats
 from kvfsm.states import TERMINAL, AbortRequested, Event, KVPoll, Role
 
@@ -40,6 +41,10 @@ class Registry:
       counted.
     * ``_current`` maps (role, room id) to the newest key, to refuse duplicates and to route
       messages that name only a room id (the control channel's).
+    * ``owners`` holds each receiver room's destination pages, aux row and state rows from
+      the moment its metadata is applied (a second room naming any of them is refused,
+      :mod:`kvfsm.rooms._owners`) until it is reaped *settled*. A receiver reaped unsettled
+      (settle timeout, or its task died) keeps them: a WRITE may still land there.
     """
 
     def __init__(
@@ -54,6 +59,8 @@ class Registry:
         self.stats = RoomStats()
         #: Exceptions raised inside room tasks (bugs, or a strict core's IllegalEventError).
         self.errors: list[tuple[RoomKey, BaseException]] = []
+        #: One owner per destination among this engine's receiver rooms (loop thread only).
+        self.owners = DestinationOwners()
         self._rooms: dict[RoomKey, Room] = {}
         self._current: dict[tuple[Role, int], RoomKey] = {}
         self._closing = False
@@ -97,13 +104,19 @@ class Registry:
         self._idle.clear()
         self.stats.spawned += 1
         if self.observer is not None:
-            self.observer.spawned(role)
+            try:
+                self.observer.spawned(role)
+            except Exception as exc:  # a metric must not leave a room without its task
+                self.record_error(key, exc)
         room.task = asyncio.get_running_loop().create_task(
             room.run(), name=f"kvfsm-{role.value}-{key.room}-{key.generation}"
         )
         if self._on_spawn is not None:
             # The control plane may hold a message that arrived before this room existed.
-            self._on_spawn(key, role)
+            try:
+                self._on_spawn(key, role)
+            except Exception as exc:  # the room is running: a bug in a hook must not hide it
+                self.record_error(key, exc)
         return room
 
     def spawn_or_refuse(self, key: RoomKey, role: Role, publication: Publication) -> None:
@@ -157,6 +170,8 @@ class Registry:
         if self._current.get(ident) == room.key:
             del self._current[ident]
         self.stats.reaped += 1
+        if room.role is Role.RECEIVER and room.key in self.owners:
+            self._release_destinations(room)
         if self._on_reap is not None:
             # The control plane drops every per-room entry it keeps for this room.
             try:
@@ -164,9 +179,31 @@ class Registry:
             except Exception as exc:  # a bug in a hook must not stop reaping
                 self.record_error(room.key, exc)
         if self.observer is not None:
-            self.observer.reaped(room.role, room.core.state)
+            try:
+                self.observer.reaped(room.role, room.core.state)
+            except Exception as exc:
+                self.record_error(room.key, exc)
         if not self._rooms:
             self._idle.set()
+
+    def _release_destinations(self, room: Room) -> None:
+        # The caller's view decides: pages it was told are settled are free again here too.
+        if room.publication.settled:
+            self.owners.release(room.key)
+            return
+        # Unsettled: a WRITE may still land in them, and the caller was told not to reuse them
+        # (SGLang's adapter never frees them). Keep them held, so that a caller who reuses them
+        # anyway is refused loudly, naming this room, instead of mixing two rooms' bytes. The
+        # cost is a leak of these pages for the engine's life, counted and logged once here.
+        self.stats.destinations_quarantined += 1
+        if not self._closing:  # at shutdown the whole table goes away with the engine
+            _log.error(
+                "room %s gen %s: receiver reaped unsettled; its destinations stay held for "
+                "the life of this engine (%d pages held in all)",
+                room.key.room,
+                room.key.generation,
+                self.owners.held_pages,
+            )
 
     def record_error(self, key: RoomKey, exc: BaseException) -> None:
         self.errors.append((key, exc))

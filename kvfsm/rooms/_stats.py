@@ -32,6 +32,13 @@ class RoomStats:
     deadline_expiries: int = 0
     #: Terminal rooms whose handles did not settle within the settle timeout.
     settle_timeouts: int = 0
+    #: Receivers refused because another room holds some of their pages, aux row or state
+    #: rows, or because their own list names a page twice.
+    destinations_refused: int = 0
+    #: Receivers reaped unsettled: their destinations stay held for the engine's life.
+    destinations_quarantined: int = 0
+    #: Room tasks that raised (a bug): the room failed and was reaped without settling.
+    task_errors: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

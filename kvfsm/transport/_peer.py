@@ -86,7 +86,7 @@ def _serve(conn: Connection, shape: Shape, name: str) -> None:
     kv, aux = make_buffers(shape)
     state = make_state(shape)
     layout = make_layout(kv, aux, state)
-    agent = Agent(name, layout)
+    agent = Agent(f"{name}-{os.uname().nodename}-pid{os.getpid()}-{os.urandom(4).hex()}", layout)
     conn.send((agent.metadata(), msgspec.msgpack.encode(layout.summary())))
     progress = agent.nixl.get_new_notifs
     try:

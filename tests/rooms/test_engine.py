@@ -10,7 +10,7 @@ import pytest
 
 from kvfsm.rooms import KVTransferError, RoomConfig, RoomEngine
 from kvfsm.rooms._loopback import LoopbackSink
-from kvfsm.states import DestinationReceived, KVPoll
+from kvfsm.states import DestinationReceived, KVPoll, PeerResolved, SendMetadata
 from tests.rooms.helpers import DST, ScriptedSink, wait_until
 
 
@@ -162,3 +162,71 @@ def test_asyncio_loop_works_without_uvloop() -> None:
         wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
     with RoomEngine(LoopbackSink()) as engine:
         assert "uvloop" in type(engine.loop).__module__
+
+
+# -- calls that can be checked where they are made fail at once --------------------------------
+
+
+@pytest.fixture
+def small() -> RoomEngine:
+    eng = RoomEngine(ScriptedSink(), RoomConfig(strict=True, max_pages=8)).start()
+    yield eng  # type: ignore[misc]
+    eng.close()
+    assert eng.registry_on_loop().errors == []
+
+
+def test_send_metadata_with_too_many_pages_fails_at_once(small: RoomEngine) -> None:
+    receiver = small.receiver(1)
+    receiver.init(0)
+    receiver.send_metadata(np.arange(6), aux_index=0, state_indices=[1, 2, 3])
+    assert receiver.poll() is KVPoll.Failed  # no loop round trip: the call itself failed it
+    assert receiver.reason == (
+        "rejected: send_metadata with 6 pages and 3 state rows: more than max_pages (8) in one room"
+    )
+    wait_until(lambda: receiver.settled)
+    assert receiver.reason.startswith("rejected: send_metadata with 6 pages")  # the room agrees
+    assert small.stats()["live"] == 0
+    assert [c for _, c in small._sink.log if isinstance(c, SendMetadata)] == []  # type: ignore[attr-defined]
+
+
+def test_a_page_list_at_the_limit_is_accepted(small: RoomEngine) -> None:
+    receiver = small.receiver(2)
+    receiver.init(0)
+    small.post(receiver.key, PeerResolved(0))
+    wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+    receiver.send_metadata(np.arange(8), aux_index=0)
+    wait_until(lambda: receiver.poll() is KVPoll.Transferring)
+
+
+def test_sender_calls_beyond_the_limit_fail_at_once(small: RoomEngine) -> None:
+    too_big = small.sender(3)
+    too_big.init(9, aux_index=0)
+    assert too_big.poll() is KVPoll.Failed
+    assert too_big.reason == "rejected: init with 9 pages: more than max_pages (8)"
+    negative = small.sender(4)
+    negative.init(-1)
+    assert negative.poll() is KVPoll.Failed
+    assert negative.reason == "rejected: init with -1 pages: negative"
+    chunk = small.sender(5)
+    chunk.send(np.arange(9))
+    assert chunk.poll() is KVPoll.Failed
+    assert chunk.reason == "rejected: send with 9 pages: more than max_pages (8) in one room"
+    wait_until(lambda: small.stats()["live"] == 0)
+
+
+def test_a_negative_aux_row_fails_send_metadata_at_once(small: RoomEngine) -> None:
+    receiver = small.receiver(6)
+    receiver.send_metadata([1], aux_index=-1)
+    assert receiver.poll() is KVPoll.Failed
+    assert receiver.reason == "rejected: aux row -1 is negative"
+
+
+def test_the_default_limit_is_what_a_control_frame_holds(engine: RoomEngine) -> None:
+    assert RoomConfig().max_pages == 4_000_000
+    assert 4_000_000 * 4 < 16 * 2**20  # the control channel's default frame limit
+    receiver = engine.receiver(7)
+    receiver.send_metadata(np.arange(4_000_001, dtype=np.int32), aux_index=0)
+    assert receiver.poll() is KVPoll.Failed
+    assert "4000001 pages: more than max_pages (4000000)" in receiver.reason
+    with pytest.raises(ValueError, match="max_pages"):
+        RoomConfig(max_pages=0)

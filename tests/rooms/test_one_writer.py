@@ -49,10 +49,11 @@ def test_only_the_room_task_writes_its_status(monkeypatch: object) -> None:
             pairs.append((sender, receiver))
         engine.receiver(0)  # a duplicate: refused by the registry, not by a room task
         wait_until(lambda: all(r.poll() is not KVPoll.Bootstrapping for _, r in pairs))
-        for sender, receiver in pairs:
+        for room, (sender, receiver) in enumerate(pairs):
             if rng.random() < 0.3:
                 (sender if rng.random() < 0.5 else receiver).abort()
-            receiver.send_metadata(np.arange(4), 1)
+            # Each room its own pages and aux row: one owner per destination.
+            receiver.send_metadata(np.arange(4 * room, 4 * room + 4), room)
         wait_until(lambda: all(s.poll() is not KVPoll.Bootstrapping for s, _ in pairs))
         for sender, _ in pairs:
             sender.init(4, 0)
