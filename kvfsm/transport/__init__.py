@@ -1,9 +1,10 @@
 """Everything that touches NIXL: layouts and registration, agents and peers, the chunk data path
-with its completion pump, deadlines and quarantine."""
+with its completion pump, deadlines and quarantine, and the write leases that fence it."""
 
 from __future__ import annotations
 
 from kvfsm.transport._agent import Agent, AgentConfig, Peer
+from kvfsm.transport._fence import Leases
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
 from kvfsm.transport._transport import NixlTransport, TransferConfig, TransportStats
 
@@ -13,6 +14,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LayoutSummary",
+    "Leases",
     "MemKind",
     "NixlTransport",
     "Peer",

@@ -4,17 +4,19 @@ Prefill rooms emit ``PostChunk`` and ``ReleaseHandles``; this module turns them 
 from the local layout into a peer's pages and answers with ``ChunkDone``, ``ChunkFailed``,
 ``ChunkStalled`` and ``PeerLost``. Every other command goes to the ``control`` sink.
 
-Who runs what:
+The rules (which chunk ends how, quarantines, lost peers, fences) live in one place, the
+sans-IO :class:`~kvfsm.transport._ledger.ChunkLedger`; this module executes its actions (NIXL
+calls, timers, deliveries) and owns the threads:
 
 * the **loop thread** validates each chunk (page indices against both layouts: an out-of-range
-  index fails that chunk with a reason and never reaches NIXL), records it, and runs the
-  **pump**: one coroutine that polls every in-flight handle, busy while anything is in flight
-  and parked on an event when nothing is. The pump also progresses the agent
+  index fails that chunk with a reason and never reaches NIXL), hands it to the ledger, and
+  runs the **pump**: one coroutine that polls every in-flight handle, busy while anything is in
+  flight and parked on an event when nothing is. The pump also progresses the agent
   (``get_new_notifs``): with progress threads off, nobody else answers a peer's handshakes.
 * the **poster thread** (:mod:`kvfsm.transport._poster`) makes and posts the transfers
-  (``make_prepped_xfer`` + ``transfer`` + one check), and a **peer thread** connects peers.
-  ``transfer()`` copies synchronously on shared-memory paths, and ``add_remote_agent`` takes
-  milliseconds: neither may run on the loop.
+  (``make_prepped_xfer`` + lease check + ``transfer`` + one check), and a **peer thread**
+  connects peers. ``transfer()`` copies synchronously on shared-memory paths, and
+  ``add_remote_agent`` takes milliseconds: neither may run on the loop.
 
 Handles belong to the pump, not to rooms. A room that fails still has its posted handles
 drained; a chunk not yet posted when its room asks to release is dropped. Each chunk has a
@@ -22,6 +24,24 @@ deadline, ``deadline_base_s + bytes / floor_bandwidth``. A handle past it is rel
 reported ``ChunkStalled`` (the room fails at once), and ``ChunkFailed`` follows only after
 ``quarantine_s``: bytes of a cancelled WRITE may still land, so its pages stay unsettled that
 long (law 4). Every handle is released explicitly, on every path.
+
+Write fencing (law 4, :mod:`kvfsm.transport._fence`). With ``leases`` set, every chunk names
+a fence (``PostChunk.fence``) and is written only under a valid lease on it: checked when the
+chunk is accepted, again on the poster thread immediately before each ``transfer()`` (a writer
+frozen for any length of time with chunks queued re-checks on waking, with a fresh
+``time.monotonic()``), and by the pump before each progress of the agent (an in-flight chunk
+whose lease went away is released and held). Fence 0 on a fenced transport is refused. Without
+``leases`` nothing is fenced (direct users, benchmarks).
+
+Progress after a lease is gone. On progress-driven transports (UCX over TCP) a posted WRITE's
+queued bytes move only while the agent is progressed, so not progressing looks like a fence.
+It is not one: ``check_xfer_state`` of *any* handle progresses the whole worker
+(``nixlUcxBackendH::status``: "Maximum progress"), as does the next ``transfer()``, and
+``remove_remote_agent`` closes the endpoint in flush mode (``closeImpl(flags=0)``), completing
+outstanding puts rather than discarding them. Stopping progress would only postpone those bytes
+to the next progress for any reason, arbitrarily late and after the owner's grace. So the pump
+keeps progressing while anything is held: released bytes land within milliseconds of the
+release, inside the owner's grace. What stays unfenced is in ``docs/fencing-notes.md``.
 """
 
 from __future__ import annotations
@@ -29,9 +49,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -40,15 +61,26 @@ from kvfsm.rooms._actor import CommandSink, Inbox, RoomKey
 from kvfsm.states import (
     ChunkDone,
     ChunkFailed,
-    ChunkStalled,
     Command,
     Event,
-    PeerLost,
     PostChunk,
     ReleaseHandles,
 )
 from kvfsm.transport._agent import Agent, Peer
+from kvfsm.transport._fence import FenceError, Leases
 from kvfsm.transport._layout import LayoutError, LayoutSummary
+from kvfsm.transport._ledger import (
+    ACTIVE,
+    Action,
+    ChunkLedger,
+    Deliver,
+    Finish,
+    LedgerStats,
+    Post,
+    Record,
+    Release,
+    StartQuarantine,
+)
 from kvfsm.transport._nixl import describe, is_remote_disconnect
 from kvfsm.transport._poster import Poster
 
@@ -59,8 +91,6 @@ Indices = npt.NDArray[np.int32]
 #: Pump rounds without any completion before it starts sleeping between rounds.
 _BUSY_ROUNDS = 64
 _MAX_BACKOFF_S = 0.001
-#: Why a chunk failed when NIXL reported a handle's state as "ERR" (no exception to describe).
-_ERR_REASON = "NIXL reported the transfer as failed (ERR)"
 
 
 class ChunkObserver(Protocol):
@@ -91,47 +121,24 @@ class TransferConfig:
 
 
 @dataclass(slots=True)
-class TransportStats:
-    """Counters; each field is written by one thread at a time."""
+class TransportStats(LedgerStats):
+    """Counters (the chunk outcomes are the ledger's); each field is written by one thread at
+    a time."""
 
     handles_created: int = 0  # poster thread
     handles_released: int = 0  # loop thread (and close())
     handles_released_at_post: int = 0  # poster thread: done inside transfer()
     chunks_posted: int = 0
-    chunks_done: int = 0
-    chunks_failed: int = 0
-    chunks_rejected: int = 0
-    chunks_dropped: int = 0
-    chunks_stalled: int = 0
-    done_at_post: int = 0
-    bytes_done: int = 0
     pump_rounds: int = 0
     peers_lost: int = 0
     peers_connected: int = 0
     stale_deliveries: int = 0
 
 
-class _Xfer:
-    """One chunk from acceptance until its final event (loop side). ``handles`` and ``states``
-    are written by the worker before its future completes; ``dropped`` by the loop."""
+class _Xfer(Record):
+    """A record plus what the poster needs to post it (the ledger never reads these)."""
 
-    __slots__ = (
-        "chunk",
-        "dropped",
-        "due",
-        "dst",
-        "dst_aux",
-        "dst_state",
-        "handles",
-        "key",
-        "nbytes",
-        "peer",
-        "src",
-        "src_aux",
-        "src_state",
-        "states",
-        "t0",
-    )
+    __slots__ = ("dst", "dst_aux", "dst_state", "src", "src_aux", "src_state")
 
     def __init__(
         self,
@@ -139,6 +146,7 @@ class _Xfer:
         chunk: int,
         *,
         peer: Peer,
+        fence: int,
         src: Indices,
         dst: Indices,
         src_aux: Indices | None,
@@ -146,23 +154,14 @@ class _Xfer:
         src_state: Indices,
         dst_state: Indices,
         nbytes: int,
-        due: float,
     ) -> None:
-        self.key = key
-        self.chunk = chunk
-        self.peer = peer
+        super().__init__(key, chunk, peer, nbytes, fence)
         self.src = src
         self.dst = dst
         self.src_aux = src_aux
         self.dst_aux = dst_aux
         self.src_state = src_state
         self.dst_state = dst_state
-        self.nbytes = nbytes
-        self.due = due
-        self.t0 = 0.0
-        self.handles: list[Any] = []
-        self.states: list[str] = []
-        self.dropped = False
 
 
 class NixlTransport:
@@ -171,6 +170,8 @@ class NixlTransport:
     Lifecycle: build an :class:`Agent` (blocking), wrap it here, hand this to a ``RoomEngine``
     (``attach`` starts the pump), connect peers with :meth:`connect_peer`, run rooms;
     ``engine.close()``, then :meth:`close` (releases anything left, then the agent's peers).
+    With ``leases`` (granted and revoked by the control plane on the loop thread) every chunk
+    is fenced by its ``PostChunk.fence``; without, nothing is.
     """
 
     def __init__(
@@ -179,12 +180,21 @@ class NixlTransport:
         control: CommandSink | None = None,
         config: TransferConfig | None = None,
         observer: ChunkObserver | None = None,
+        leases: Leases | None = None,
     ) -> None:
         self.agent = agent
         #: Told about every finished chunk (metrics); loop thread.
         self.observer = observer
         self.config = config if config is not None else TransferConfig()
         self.stats = TransportStats()
+        #: Write leases every chunk is fenced by; None: nothing is fenced.
+        self.leases = leases
+        self._ledger = ChunkLedger(
+            deadline_s=self.config.deadline_s,
+            quarantine_s=self.config.quarantine_s,
+            leases=leases,
+            stats=self.stats,
+        )
         self._control = control
         self._inbox: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -206,14 +216,7 @@ class NixlTransport:
         # else knows them: close() disconnects what is left here, or their lists and remote
         # agent would leak.
         self._in_worker: list[Peer] = []
-        self._records: set[_Xfer] = set()  # accepted, final event not yet delivered
-        self._active: list[_Xfer] = []  # posted and still in progress: the pump's list
         self._leaked: list[Any] = []  # handles whose release NIXL refused; retried at close
-        # Peer generations lost to a remote disconnect. Their remote agent is removed, after
-        # which NIXL reports their handles ERR ("remote agent invalidated"): that says nothing
-        # about the WRITE itself, which over TCP can still land. Such chunks are quarantined.
-        self._lost: set[Peer] = set()
-        self._held: set[_Xfer] = set()  # quarantined: released, final after the quarantine
         self._closed = False
 
     # -- CommandSink (loop thread) -------------------------------------------------------------
@@ -234,9 +237,7 @@ class NixlTransport:
         if isinstance(command, PostChunk):
             self._accept(key, command)
         elif isinstance(command, ReleaseHandles):
-            for record in self._records:
-                if record.key == key:
-                    record.dropped = True  # the worker skips it if not posted yet
+            self._ledger.release_requested(key)  # marks only: no actions
         elif self._control is not None:
             self._control.submit(key, command)
 
@@ -308,16 +309,11 @@ class NixlTransport:
         if self._peers.get(peer.peer_id) is not peer:
             return  # an older generation; the current one is not condemned by it
         del self._peers[peer.peer_id]
-        self._lost.add(peer)
         self.stats.peers_lost += 1
         _log.warning("peer %s generation %d lost: %s", peer.peer_id, peer.generation, reason)
-        for record in list(self._records):
-            if record.peer is peer:
-                self._deliver(record.key, PeerLost(reason))
-                record.dropped = True  # not posted yet: the poster skips it
-                if record in self._active:
-                    # Released before the remote agent goes (Agent.disconnect wants that).
-                    self._quarantine(record, f"peer lost ({reason}); released")
+        # Its in-flight handles are released here, before the remote agent goes
+        # (Agent.disconnect wants that).
+        self._execute(self._ledger.peer_lost(peer, reason, time.monotonic()))
         loop = self._running_loop()
         self._in_worker.append(peer)
         loop.run_in_executor(self._worker, self._disconnect_blocking, peer)
@@ -347,7 +343,7 @@ class NixlTransport:
         try:
             if peer is None:
                 raise LayoutError(f"no connected peer {command.peer!r}")
-            record = self._record(key, command, peer, loop.time())
+            record = self._record(key, command, peer)
         except LayoutError as exc:
             stats.chunks_rejected += 1
             stats.chunks_failed += 1
@@ -357,11 +353,13 @@ class NixlTransport:
             stats.chunks_done += 1
             loop.call_soon(self._deliver, key, ChunkDone(command.chunk))
             return
-        record.t0 = loop.time()
-        self._records.add(record)
-        self._poster.submit(record)
+        actions = self._ledger.accepted(record, time.monotonic())
+        if len(actions) == 1 and type(actions[0]) is Post:
+            self._poster.submit(record)
+        else:  # refused: told after this callback, the room is in the middle of a command
+            loop.call_soon(self._execute, actions)
 
-    def _record(self, key: RoomKey, command: PostChunk, peer: Peer, now: float) -> _Xfer | None:
+    def _record(self, key: RoomKey, command: PostChunk, peer: Peer) -> _Xfer | None:
         """The chunk as a record, after the O(1) checks; raise ``LayoutError`` on bad input.
         Page ranges are checked (and pages sorted) on the poster thread: for a chunk of
         thousands of pages that is a millisecond the loop thread should not spend."""
@@ -391,11 +389,11 @@ class NixlTransport:
             + aux_bytes
             + (src_state.size * local.state_row_bytes() if src_state.size else 0)
         )
-        due = now + self.config.deadline_s(nbytes)
         return _Xfer(
             key,
             command.chunk,
             peer=peer,
+            fence=command.fence,
             src=src,
             dst=dst,
             src_aux=src_aux,
@@ -403,13 +401,14 @@ class NixlTransport:
             src_state=src_state,
             dst_state=dst_state,
             nbytes=nbytes,
-            due=due,
         )
 
     # -- posting (worker thread) ---------------------------------------------------------------
 
     def _post_blocking(self, record: _Xfer) -> None:
-        """Make and post the chunk's transfers; check each once. Raises what NIXL raised."""
+        """Make and post the chunk's transfers; check each once. Raises what NIXL raised,
+        ``LayoutError`` for bad input (nothing posted), ``FenceError`` when the lease is not
+        valid before a part (that part and the later ones not posted)."""
         if record.dropped:
             return
         nixl, peer, agent = self.agent.nixl, record.peer, self.agent
@@ -441,10 +440,17 @@ class NixlTransport:
                     np.concatenate(remote_rows).astype(np.int32),
                 )
             )
-        for local_list, local_idx, remote_list, remote_idx in parts:
+        leases, fence = self.leases, record.fence
+        for part, (local_list, local_idx, remote_list, remote_idx) in enumerate(parts):
             handle = nixl.make_prepped_xfer("WRITE", local_list, local_idx, remote_list, remote_idx)
             record.handles.append(handle)
             self.stats.handles_created += 1
+            # The fence: checked here, after the handle is made and right before the post, so
+            # the window between the check and transfer() is a few bytecodes. A writer that
+            # was frozen with this chunk queued gets here first after waking, with a fresh
+            # clock.
+            if leases is not None and not leases.valid(fence, time.monotonic()):
+                raise FenceError(_fenced_reason(leases, fence, part, len(parts)))
             state = nixl.transfer(handle)
             if state == "PROC":
                 state = nixl.check_xfer_state(handle)
@@ -460,28 +466,20 @@ class NixlTransport:
 
     def _posted(self, batch: list[tuple[_Xfer, BaseException | None]]) -> None:
         """Loop thread: the poster is done with these records."""
+        ledger = self._ledger
+        now = time.monotonic()
         for record, exc in batch:
-            if exc is None and record.handles and record.peer in self._lost:
-                # Posted while its peer was being lost: its state means nothing now.
-                self._quarantine(record, "peer lost while posting; released")
+            if exc is None:
+                actions = ledger.posted(record, now)
             elif isinstance(exc, LayoutError):
-                self.stats.chunks_rejected += 1
-                self._finish(record, ChunkFailed(record.chunk, str(exc)))
-            elif exc is not None:
-                self._failed(record, exc)
-            elif not record.states:
-                self.stats.chunks_dropped += 1
-                self._finish(
-                    record, ChunkFailed(record.chunk, "dropped: room failed before posting")
-                )
-            elif all(state == "DONE" for state in record.states):
-                self.stats.done_at_post += 1
-                self._finish(record, ChunkDone(record.chunk))
-            elif "ERR" in record.states and "PROC" not in record.states:
-                self._finish(record, ChunkFailed(record.chunk, _ERR_REASON))
+                actions = ledger.rejected(record, str(exc))
+            elif isinstance(exc, FenceError):
+                actions = ledger.fenced(record, str(exc), now)
             else:
-                self._active.append(record)
-        if self._active:
+                actions = self._errored(record, exc, now)
+            if actions:
+                self._execute(actions)
+        if ledger.busy:
             wake = self._wake
             assert wake is not None
             wake.set()
@@ -491,112 +489,87 @@ class NixlTransport:
     async def _pump(self) -> None:
         wake = self._wake
         assert wake is not None
-        loop = asyncio.get_running_loop()
+        ledger, leases = self._ledger, self.leases
         nixl = self.agent.nixl
         check, progress = nixl.check_xfer_state, nixl.get_new_notifs
+        clock = time.monotonic
         idle_rounds = 0
         while True:
-            if not self._active and not self._held:
+            if not ledger.busy:
                 wake.clear()
                 await wake.wait()
                 idle_rounds = 0
                 continue
+            if leases is not None:
+                # Before progressing: an in-flight chunk whose lease is gone is released now
+                # (see the module docstring for why progress itself is not withheld).
+                actions = ledger.leases_checked(clock())
+                if actions:
+                    self._execute(actions)
             try:
                 progress()  # answers peers' handshakes and flushes (no progress thread)
             except Exception:
                 _log.exception("agent progress failed")
-            batch, self._active = self._active, []
-            now = loop.time()
+            batch = ledger.take_active()
+            now = clock()
             pending = len(batch)
             for record in batch:
-                if record not in self._records or record in self._held:
-                    continue  # finished or quarantined meanwhile (peer lost)
-                if record.peer in self._lost:
-                    self._quarantine(record, "peer lost; released")
-                    continue
+                if record.phase != ACTIVE:
+                    continue  # held or over meanwhile (peer lost, lease gone)
                 try:
                     states = [check(h) for h in record.handles]
                 except Exception as exc:
-                    self._failed(record, exc)
-                    continue
-                if "PROC" not in states:
-                    # Over: done, or errored. An errored handle writes nothing more, so the
-                    # chunk fails settled; a chunk with a handle still in flight waits for it
-                    # (or for its deadline) even if another of its handles errored.
-                    done = all(state == "DONE" for state in states)
-                    self._finish(
-                        record,
-                        ChunkDone(record.chunk) if done else ChunkFailed(record.chunk, _ERR_REASON),
-                    )
-                elif now > record.due:
-                    self._stall(record)
+                    actions = self._errored(record, exc, now)
                 else:
-                    self._active.append(record)
+                    actions = ledger.polled(record, states, now)
+                if actions:
+                    self._execute(actions)
             self.stats.pump_rounds += 1
             # Busy while transfers complete; when rounds keep finding nothing done (a slow or
             # stalled peer), back off towards 1 ms so a stall does not spin the loop thread,
             # whose CPU the scheduler thread pays for through the GIL.
-            idle_rounds = idle_rounds + 1 if len(self._active) == pending else 0
+            idle_rounds = idle_rounds + 1 if ledger.active == pending else 0
             await asyncio.sleep(_backoff(idle_rounds))
 
-    def _failed(self, record: _Xfer, exc: BaseException) -> None:
-        reason = describe(exc)
+    # -- executing the ledger's actions (loop thread) ------------------------------------------
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Finish):
+                self._finish(action.record, action.event)
+            elif isinstance(action, Deliver):
+                self._deliver(action.key, action.event)
+            elif isinstance(action, Release):
+                self._release_all(action.record)
+            elif isinstance(action, StartQuarantine):
+                delay = max(0.0, action.until - time.monotonic())
+                self._running_loop().call_later(delay, self._quarantine_over, action.record)
+                # Progress-driven transports (UCX over TCP) move a released WRITE's queued
+                # bytes only when the agent is progressed: the pump keeps progressing while
+                # anything is held, so those bytes land within the quarantine, not whenever
+                # the next transfer comes.
+                if self._wake is not None:
+                    self._wake.set()
+            else:
+                self._poster.submit(cast("_Xfer", action.record))
+
+    def _errored(self, record: Record, exc: BaseException, now: float) -> list[Action]:
         if is_remote_disconnect(exc):
             # The peer is reported gone: its rooms fail with a peer-lost reason first.
             self._peer_lost(record.peer, f"NIXL remote disconnect from {record.peer.peer_id}")
-        if record not in self._records or record in self._held:
-            return
-        if record.handles and (record.peer in self._lost or "PROC" in record.states):
-            # A part of this chunk was posted and may still be moving bytes (an earlier
-            # handle when a later one failed to post; any, once its peer is lost): the error
-            # does not end that WRITE. Released and quarantined like a stall.
-            self._quarantine(record, f"{reason}; released")
-            return
-        self._finish(record, ChunkFailed(record.chunk, reason))
+        return self._ledger.errored(record, describe(exc), now)
 
-    def _stall(self, record: _Xfer) -> None:
-        self.stats.chunks_stalled += 1
-        reason = f"in flight past its {self.config.deadline_s(record.nbytes):g}s deadline; released"
-        _log.warning("room %s chunk %d: %s", record.key.room, record.chunk, reason)
-        self._quarantine(record, reason)
+    def _quarantine_over(self, record: Record) -> None:
+        self._execute(self._ledger.quarantine_over(record))
 
-    def _quarantine(self, record: _Xfer, reason: str) -> None:
-        """Release a chunk whose WRITE may still be moving: it is reported stalled now and
-        fails (its pages settle) only after the quarantine. The pump forgets it."""
+    def _finish(self, record: Record, event: ChunkDone | ChunkFailed) -> None:
         self._release_all(record)
-        # Progress-driven transports (UCX over TCP) move a released WRITE's queued bytes only
-        # when the agent is progressed: the pump keeps progressing while anything is held, so
-        # those bytes land within the quarantine, not whenever the next transfer comes.
-        self._held.add(record)
-        if self._wake is not None:
-            self._wake.set()
-        if record in self._active:
-            self._active.remove(record)
-        self._deliver(record.key, ChunkStalled(record.chunk, reason))
-        quarantined = ChunkFailed(
-            record.chunk, f"{reason}; quarantine of {self.config.quarantine_s:g}s over"
-        )
-        self._running_loop().call_later(self.config.quarantine_s, self._finish, record, quarantined)
-
-    def _finish(self, record: _Xfer, event: ChunkDone | ChunkFailed) -> None:
-        if record not in self._records:
-            return
-        self._release_all(record)
-        self._records.discard(record)
-        self._held.discard(record)
-        if record.peer in self._lost and not any(r.peer is record.peer for r in self._records):
-            self._lost.discard(record.peer)  # its last chunk is over: nothing left to judge
-        ok = isinstance(event, ChunkDone)
-        if ok:
-            self.stats.chunks_done += 1
-            self.stats.bytes_done += record.nbytes
-        else:
-            self.stats.chunks_failed += 1
         if self.observer is not None:
-            self.observer.chunk(record.nbytes, self._running_loop().time() - record.t0, ok)
+            ok = type(event) is ChunkDone
+            self.observer.chunk(record.nbytes, time.monotonic() - record.t0, ok)
         self._deliver(record.key, event)
 
-    def _release_all(self, record: _Xfer) -> None:
+    def _release_all(self, record: Record) -> None:
         handles, record.handles = record.handles, []
         for handle in handles:
             self._release(handle)
@@ -625,13 +598,16 @@ class NixlTransport:
     @property
     def in_flight(self) -> int:
         """Chunks accepted and not yet reported final (quarantined ones included)."""
-        return len(self._records)
+        return self._ledger.in_flight
 
     def snapshot(self) -> dict[str, int]:
         out = asdict(self.stats)
         out["handles_released"] += out.pop("handles_released_at_post")
         out["in_flight"] = self.in_flight
+        out["held"] = self._ledger.held
         out["peers"] = len(self._peers)
+        if self.leases is not None:
+            out["leases_live"] = self.leases.live
         return out
 
     async def aclose(self) -> None:
@@ -653,21 +629,24 @@ class NixlTransport:
         self._closed = True
         self._poster.close()
         self._worker.shutdown(wait=True, cancel_futures=True)
-        for record in list(self._records):
+        for record in self._ledger.drain():
             self._release_all(record)
-        self._records.clear()
-        self._active.clear()
         leaked, self._leaked = self._leaked, []
         for handle in leaked:
             self._release(handle)
         # The worker has stopped: a peer still in its hands was never adopted or never
         # disconnected (see _in_worker).
-        self._lost.clear()
-        self._held.clear()
         for peer in [*self._peers.values(), *self._in_worker]:
             self.agent.disconnect(peer)
         self._peers.clear()
         self._in_worker.clear()
+
+
+def _fenced_reason(leases: Leases, fence: int, part: int, parts: int) -> str:
+    why = leases.describe(fence, time.monotonic())
+    if part == 0:
+        return f"write lease of fence {fence} {why}: not posted"
+    return f"write lease of fence {fence} {why} before part {part + 1} of {parts}"
 
 
 def _backoff(idle_rounds: int) -> float:

@@ -1,0 +1,465 @@
+"""The sans-IO core of the data path: which chunks exist, where each one is, and what ends it.
+
+``ChunkLedger`` knows no NIXL, no asyncio, no threads and no clock. It is told what happened
+(a chunk accepted, posted, polled; a peer lost; a lease gone; a quarantine over; a room asking
+to release) with ``now`` passed in, and answers with *actions* that
+:class:`~kvfsm.transport.NixlTransport` executes: ``Post`` (hand the record to the poster),
+``Release`` (release every handle the record holds), ``Deliver`` (an event to a room),
+``StartQuarantine`` (call ``quarantine_over`` at ``until``) and ``Finish`` (release what is
+left, then deliver the record's final event). Decide first, then do IO.
+
+Rules
+-----
+
+A record is one accepted chunk. It moves through four phases, and only forward:
+
+    QUEUED --posted: in progress--> ACTIVE --polled: over--> FINAL
+      |                               |
+      |                               +--deadline | peer lost | lease gone | NIXL raised--> HELD
+      +--posted: over, or nothing posted--> FINAL                                          |
+      +--posted: part in flight and it failed, or its peer was lost--> HELD                |
+                                                                 quarantine over --> FINAL
+
+1. **Exactly one final event.** Every accepted record gets exactly one ``ChunkDone`` or
+   ``ChunkFailed`` (``Finish``), and then the ledger forgets it. A record refused at
+   acceptance is never stored and gets its ``Finish`` at once.
+2. **Final means settled** (law 4). A record becomes final only when none of its handles can
+   move another byte: every posted handle reported DONE or ERR, nothing was posted, or its
+   handles were released and a quarantine of ``quarantine_s`` is over. ``ChunkStalled`` (room
+   fails at once) precedes every quarantine; the ``ChunkFailed`` after it settles the pages.
+3. **Fences.** With leases configured, a chunk is accepted only with a valid lease on its
+   fence (fence 0 is refused: an unfenced chunk on a fenced transport). The poster checks the
+   lease again right before each part's ``transfer()``; a chunk stopped there before its
+   first part fails settled, one stopped after a part that is still in progress is held.
+   Before every progress of the agent the pump asks ``leases_checked``: an ACTIVE record whose
+   lease is gone is released and held at once, instead of waiting for its deadline.
+4. **Deadlines.** An ACTIVE record still in progress past ``due`` (``now`` at acceptance plus
+   ``deadline_s(nbytes)``) is released and held (``chunks_stalled``).
+5. **Errors.** ERR from NIXL means that handle writes nothing more: a chunk none of whose
+   handles is still in progress ends (``ChunkFailed`` if any errored). A chunk with a handle
+   still in progress waits for it, whatever its siblings say. NIXL raising on a record fails it
+   settled, unless a part is in flight or its peer is lost: then it is held (the error does not
+   end a WRITE already posted). Bad input found by the poster (``rejected``) fails settled.
+6. **Lost peers.** ``peer_lost`` tells every record of that peer generation's room
+   ``PeerLost``, marks each one dropped (the poster skips it if it has not reached it yet) and
+   holds the ACTIVE ones: their remote agent is about to be removed, after which NIXL says ERR
+   for reasons that say nothing about the WRITE. A record of a lost peer that comes back from
+   the poster with handles is held too. The generation is forgotten with its last record.
+7. **Release requests** (a room failed) only mark the room's records dropped: one the poster
+   has not reached yet is skipped and fails settled ("dropped"); a posted one is still polled
+   until it is over or hits a rule above. Handles belong to the ledger, not to rooms.
+
+Hot path: a chunk done inside ``transfer()`` costs ``accepted`` (one ``Post``) and ``posted``
+(one ``Finish``); a pump round costs one ``polled`` per ACTIVE record, which allocates nothing
+while the record stays in progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+from kvfsm.rooms._actor import RoomKey
+from kvfsm.states import ChunkDone, ChunkFailed, ChunkStalled, Event, PeerLost
+from kvfsm.transport._fence import Leases
+
+__all__ = [
+    "ACTIVE",
+    "ERR_REASON",
+    "FINAL",
+    "HELD",
+    "QUEUED",
+    "Action",
+    "ChunkLedger",
+    "Deliver",
+    "Finish",
+    "LedgerStats",
+    "Post",
+    "Record",
+    "Release",
+    "StartQuarantine",
+]
+
+# Phases (plain ints: compared once per record per pump round).
+QUEUED: Final = 1  # accepted, in the poster's hands
+ACTIVE: Final = 2  # posted, in progress: the pump's
+HELD: Final = 3  # released, quarantined
+FINAL: Final = 4  # final event decided; forgotten by the ledger
+
+_DONE: Final = "DONE"
+_PROC: Final = "PROC"
+#: Why a chunk failed when NIXL reported a handle's state as "ERR" (no exception to describe).
+ERR_REASON: Final = "NIXL reported the transfer as failed (ERR)"
+
+
+class Record:
+    """One chunk from acceptance until its final event. ``handles`` and ``states`` (one per
+    posted part) are written by the poster thread before it hands the record back; the rest
+    by the loop. The transport subclasses it with what the poster needs to post."""
+
+    __slots__ = (
+        "chunk",
+        "dropped",
+        "due",
+        "fence",
+        "handles",
+        "key",
+        "nbytes",
+        "peer",
+        "phase",
+        "reason",
+        "states",
+        "t0",
+    )
+
+    def __init__(self, key: RoomKey, chunk: int, peer: Hashable, nbytes: int, fence: int = 0):
+        self.key = key
+        self.chunk = chunk
+        #: The peer generation it writes to (identity matters, not equality).
+        self.peer: Any = peer
+        self.nbytes = nbytes
+        self.fence = fence
+        self.phase = 0  # not accepted yet
+        self.t0 = 0.0
+        self.due = 0.0
+        self.handles: list[Any] = []
+        self.states: list[str] = []
+        self.dropped = False
+        self.reason = ""  # why it is held
+
+    def __repr__(self) -> str:
+        return f"<Record room {self.key.room} chunk {self.chunk} phase {self.phase}>"
+
+
+# -- actions ------------------------------------------------------------------------------------
+
+
+class Post:
+    """Hand ``record`` to the poster thread."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+
+
+class Release:
+    """Release every handle ``record`` holds now (it may still move bytes; it is held)."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+
+
+class Deliver:
+    """Deliver ``event`` to the room ``key``."""
+
+    __slots__ = ("event", "key")
+
+    def __init__(self, key: RoomKey, event: Event) -> None:
+        self.key = key
+        self.event = event
+
+
+class StartQuarantine:
+    """Call ``ChunkLedger.quarantine_over(record)`` at ``until`` (the caller's clock); keep the
+    agent progressed meanwhile, so a released WRITE's queued bytes land early in it."""
+
+    __slots__ = ("record", "until")
+
+    def __init__(self, record: Record, until: float) -> None:
+        self.record = record
+        self.until = until
+
+
+class Finish:
+    """Release whatever handles ``record`` still holds, then deliver its final ``event``."""
+
+    __slots__ = ("event", "record")
+
+    def __init__(self, record: Record, event: ChunkDone | ChunkFailed) -> None:
+        self.record = record
+        self.event = event
+
+
+Action: TypeAlias = Post | Release | Deliver | StartQuarantine | Finish
+_NOTHING: Final[list[Action]] = []  # returned, never appended to
+
+
+@dataclass(slots=True)
+class LedgerStats:
+    """The ledger's counters (loop thread). ``TransportStats`` extends it."""
+
+    chunks_done: int = 0
+    chunks_failed: int = 0
+    chunks_rejected: int = 0  # bad input (the transport counts those refused at acceptance)
+    chunks_dropped: int = 0  # the room failed before the poster reached the chunk
+    chunks_stalled: int = 0  # past the deadline
+    chunks_fenced: int = 0  # stopped by an invalid lease (at acceptance, posting or in flight)
+    chunks_quarantined: int = 0
+    done_at_post: int = 0
+    bytes_done: int = 0
+
+
+class ChunkLedger:
+    """Records, the pump's active list, held records and lost peers; see the module rules.
+    Not thread-safe: the loop thread owns it."""
+
+    __slots__ = (
+        "_active",
+        "_deadline_s",
+        "_held",
+        "_leases",
+        "_lost",
+        "_quarantine_s",
+        "_records",
+        "stats",
+    )
+
+    def __init__(
+        self,
+        *,
+        deadline_s: Callable[[int], float],
+        quarantine_s: float,
+        leases: Leases | None = None,
+        stats: LedgerStats | None = None,
+    ) -> None:
+        self._deadline_s = deadline_s
+        self._quarantine_s = quarantine_s
+        self._leases = leases
+        self.stats = stats if stats is not None else LedgerStats()
+        self._records: set[Record] = set()  # accepted, not final
+        # ACTIVE records for the next pump round. Records held meanwhile are skipped, not
+        # removed (phase check), so a peer loss never scans this list.
+        self._active: list[Record] = []
+        self._held: set[Record] = set()
+        self._lost: dict[Any, int] = {}  # lost peer generation -> its records not final
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Records accepted and not final (held ones included)."""
+        return len(self._records)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    @property
+    def active(self) -> int:
+        """Records waiting for the next pump round (some may have been held meanwhile)."""
+        return len(self._active)
+
+    @property
+    def busy(self) -> bool:
+        """The pump has work: something is (or may be) in progress, or held."""
+        return bool(self._active or self._held)
+
+    def lost(self, peer: Hashable) -> bool:
+        return peer in self._lost
+
+    def records(self) -> list[Record]:
+        return list(self._records)
+
+    # -- what happened -------------------------------------------------------------------------
+
+    def accepted(self, record: Record, now: float) -> list[Action]:
+        """The transport validated ``record`` (loop thread, inside a room's command): post it,
+        or refuse it under rule 3. A refusal's ``Finish`` should be delivered after the
+        current callback (the room is mid-command)."""
+        record.t0 = now
+        record.due = now + self._deadline_s(record.nbytes)
+        leases = self._leases
+        if leases is not None:
+            fence = record.fence
+            if fence == 0:
+                return [self._refuse(record, "unfenced chunk on a fenced transport: not posted")]
+            if not leases.valid(fence, now):
+                why = leases.describe(fence, now)
+                return [self._refuse(record, f"write lease of fence {fence} {why}: not posted")]
+        record.phase = QUEUED
+        self._records.add(record)
+        return [Post(record)]
+
+    def posted(self, record: Record, now: float) -> list[Action]:
+        """The poster posted every part of ``record``, or skipped it (dropped)."""
+        if record.phase != QUEUED:
+            return self._stray(record)
+        states = record.states
+        if record.handles and record.peer in self._lost:
+            # Posted while its peer was being lost: its state means nothing now.
+            return self._hold(record, "peer lost while posting; released", now)
+        if not states:
+            self.stats.chunks_dropped += 1
+            return [self._finish(record, ChunkFailed(record.chunk, _DROPPED))]
+        if _PROC not in states:
+            if states.count(_DONE) != len(states):
+                return [self._finish(record, ChunkFailed(record.chunk, ERR_REASON))]
+            self.stats.done_at_post += 1
+            return [self._finish(record, ChunkDone(record.chunk))]
+        record.phase = ACTIVE
+        self._active.append(record)
+        return _NOTHING
+
+    def rejected(self, record: Record, reason: str) -> list[Action]:
+        """The poster found bad input before posting anything (a page out of range)."""
+        if record.phase != QUEUED:
+            return self._stray(record)
+        self.stats.chunks_rejected += 1
+        return [self._finish(record, ChunkFailed(record.chunk, reason))]
+
+    def fenced(self, record: Record, reason: str, now: float) -> list[Action]:
+        """The poster found the lease invalid right before a part's ``transfer()``: that part
+        and the later ones were not posted; ``record.states`` says what the earlier ones did."""
+        if record.phase != QUEUED:
+            return self._stray(record)
+        self.stats.chunks_fenced += 1
+        return self.errored(record, reason, now)
+
+    def errored(self, record: Record, reason: str, now: float) -> list[Action]:
+        """NIXL raised while posting ``record`` or checking its handles. A remote disconnect
+        is the caller's to report (``peer_lost``) first."""
+        if record.phase not in (QUEUED, ACTIVE):
+            return _NOTHING  # over or held meanwhile (its peer was lost first)
+        if record.handles and (record.peer in self._lost or _PROC in record.states):
+            # A part was posted and may still move bytes (an earlier part when a later one
+            # failed to post; any, once its peer is lost): the error does not end that WRITE.
+            return self._hold(record, f"{reason}; released", now)
+        return [self._finish(record, ChunkFailed(record.chunk, reason))]
+
+    def take_active(self) -> list[Record]:
+        """The pump's batch for one round; each one that is still ACTIVE goes to ``polled``."""
+        batch, self._active = self._active, []
+        return batch
+
+    def polled(self, record: Record, states: list[str], now: float) -> list[Action]:
+        """The pump checked every handle of ``record`` (``states``, in order)."""
+        if record.phase != ACTIVE:
+            return _NOTHING  # held or over meanwhile: its handles are released
+        if record.peer in self._lost:
+            return self._hold(record, "peer lost; released", now)
+        if _PROC not in states:
+            # Over: done, or errored. An errored handle writes nothing more, so the chunk
+            # fails settled; a chunk with a handle still in flight waits for it (or for its
+            # deadline) even if another of its handles errored.
+            if states.count(_DONE) != len(states):
+                return [self._finish(record, ChunkFailed(record.chunk, ERR_REASON))]
+            return [self._finish(record, ChunkDone(record.chunk))]
+        if now > record.due:
+            self.stats.chunks_stalled += 1
+            deadline = self._deadline_s(record.nbytes)
+            return self._hold(record, f"in flight past its {deadline:g}s deadline; released", now)
+        self._active.append(record)
+        return _NOTHING
+
+    def leases_checked(self, now: float) -> list[Action]:
+        """Before the pump progresses the agent: hold every ACTIVE record whose lease is gone.
+        Rule 3: progressing moves queued bytes of a progress-driven WRITE, and the owner may
+        already count on its pages."""
+        leases = self._leases
+        if leases is None or not self._active:
+            return _NOTHING
+        out: list[Action] | None = None
+        for record in self._active:
+            if record.phase == ACTIVE and not leases.valid(record.fence, now):
+                self.stats.chunks_fenced += 1
+                why = leases.describe(record.fence, now)
+                held = self._hold(record, f"write lease of fence {record.fence} {why}", now)
+                if out is None:
+                    out = held
+                else:
+                    out += held
+        return _NOTHING if out is None else out
+
+    def peer_lost(self, peer: Hashable, reason: str, now: float) -> list[Action]:
+        """The peer generation ``peer`` is gone (a remote disconnect); its remote agent is
+        about to be removed, so every handle to it is released first (rule 6)."""
+        out: list[Action] = []
+        count = 0
+        for record in self._records:
+            if record.peer is peer:
+                count += 1
+                out.append(Deliver(record.key, PeerLost(reason)))
+                record.dropped = True  # not posted yet: the poster skips it
+                if record.phase == ACTIVE:
+                    out += self._hold(record, f"peer lost ({reason}); released", now)
+        if count:
+            self._lost[peer] = count
+        return out
+
+    def quarantine_over(self, record: Record) -> list[Action]:
+        """The quarantine ``StartQuarantine`` asked for has passed."""
+        if record.phase != HELD:
+            return _NOTHING
+        self._held.discard(record)
+        over = f"{record.reason}; quarantine of {self._quarantine_s:g}s over"
+        return [self._finish(record, ChunkFailed(record.chunk, over))]
+
+    def release_requested(self, key: RoomKey) -> list[Action]:
+        """The room ``key`` failed and asks to release its chunks (rule 7)."""
+        for record in self._records:
+            if record.key == key:
+                record.dropped = True  # the poster skips it if it has not posted it yet
+        return _NOTHING
+
+    def drain(self) -> list[Record]:
+        """Shutdown: forget everything; the caller releases the returned records' handles.
+        No final events: the rooms are gone."""
+        records = list(self._records)
+        for record in records:
+            record.phase = FINAL
+        self._records.clear()
+        self._active.clear()
+        self._held.clear()
+        self._lost.clear()
+        return records
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _hold(self, record: Record, reason: str, now: float) -> list[Action]:
+        """Release now, tell the room it stalled, settle after the quarantine (rule 2)."""
+        record.phase = HELD
+        record.reason = reason
+        self._held.add(record)
+        self.stats.chunks_quarantined += 1
+        return [
+            Release(record),
+            Deliver(record.key, ChunkStalled(record.chunk, reason)),
+            StartQuarantine(record, now + self._quarantine_s),
+        ]
+
+    def _finish(self, record: Record, event: ChunkDone | ChunkFailed) -> Finish:
+        record.phase = FINAL
+        self._records.discard(record)
+        lost = self._lost
+        if lost:
+            left = lost.get(record.peer)
+            if left is not None:
+                if left > 1:
+                    lost[record.peer] = left - 1
+                else:
+                    del lost[record.peer]  # its last chunk is over: nothing left to judge
+        stats = self.stats
+        if type(event) is ChunkDone:
+            stats.chunks_done += 1
+            stats.bytes_done += record.nbytes
+        else:
+            stats.chunks_failed += 1
+        return Finish(record, event)
+
+    def _refuse(self, record: Record, reason: str) -> Finish:
+        record.phase = FINAL
+        self.stats.chunks_fenced += 1
+        self.stats.chunks_failed += 1
+        return Finish(record, ChunkFailed(record.chunk, reason))
+
+    def _stray(self, record: Record) -> list[Action]:
+        # The poster handed back a record the ledger no longer tracks (drained at shutdown):
+        # nothing to decide, but its handles must not leak.
+        return [Release(record)] if record.handles else _NOTHING
+
+
+_DROPPED: Final = "dropped: room failed before posting"

@@ -1,0 +1,340 @@
+"""Write fencing (law 4): ``Leases`` on its own, then on real NIXL (UCX, DRAM into another
+process) with a proxy around the agent that can hold the poster thread inside
+``make_prepped_xfer`` while the test revokes or outlives a lease, and can make a posted part
+report ``PROC`` (on this machine's CMA path every WRITE is over inside ``transfer()``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
+from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
+from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport, TransferConfig
+from kvfsm.transport._peer import (
+    PeerProcess,
+    Shape,
+    make_buffers,
+    make_layout,
+    page_digests,
+    wait_for,
+)
+from tests.transport.test_transport import RecordingControl
+
+SHAPE = Shape(layers=2, num_pages=64, page_bytes=1024, aux_rows=8, aux_row_bytes=64)
+CANARY = 0xAB
+FENCE = 7
+
+# -- Leases ----------------------------------------------------------------------------------
+
+
+def test_a_grant_extends_and_never_shortens() -> None:
+    leases = Leases()
+    assert not leases.valid(1, 0.0)
+    leases.grant(1, 10.0)
+    assert leases.valid(1, 9.99)
+    assert not leases.valid(1, 10.0)  # until is exclusive
+    leases.grant(1, 5.0)
+    assert leases.until(1) == 10.0
+    leases.grant(1, 12.0)
+    assert leases.until(1) == 12.0
+    assert leases.describe(1, 13.0) == "expired 1s ago"
+    leases.grant(1, 20.0)  # an expired lease may be extended by a (correctly anchored) grant
+    assert leases.valid(1, 13.0)
+    assert leases.stats.grants == 4
+
+
+def test_a_revoked_fence_never_comes_back() -> None:
+    leases = Leases()
+    leases.grant(3, 10.0)
+    leases.revoke(3)
+    assert not leases.valid(3, 0.0)
+    assert leases.until(3) == -math.inf
+    leases.grant(3, 100.0)  # a late grant, say one that sat in a socket buffer
+    assert not leases.valid(3, 0.0)
+    assert leases.describe(3, 0.0) == "revoked"
+    assert leases.stats.grants_refused == 1
+    assert leases.live == 0
+
+
+def test_revoked_fences_are_a_watermark_not_a_set() -> None:
+    leases = Leases()
+    leases.grant(1, 10.0)
+    leases.grant(2, 10.0)
+    leases.revoke(2)
+    assert leases.valid(1, 0.0)  # live below the watermark: untouched, still extendable
+    leases.grant(1, 20.0)
+    assert leases.until(1) == 20.0
+    leases.grant(3, 10.0)  # a newer link
+    assert leases.valid(3, 0.0)
+    leases.revoke(1)
+    assert leases.live == 1
+    for fence in (1, 2):
+        leases.grant(fence, 30.0)
+        assert not leases.valid(fence, 0.0)
+    assert leases.describe(4, 0.0) == "never granted"
+    for fence in range(4, 1000):  # many links over a process's life: storage stays flat
+        leases.grant(fence, 10.0)
+        leases.revoke(fence)
+    assert leases.live == 1  # only fence 3
+    assert len(leases._until) == 1
+
+
+def test_fence_zero_is_never_granted() -> None:
+    leases = Leases()
+    leases.grant(0, 10.0)
+    assert not leases.valid(0, 0.0)
+    assert leases.stats.grants_refused == 1
+
+
+# -- a NIXL proxy that holds the poster ---------------------------------------------------------
+
+
+class Gate:
+    """Wraps the raw NIXL agent (``AgentConfig.interpose``). ``hold_at`` = n holds the poster
+    thread in the n-th ``make_prepped_xfer`` (1-based) until ``release()``; ``stuck`` makes
+    every posted handle report PROC (its real transfer is over) until ``unstick()``."""
+
+    def __init__(self) -> None:
+        self.inner: Any = None
+        self.hold_at = 0
+        self.made = 0
+        self.transfers = 0
+        self.stuck = False
+        self.holding = threading.Event()
+        self._open = threading.Event()
+
+    def __call__(self, inner: Any) -> Gate:
+        self.inner = inner
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.inner.make_prepped_xfer(*args, **kwargs)
+        self.made += 1
+        if self.made == self.hold_at:
+            self.holding.set()
+            assert self._open.wait(30), "the test never released the poster"
+        return handle
+
+    def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> str:
+        self.transfers += 1
+        state = str(self.inner.transfer(handle, *args, **kwargs))
+        return "PROC" if self.stuck else state
+
+    def check_xfer_state(self, handle: Any) -> str:
+        state = str(self.inner.check_xfer_state(handle))
+        return "PROC" if self.stuck else state
+
+    def release(self) -> None:
+        self._open.set()
+
+    def unstick(self) -> None:
+        self.stuck = False
+
+
+class FencedPrefill:
+    """A prefill engine whose transport is fenced by ``leases``, through a :class:`Gate`."""
+
+    def __init__(self, peer: PeerProcess, config: TransferConfig | None = None) -> None:
+        self.kv, self.aux = make_buffers(SHAPE)
+        rng = np.random.default_rng(5)
+        for buf in (*self.kv, self.aux):
+            buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+        self.gate = Gate()
+        self.agent = Agent(
+            f"fenced-prefill-{os.getpid()}-{id(self)}",
+            make_layout(self.kv, self.aux),
+            AgentConfig(interpose=self.gate),
+        )
+        self.leases = Leases()
+        self.transport = NixlTransport(
+            self.agent, RecordingControl(), config or TransferConfig(), leases=self.leases
+        )
+        self.engine = RoomEngine(self.transport, RoomConfig()).start()
+        self.engine.call(self.transport.connect_peer("decode", peer.metadata, peer.summary))
+
+    def on_loop(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread (where leases are granted and revoked)."""
+
+        async def call() -> None:
+            fn(*args)
+
+        self.engine.call(call())
+
+    def grant(self, fence: int, seconds: float) -> None:
+        self.on_loop(self.leases.grant, fence, time.monotonic() + seconds)
+
+    def revoke(self, fence: int) -> None:
+        self.on_loop(self.leases.revoke, fence)
+
+    def room(
+        self, room: int, src: list[int], dst: list[int], *, fence: int = FENCE, aux: bool = False
+    ) -> SenderRoom:
+        """One room, one chunk; with ``aux`` its last chunk also writes aux row 1 -> row 2."""
+        sender = self.engine.sender(room)
+        packed = np.asarray(dst, np.int32).tobytes()
+        self.engine.post(sender.key, DestinationReceived(packed, 2, "decode", fence=fence))
+        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        sender.init(len(src), 1 if aux else -1)
+        sender.send(np.asarray(src, np.int32))
+        return sender
+
+    def close(self) -> None:
+        self.gate.release()
+        self.engine.close()
+        self.transport.close()
+        stats = self.transport.snapshot()
+        self.agent.close()
+        assert stats["handles_created"] == stats["handles_released"], stats
+        assert stats["in_flight"] == 0, stats
+        assert self.agent.peers_added == self.agent.peers_removed
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[PeerProcess]:
+    process = PeerProcess(SHAPE, name=f"fence-peer-{os.getpid()}")
+    yield process
+    process.close()
+
+
+@pytest.fixture
+def make(peer: PeerProcess) -> Iterator[list[FencedPrefill]]:
+    made: list[FencedPrefill] = []
+    yield made
+    for prefill in made:
+        prefill.close()
+
+
+def untouched(peer: PeerProcess, pages: list[int]) -> bool:
+    """Every byte of decode's ``pages`` (all K and V buffers) is still the canary."""
+    filled = [np.full((1, SHAPE.page_bytes), CANARY, np.uint8)] * (2 * SHAPE.layers)
+    canary = page_digests(filled, np.zeros(1, np.int32))[0]
+    return bool(peer.ask("digests", np.asarray(pages, np.int32).tobytes()) == [canary] * len(pages))
+
+
+def landed(prefill: FencedPrefill, peer: PeerProcess, src: list[int], dst: list[int]) -> bool:
+    got = peer.ask("digests", np.asarray(dst, np.int32).tobytes())
+    return bool(got == page_digests(prefill.kv, np.asarray(src, np.int32)))
+
+
+def test_a_valid_lease_lets_the_chunk_through(make: list[FencedPrefill], peer: PeerProcess) -> None:
+    prefill = FencedPrefill(peer)
+    make.append(prefill)
+    prefill.grant(FENCE, 30.0)
+    sender = prefill.room(1, [3, 4], [10, 11], aux=True)
+    wait_for(lambda: sender.poll() in TERMINAL)
+    assert sender.poll() is KVPoll.Success, sender.reason
+    assert landed(prefill, peer, [3, 4], [10, 11])
+    assert peer.ask("aux", 2) == prefill.aux[1].tobytes()
+    assert prefill.transport.stats.chunks_fenced == 0
+
+
+@pytest.mark.parametrize("how", ["revoked", "expired"])
+def test_a_chunk_whose_lease_goes_while_it_is_queued_is_never_written(
+    make: list[FencedPrefill], peer: PeerProcess, how: str
+) -> None:
+    """The incident: the writer is held (here: inside make_prepped_xfer, deterministically)
+    with a chunk it accepted under a valid lease; meanwhile the lease goes. When the writer
+    moves again, nothing is posted, and the chunk fails settled."""
+    prefill = FencedPrefill(peer)
+    make.append(prefill)
+    assert peer.ask("fill", CANARY)
+    prefill.grant(FENCE, 1.0 if how == "expired" else 30.0)
+    prefill.gate.hold_at = 1
+    sender = prefill.room(2, [5, 6, 7], [20, 21, 22])
+    assert prefill.gate.holding.wait(10)  # accepted, and the poster is inside the first part
+    if how == "revoked":
+        prefill.revoke(FENCE)
+    else:
+        time.sleep(max(0.0, prefill.leases.until(FENCE) - time.monotonic()) + 0.05)
+    prefill.gate.release()
+    wait_for(lambda: sender.poll() in TERMINAL)
+    assert sender.poll() is KVPoll.Failed
+    assert f"write lease of fence {FENCE} {how}" in sender.reason, sender.reason
+    assert "not posted" in sender.reason
+    wait_for(lambda: sender.settled)  # nothing was written: settled at once, no quarantine
+    assert prefill.gate.transfers == 0
+    assert untouched(peer, [20, 21, 22])
+    stats = prefill.transport.stats
+    assert stats.chunks_fenced == 1
+    assert stats.chunks_quarantined == 0
+
+
+def test_a_chunk_without_a_valid_lease_is_refused_before_the_poster(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    prefill = FencedPrefill(peer)
+    make.append(prefill)
+    assert peer.ask("fill", CANARY)
+    prefill.grant(FENCE, 30.0)
+    prefill.revoke(FENCE)
+    sender = prefill.room(3, [1], [30])
+    unfenced = prefill.room(4, [2], [31], fence=0)
+    wait_for(lambda: sender.poll() in TERMINAL and unfenced.poll() in TERMINAL)
+    assert "write lease of fence 7 revoked: not posted" in sender.reason
+    assert "unfenced chunk on a fenced transport" in unfenced.reason
+    wait_for(lambda: sender.settled and unfenced.settled)
+    assert prefill.gate.made == 0  # not even a handle
+    assert untouched(peer, [30, 31])
+
+
+def test_a_lease_gone_after_one_part_is_posted_holds_the_chunk(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    """The kv part is posted and (as the proxy says) still in flight when the lease goes before
+    the aux part: the aux part is never posted, and the chunk is released and quarantined,
+    because the kv part's bytes may still move."""
+    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
+    prefill = FencedPrefill(peer, config)
+    make.append(prefill)
+    assert peer.ask("fill", CANARY)
+    prefill.grant(FENCE, 30.0)
+    prefill.gate.stuck = True
+    prefill.gate.hold_at = 2  # the aux part's handle
+    sender = prefill.room(5, [8], [40], aux=True)
+    assert prefill.gate.holding.wait(10)
+    prefill.revoke(FENCE)
+    prefill.gate.release()
+    wait_for(lambda: sender.poll() in TERMINAL)
+    assert sender.poll() is KVPoll.Failed
+    assert "stalled" in sender.reason, sender.reason
+    assert f"write lease of fence {FENCE} revoked before part 2 of 2" in sender.reason
+    assert not sender.settled  # quarantined: the kv part may still be moving
+    wait_for(lambda: sender.settled, timeout=10)
+    assert prefill.gate.transfers == 1
+    assert peer.ask("aux", 2) == bytes([CANARY]) * SHAPE.aux_row_bytes  # never posted
+    assert prefill.transport.stats.chunks_quarantined == 1
+
+
+def test_an_in_flight_chunk_whose_lease_goes_is_released_before_its_deadline(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
+    prefill = FencedPrefill(peer, config)
+    make.append(prefill)
+    prefill.grant(FENCE, 30.0)
+    prefill.gate.stuck = True  # posted, and in flight for as long as the proxy says so
+    sender = prefill.room(6, [9], [41])
+    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    assert sender.poll() is KVPoll.Transferring
+    start = time.monotonic()
+    prefill.revoke(FENCE)
+    wait_for(lambda: sender.poll() in TERMINAL)
+    assert time.monotonic() - start < 5.0  # the pump's lease check, not the 30 s deadline
+    assert f"write lease of fence {FENCE} revoked" in sender.reason, sender.reason
+    assert "stalled" in sender.reason
+    assert not sender.settled
+    wait_for(lambda: sender.settled, timeout=10)
+    stats = prefill.transport.stats
+    assert stats.chunks_fenced == 1
+    assert stats.chunks_stalled == 0  # not a deadline
