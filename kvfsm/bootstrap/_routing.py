@@ -25,10 +25,10 @@ Claims (law 3).
     deadline. ``RoomMetadata`` without a claim is a claim plus metadata.
 
 Duplicates.
-    A claim for a room whose live sender is already bound to another decode room is refused
-    (Failed + Settled: nothing was written), and the bound one is untouched; except a newer
-    generation on the same link after decode aborted the bound one (an id reused at once), which
-    is held for the next sender of that id.
+    A claim for a room whose live sender is already bound to another decode room, or for which
+    another link's claim is held, is refused (Failed + Settled: nothing was written), and the
+    first is untouched; except a newer generation on the same link after decode aborted the
+    bound one (an id reused at once), which is held for the next sender of that id.
 
 Ends (law 4).
     A sender's outcome goes to its bound decode room. Success unbinds (every write landed). A
@@ -444,6 +444,10 @@ class PrefillRouting:
                     Send(link, RoomOutcome(room, gen, _FAILED, tombstone[1])),
                     Send(link, RoomSettled(room, gen)),
                 ]
+        if any(held.link != link for held in self._held.get(room, ())):
+            # Another decode already waits for this id: ids come from clients and can collide.
+            # The first keeps its claim (a newer generation on one link is a reuse: it waits).
+            return self._refuse(link, room, gen, "another receiver already waits for it")
         if state.held >= self.config.pending_max:
             self.stats["pending_dropped"] += 1
             return self._answer_failed(link, room, gen, "prefill holds too many rooms' claims")

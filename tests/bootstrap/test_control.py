@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
-from kvfsm.rooms import ReceiverRoom, RoomEngine
+from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.transport import Agent
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
@@ -25,7 +25,12 @@ FAST = ChannelConfig(heartbeat_s=0.2)
 
 
 class Decode:
-    def __init__(self, port: dict[str, int], config: ChannelConfig = FAST) -> None:
+    def __init__(
+        self,
+        port: dict[str, int],
+        config: ChannelConfig = FAST,
+        rooms: RoomConfig | None = None,
+    ) -> None:
         self.kv, self.aux = make_buffers(SHAPE)
         self.expected_kv, self.expected_aux = make_buffers(SHAPE)
         fill_sources(self.expected_kv, self.expected_aux)
@@ -35,7 +40,7 @@ class Decode:
             return "127.0.0.1", port["port"]
 
         self.control = ControlPlane("decode", 0, self.agent, resolver=resolve, config=config)
-        self.engine = RoomEngine(self.control).start()
+        self.engine = RoomEngine(self.control, rooms).start()
         self.engine.call(self.control.started())
 
     def receive(self, room: int, dst: list[int], aux_row: int) -> ReceiverRoom:
@@ -154,6 +159,9 @@ def test_prefill_found_through_the_registry_killed_then_restarted(registry_url: 
         # A killed process's socket closes at once; the slack is for a loaded 2-vCPU machine.
         assert time.monotonic() - killed < FAST.silence_s + 3.0
         assert all("peer lost" in r.reason for r in waiting)
+        # Their pages settle once the last write lease the lost link granted has run out, not
+        # after a guess of how long a dead prefill might still write.
+        wait_for(lambda: all(r.settled for r in waiting), timeout=FAST.settle_after_loss_s + 5)
 
         # The restarted rank registers its new port and incarnation; decode finds it again.
         prefill = PrefillProcess(FAST, registry_url)

@@ -130,6 +130,17 @@ def test_a_second_receiver_from_another_decode_is_refused_and_the_first_untouche
     assert prefill.bound_to(A) == [S1]
 
 
+def test_a_claim_from_another_decode_for_a_held_id_is_refused(prefill: PrefillRouting) -> None:
+    assert prefill.on_metadata(A, metadata(gen=1), 0.0) == []
+    outcome, settled = sends(prefill.on_metadata(B, metadata(gen=9), 0.1), B)
+    assert isinstance(outcome, RoomOutcome)
+    assert "duplicate room id 7" in outcome.reason
+    assert settled == RoomSettled(7, 9)
+    ((key, _),) = delivered(prefill.sender_spawned(S1, 0.2))  # the first keeps its claim
+    assert key == S1
+    assert prefill.bound_to(A) == [S1]
+
+
 def test_held_claims_are_capped_per_link_not_shared(prefill: PrefillRouting) -> None:
     for room in range(CONFIG.pending_max):
         assert prefill.on_claim(A, RoomClaim(room + 100, 1), 0.0) == []
