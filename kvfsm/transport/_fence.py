@@ -21,12 +21,14 @@ Rules:
   ignored, whenever it arrives (a grant may sit in a socket buffer across a freeze).
 * ``valid(fence, now)`` (any thread) is one dict read, atomic under the GIL: no lock, so the
   poster can ask right before every ``transfer()`` at the cost of about 0.1 us.
-* Bounded: only fences granted and not yet revoked are stored. Revoked ones are remembered by a
-  watermark, the highest fence id ever revoked; a fence id at or below it that is not live is
-  refused. That needs fence ids to grow and a fence's first grant to come before any higher
-  fence is revoked, which holds for link generations granted when the link is set up. Every
-  granted fence must be revoked eventually (the control plane does it when the link ends);
-  an expired fence stays stored (a late grant may still extend it) until then.
+* Bounded: fences granted and not yet revoked are stored (every granted fence must be revoked
+  eventually; the control plane does it when the link ends, and an expired fence stays stored
+  until then, since a late but correctly anchored grant may still extend it). The last
+  ``REVOKED_KEPT`` revoked ids are kept exactly; older ones fold into a watermark, the highest
+  id evicted, at or below which a fence that is not live is refused. Fence ids grow (link
+  generations), so the watermark only ever refuses a fence whose first grant is still
+  pending after ``REVOKED_KEPT`` newer fences were revoked: a link's first grant takes one
+  round trip, so a newer link lost meanwhile is fine, thousands are not plausible.
 
 What the fence does not cover (``python -m tests.transport.fence_probe``; 2 vCPUs, NIXL 1.5.1,
 details in ``docs/fencing-notes.md``), so the owner's grace must:
@@ -52,7 +54,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FenceError", "LeaseStats", "Leases"]
+__all__ = ["REVOKED_KEPT", "FenceError", "LeaseStats", "Leases"]
+
+#: Revoked fence ids remembered one by one; older ones are folded into the watermark.
+REVOKED_KEPT = 4096
 
 
 class FenceError(Exception):
@@ -73,18 +78,19 @@ class Leases:
     """Write leases granted by page owners, one per fence id (the control plane uses its link
     generation)."""
 
-    __slots__ = ("_until", "_watermark", "stats")
+    __slots__ = ("_revoked", "_until", "_watermark", "stats")
 
     def __init__(self) -> None:
         self._until: dict[int, float] = {}  # live: granted, not revoked
-        self._watermark = 0  # every fence id <= this one that is not live is revoked
+        self._revoked: dict[int, None] = {}  # the last REVOKED_KEPT revoked, oldest first
+        self._watermark = 0  # every fence id <= this one that is not live counts as revoked
         self.stats = LeaseStats()
 
     def grant(self, fence: int, until: float) -> None:
         """Loop thread. Extend ``fence`` to ``until`` (``time.monotonic()``); never shortens."""
         current = self._until.get(fence)
         if current is None:
-            if fence <= self._watermark or fence == 0:
+            if self._revoked_or_zero(fence):
                 self.stats.grants_refused += 1
                 return
             current = -math.inf
@@ -95,8 +101,15 @@ class Leases:
     def revoke(self, fence: int) -> None:
         """Loop thread. ``fence`` is invalid from now on, for ever."""
         self._until.pop(fence, None)
-        self._watermark = max(self._watermark, fence)
         self.stats.revokes += 1
+        if fence <= self._watermark:
+            return
+        revoked = self._revoked
+        revoked[fence] = None
+        if len(revoked) > REVOKED_KEPT:
+            oldest = next(iter(revoked))
+            del revoked[oldest]
+            self._watermark = max(self._watermark, oldest)
 
     def valid(self, fence: int, now: float) -> bool:
         """Any thread, lock-free: may a WRITE under ``fence`` be posted at ``now``?"""
@@ -113,9 +126,12 @@ class Leases:
             if until > now:
                 return "valid"
             return f"expired {now - until:.3g}s ago"
-        if 0 < fence <= self._watermark:
+        if fence != 0 and self._revoked_or_zero(fence):
             return "revoked"
         return "never granted"
+
+    def _revoked_or_zero(self, fence: int) -> bool:
+        return fence == 0 or fence <= self._watermark or fence in self._revoked
 
     @property
     def live(self) -> int:

@@ -18,6 +18,7 @@ import pytest
 from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport, TransferConfig
+from kvfsm.transport._fence import REVOKED_KEPT
 from kvfsm.transport._peer import (
     PeerProcess,
     Shape,
@@ -64,27 +65,36 @@ def test_a_revoked_fence_never_comes_back() -> None:
     assert leases.live == 0
 
 
-def test_revoked_fences_are_a_watermark_not_a_set() -> None:
+def test_a_fence_first_granted_after_a_newer_one_was_revoked_is_accepted() -> None:
+    """Link 5's first grant takes a round trip; link 6 may be lost meanwhile."""
+    leases = Leases()
+    leases.grant(6, 10.0)
+    leases.revoke(6)
+    leases.grant(5, 10.0)
+    assert leases.valid(5, 0.0)
+    assert not leases.valid(6, 0.0)
+
+
+def test_revoked_fences_stay_bounded_and_stay_revoked() -> None:
     leases = Leases()
     leases.grant(1, 10.0)
     leases.grant(2, 10.0)
     leases.revoke(2)
-    assert leases.valid(1, 0.0)  # live below the watermark: untouched, still extendable
-    leases.grant(1, 20.0)
+    leases.grant(1, 20.0)  # a live fence below a revoked one: untouched, still extendable
     assert leases.until(1) == 20.0
-    leases.grant(3, 10.0)  # a newer link
-    assert leases.valid(3, 0.0)
-    leases.revoke(1)
-    assert leases.live == 1
-    for fence in (1, 2):
-        leases.grant(fence, 30.0)
-        assert not leases.valid(fence, 0.0)
-    assert leases.describe(4, 0.0) == "never granted"
-    for fence in range(4, 1000):  # many links over a process's life: storage stays flat
+    first = 100
+    for fence in range(first, first + 3 * REVOKED_KEPT):  # links over a process's life
         leases.grant(fence, 10.0)
         leases.revoke(fence)
-    assert leases.live == 1  # only fence 3
+    assert leases.live == 1  # only fence 1
     assert len(leases._until) == 1
+    assert len(leases._revoked) == REVOKED_KEPT
+    for fence in (2, first, first + 3 * REVOKED_KEPT - 1):  # folded into the watermark, or kept
+        leases.grant(fence, 30.0)
+        assert not leases.valid(fence, 0.0), fence
+        assert leases.describe(fence, 0.0) == "revoked"
+    assert leases.valid(1, 0.0)
+    assert leases.describe(first + 3 * REVOKED_KEPT, 0.0) == "never granted"
 
 
 def test_fence_zero_is_never_granted() -> None:
