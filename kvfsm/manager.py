@@ -43,7 +43,7 @@ from kvfsm.bootstrap._registry import (
 )
 from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine, SenderRoom
 from kvfsm.status import StatusServer
-from kvfsm.transport import Agent, AgentConfig, Layout, NixlTransport, TransferConfig
+from kvfsm.transport import Agent, AgentConfig, Layout, Leases, NixlTransport, TransferConfig
 
 __all__ = ["DecodeManager", "ManagerConfig", "PrefillManager", "default_agent_name"]
 
@@ -231,8 +231,10 @@ class PrefillManager(_Manager):
             config=config,
             name=name,
         )
+        # Fenced: every chunk is posted only under the write lease of the decode link that sent
+        # its pages (law 4), checked right before the post.
         self.transport = NixlTransport(
-            self.agent, config=self.config.transfer, observer=self.metrics
+            self.agent, config=self.config.transfer, observer=self.metrics, leases=Leases()
         )
         self._registration_task: asyncio.Task[None] | None = None
         try:

@@ -166,7 +166,7 @@ class _Link:
     """One live connection after the Hello exchange (loop side). ``generation`` names it to the
     routing core, and is the fence id of the writes made under its leases."""
 
-    __slots__ = ("closed", "generation", "hello", "key", "last_seen", "outbox", "peer_id")
+    __slots__ = ("closed", "error", "generation", "hello", "key", "last_seen", "outbox", "peer_id")
 
     def __init__(self, hello: Hello, generation: int, peer_id: str, now: float) -> None:
         self.key: int | str = peer_id
@@ -176,6 +176,9 @@ class _Link:
         self.last_seen = now
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.closed = False
+        #: The peer's last Error frame that named no room (a refusal of the link itself, such as
+        #: NIXL refusing our agent): it is the reason the link is lost, if it is.
+        self.error = ""
 
 
 class ControlPlane:
@@ -199,8 +202,9 @@ class ControlPlane:
         resolver: Resolver | None = None,
         config: ChannelConfig | None = None,
     ) -> None:
-        if role == "prefill" and transport is None:
-            raise ValueError("a prefill control plane needs its NixlTransport")
+        if role == "prefill" and (transport is None or transport.leases is None):
+            # Unfenced writes would break law 4 under a freeze: refuse to run that way.
+            raise ValueError("a prefill control plane needs its NixlTransport, with leases")
         if role == "decode" and resolver is None:
             raise ValueError("a decode control plane needs a resolver for prefill ranks")
         self.role = role
@@ -642,6 +646,8 @@ class ControlPlane:
         if self._links.get(link.key) is link:
             del self._links[link.key]
         self._by_generation.pop(link.generation, None)
+        if link.error:
+            reason = f"{reason} (the peer said: {link.error})"
         _log.warning("control link lost: %s", reason)
         core = self._prefill if self._prefill is not None else self._decode
         assert core is not None
@@ -669,6 +675,8 @@ class ControlPlane:
                 actions = prefill.on_reconcile(gen, frame)
             elif isinstance(frame, Error):
                 _log.warning("peer %s reported: %s", link.peer_id, frame.reason)
+                if frame.room is None:
+                    link.error = frame.reason
                 actions = prefill.on_error(gen, frame)
         else:
             assert decode is not None
@@ -682,6 +690,8 @@ class ControlPlane:
                 actions = decode.on_abort(gen, frame)
             elif isinstance(frame, Error):
                 _log.warning("peer %s reported: %s", link.peer_id, frame.reason)
+                if frame.room is None:
+                    link.error = frame.reason
                 actions = decode.on_error(gen, frame)
         if actions is None:
             # A valid frame that this role never receives: the peer is confused, not hostile.

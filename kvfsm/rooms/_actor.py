@@ -38,9 +38,11 @@ from kvfsm.rooms._core import Claim, RoomCore
 from kvfsm.states import (
     SETTLEMENT_EVENTS,
     TERMINAL,
+    AbortRequested,
     Command,
     DeadlineExpired,
     Event,
+    EventRejected,
     KVPoll,
     MetadataSubmitted,
     Role,
@@ -126,6 +128,7 @@ class Room:
         "_overflowed",
         "_settle_expired",
         "_loop",
+        "ending",
     )
 
     def __init__(
@@ -154,6 +157,9 @@ class Room:
         self._sink = registry.sink
         self._deadlines = deadlines
         self._mailbox: deque[Event] = deque()
+        #: An abort (or a rejection) is queued: the room is as good as Failed, and a new room
+        #: may reuse its id at once (the caller's abort() already reads Failed).
+        self.ending = False
         self._bound = mailbox_size
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -177,6 +183,8 @@ class Room:
             self._wake()
             return
         self._mailbox.append(event)
+        if type(event) is AbortRequested or type(event) is EventRejected:
+            self.ending = True
         self._wake()
 
     def _wake(self) -> None:

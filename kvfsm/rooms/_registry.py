@@ -82,7 +82,9 @@ class Registry:
         current = self._current.get((role, key.room))
         if current is not None:
             live = self._rooms.get(current)
-            if live is not None and live.core.state not in TERMINAL:
+            # A room with an abort queued is ending: its id may be reused now, as SGLang does
+            # right after abort() (the two generations never meet: law 5).
+            if live is not None and live.core.state not in TERMINAL and not live.ending:
                 self.stats.duplicates_refused += 1
                 raise DuplicateRoomError(
                     f"{role.value} room {key.room} is already live "

@@ -1,6 +1,10 @@
 """A prefill rank in its own OS process, for control-plane tests: an engine with a NixlTransport
 and a listening ControlPlane, driven by a scripted scheduler that the parent commands over a pipe.
 
+Its transport is fenced (``Leases``): every chunk is posted only under a valid lease of the decode
+link that sent the pages. ``slow_post_s`` delays every ``make_prepped_xfer`` on the poster thread
+(a queue of chunks then waits there, as under load), for the freeze tests.
+
 Commands: ``("send", room, src_pages, chunks, src_aux)``: create a sender room for ``room`` and,
 once decode's metadata has made it WaitingForInput, init it and send its pages in ``chunks``
 chunks; ``("abort", room)``; ``("status", room)`` -> (status int, reason, settled);
@@ -24,7 +28,7 @@ from kvfsm._child import ChildProcess
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import KVPoll
-from kvfsm.transport import Agent, NixlTransport
+from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport
 from kvfsm.transport._peer import Shape, make_buffers, make_layout
 
 SHAPE = Shape(layers=2, num_pages=256, page_bytes=2048, aux_rows=32, aux_row_bytes=128)
@@ -83,12 +87,32 @@ def _register(control: ControlPlane, url: str) -> Any:
     return start()
 
 
-def _serve(conn: Connection, config: ChannelConfig, bootstrap_url: str | None) -> None:
+class _SlowPosts:
+    """The raw NIXL agent, with a pause before every transfer is made (poster thread)."""
+
+    def __init__(self, nixl: Any, delay_s: float) -> None:
+        self._nixl = nixl
+        self._delay_s = delay_s
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self._delay_s)
+        return self._nixl.make_prepped_xfer(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nixl, name)
+
+
+def _serve(
+    conn: Connection, config: ChannelConfig, bootstrap_url: str | None, slow_post_s: float
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     kv, aux = make_buffers(SHAPE)
     fill_sources(kv, aux)
-    agent = Agent(f"prefill-{os.getpid()}", make_layout(kv, aux))
-    transport = NixlTransport(agent)
+    agent_config = AgentConfig()
+    if slow_post_s:
+        agent_config = AgentConfig(interpose=lambda nixl: _SlowPosts(nixl, slow_post_s))
+    agent = Agent(f"prefill-{os.getpid()}", make_layout(kv, aux), agent_config)
+    transport = NixlTransport(agent, leases=Leases())
     control = ControlPlane("prefill", 0, agent, transport=transport, config=config)
     engine = RoomEngine(control).start()
     engine.call(control.started())
@@ -129,6 +153,10 @@ def _serve(conn: Connection, config: ChannelConfig, bootstrap_url: str | None) -
                 conn.send((int(sender.poll()), sender.reason, sender.settled))
             elif op == "stats":
                 conn.send(dict(control.stats))
+            elif op == "transport":
+                conn.send(transport.snapshot())
+            elif op == "entries":
+                conn.send(engine.call(_entries(control)))
     except (EOFError, OSError):
         pass
     finally:
@@ -140,7 +168,13 @@ def _serve(conn: Connection, config: ChannelConfig, bootstrap_url: str | None) -
         agent.close()
 
 
+async def _entries(control: ControlPlane) -> dict[str, int]:
+    return control.entries()
+
+
 class PrefillProcess(ChildProcess):
-    def __init__(self, config: ChannelConfig, bootstrap_url: str | None = None) -> None:
-        super().__init__(_serve, config, bootstrap_url, what="prefill")
+    def __init__(
+        self, config: ChannelConfig, bootstrap_url: str | None = None, slow_post_s: float = 0.0
+    ) -> None:
+        super().__init__(_serve, config, bootstrap_url, slow_post_s, what="prefill")
         self.port: int = self.greeting

@@ -28,7 +28,7 @@ from kvfsm.bootstrap._frames import (
 )
 from kvfsm.rooms import RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
-from kvfsm.transport import Agent, NixlTransport
+from kvfsm.transport import Agent, Leases, NixlTransport
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.bootstrap.test_control import Decode
@@ -41,7 +41,7 @@ class LivePrefill:
         self.kv, self.aux = make_buffers(SHAPE)
         fill_sources(self.kv, self.aux)
         self.agent = Agent(f"fuzz-prefill-{os.getpid()}", make_layout(self.kv, self.aux))
-        self.transport = NixlTransport(self.agent)
+        self.transport = NixlTransport(self.agent, leases=Leases())
         self.control = ControlPlane(
             "prefill",
             0,

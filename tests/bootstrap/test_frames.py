@@ -28,11 +28,18 @@ from kvfsm.bootstrap._frames import (
     FrameReader,
     Heartbeat,
     Hello,
+    LeaseGrant,
+    LeaseRequest,
+    Reconcile,
     RoomAbort,
+    RoomClaim,
     RoomMetadata,
     RoomOutcome,
     RoomSettled,
     check_hello,
+    clip_reason,
+    pack_refs,
+    unpack_refs,
 )
 
 SECRET = b"correct horse battery staple!!!!"
@@ -46,6 +53,12 @@ FRAMES: list[Frame] = [
     Hello(PROTOCOL_VERSION, "prefill", 0, "p", b"", b"", 0),
     Heartbeat(0),
     Heartbeat(MAX63),
+    LeaseRequest(1),
+    LeaseGrant(1, 2000),
+    RoomClaim(7, 1),
+    RoomClaim(MAX63, MAX63),
+    Reconcile(b""),
+    Reconcile(pack_refs([(7, 1), (MAX63, MAX63)])),
     RoomMetadata(7, 1, bytes(range(16)), 5),
     RoomMetadata(MAX63, MAX63, b"", 0, b"\x01\x00\x00\x00"),
     RoomMetadata(0, 0, bytes(4 * 4096), 2**31 - 1, bytes(8)),
@@ -226,8 +239,11 @@ def test_invalid_hello_is_fatal(changes: dict[str, Any], message: str) -> None:
 
 def test_hello_of_another_version_is_a_fatal_version_mismatch() -> None:
     # A future Hello may carry fields this version does not know: the version still wins.
-    theirs = _with(HELLO_FIELDS, version=2, nonce=b"\x00" * 16)
-    mismatch = "the peer speaks version 2, this side speaks version 1"
+    theirs = _with(HELLO_FIELDS, version=PROTOCOL_VERSION + 1, nonce=b"\x00" * 16)
+    mismatch = (
+        f"the peer speaks version {PROTOCOL_VERSION + 1}, this side speaks version "
+        f"{PROTOCOL_VERSION}"
+    )
     with pytest.raises(FrameError, match=mismatch) as info:
         FrameCodec().decode(body(theirs))
     assert info.value.fatal
@@ -235,7 +251,9 @@ def test_hello_of_another_version_is_a_fatal_version_mismatch() -> None:
 
 def test_check_hello() -> None:
     check_hello(HELLO)
-    with pytest.raises(FrameError, match="peer speaks version 7, this side speaks version 1") as e:
+    with pytest.raises(
+        FrameError, match=f"peer speaks version 7, this side speaks version {PROTOCOL_VERSION}"
+    ) as e:
         check_hello(Hello(7, "prefill", 0, "p", b"", b"", 0))
     assert e.value.fatal
     assert e.value.room is None
@@ -679,3 +697,29 @@ def test_fuzz_mutated_streams_to_reader(
         assert all(item is reader.failed for item in out[fatal[0] :])
     if mutated == stream:
         assert out == frames
+
+
+def test_reconcile_refs_round_trip_and_ragged_ones_are_refused() -> None:
+    refs = [(0, 0), (7, 1), (MAX63, MAX63)]
+    assert unpack_refs(Reconcile(pack_refs(refs)).rooms) == refs
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Reconcile(b"\x00" * 15)
+    bad = FrameCodec().encode(Reconcile(b"")).replace(b"\xa5rooms\xc4\x00", b"\xa5rooms\xc4\x01x")
+    with pytest.raises(FrameError, match="multiple of 16"):
+        FrameCodec().decode(bad[4:])
+
+
+def test_a_lease_grant_must_name_a_positive_bounded_lease() -> None:
+    codec = FrameCodec()
+    for lease_ms in (0, 3_600_001):
+        wire = body({"t": "LeaseGrant", "seq": 1, "lease_ms": lease_ms})
+        with pytest.raises(FrameError, match="lease_ms"):
+            codec.decode(wire)
+
+
+def test_a_long_reason_is_clipped_to_fit_a_frame_not_refused() -> None:
+    reason = clip_reason("x" * 5000)
+    assert len(reason) == 1024
+    assert FrameCodec().decode(FrameCodec().encode(RoomAbort(1, 1, reason))[4:]) == RoomAbort(
+        1, 1, reason
+    )

@@ -80,14 +80,14 @@ def test_a_claim_before_the_sender_binds_it_when_it_spawns(prefill: PrefillRouti
     assert prefill.on_claim(A, RoomClaim(7, 1), 0.0) == []
     assert prefill.sender_spawned(S1, 0.1) == []
     assert prefill.bound_to(A) == [S1]
-    (key, event), = delivered(prefill.on_metadata(A, metadata(), 0.2))
+    ((key, event),) = delivered(prefill.on_metadata(A, metadata(), 0.2))
     assert key == S1
     assert event == DestinationReceived(PAGES, 3, "decode-0-1", b"", A)  # fenced by link A
 
 
 def test_a_page_list_without_a_claim_is_a_claim_too(prefill: PrefillRouting) -> None:
     assert prefill.on_metadata(A, metadata(), 0.0) == []
-    (key, event), = delivered(prefill.sender_spawned(S1, 0.1))
+    ((key, event),) = delivered(prefill.sender_spawned(S1, 0.1))
     assert key == S1
     assert isinstance(event, DestinationReceived)
     assert event.fence == A
@@ -204,9 +204,7 @@ def test_a_sender_failed_before_any_claim_answers_the_claim_when_it_comes(
 
 
 def test_an_early_abort_is_acknowledged_and_fails_the_next_sender(prefill: PrefillRouting) -> None:
-    assert prefill.on_abort(A, RoomAbort(7, 1, "client gone"), 0.0) == [
-        Send(A, RoomSettled(7, 1))
-    ]
+    assert prefill.on_abort(A, RoomAbort(7, 1, "client gone"), 0.0) == [Send(A, RoomSettled(7, 1))]
     assert delivered(prefill.sender_spawned(S1, 0.5)) == [
         (S1, AbortRequested("client gone", origin="peer"))
     ]
@@ -219,7 +217,7 @@ def test_an_id_reused_after_an_early_abort_is_not_killed_by_it(prefill: PrefillR
     prefill.on_abort(A, RoomAbort(7, 1, "client gone"), 0.0)
     prefill.on_claim(A, RoomClaim(7, 2), 0.1)  # generation 2 reuses the id
     assert prefill.sender_spawned(S2, 0.2) == []
-    (key, event), = delivered(prefill.on_metadata(A, metadata(gen=2), 0.3))
+    ((key, event),) = delivered(prefill.on_metadata(A, metadata(gen=2), 0.3))
     assert key == S2
     assert isinstance(event, DestinationReceived)
 
@@ -237,7 +235,7 @@ def test_an_id_reused_while_the_old_generation_drains_both_settle(
     prefill.sender_outcome(S1, KVPoll.Failed, "aborted", 0.3)
     assert sends(prefill.sender_settled(S1, 0.4)) == [RoomSettled(7, 1)]  # the old one settles
     prefill.sender_reaped(S1)
-    (key, event), = delivered(prefill.sender_spawned(S2, 0.5))
+    ((key, event),) = delivered(prefill.sender_spawned(S2, 0.5))
     assert key == S2
     assert isinstance(event, DestinationReceived)
 
