@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +44,13 @@ PAGES_PER_ROOM = 4
 CHANNEL = ChannelConfig()
 
 
+def _rss_mb() -> float:
+    """Resident memory now (not the peak): pages in /proc/self/statm times the page size."""
+    with open("/proc/self/statm") as f:
+        resident = int(f.read().split()[1])
+    return round(resident * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+
+
 def _idle(engine: RoomEngine, control: ControlPlane, seconds: float) -> dict[str, Any]:
     cpu0, t0 = time.process_time(), time.monotonic()
     time.sleep(seconds)
@@ -57,7 +63,7 @@ def _idle(engine: RoomEngine, control: ControlPlane, seconds: float) -> dict[str
         "cpu_s_per_s": round(cpu / wall, 4),
         "entries": engine.call(entries()),
         "live_rooms": engine.stats()["live"],
-        "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "rss_mb": _rss_mb(),
     }
 
 
@@ -113,6 +119,7 @@ def _decode(conn: Connection, port: int, rooms: int, window: int, abort_rate: fl
     rng = random.Random(1)
     live: dict[int, tuple[ReceiverRoom, str]] = {}
     next_room, outcomes = 0, {"succeeded": 0, "failed": 0}
+    reasons: dict[str, int] = {}
     while next_room < rooms or live:
         while next_room < rooms and len(live) < window:
             receiver = engine.receiver(next_room)
@@ -123,7 +130,8 @@ def _decode(conn: Connection, port: int, rooms: int, window: int, abort_rate: fl
             next_room += 1
         for room, (receiver, plan) in list(live.items()):
             state = receiver.poll()
-            if state is KVPoll.WaitingForInput:
+            if state is KVPoll.WaitingForInput and plan != "sent":
+                live[room] = (receiver, "sent" if plan == "ok" else plan)
                 if plan == "early":
                     receiver.abort("aborted before the page list")
                     continue
@@ -132,11 +140,17 @@ def _decode(conn: Connection, port: int, rooms: int, window: int, abort_rate: fl
                 receiver.send_metadata(pages, room % SHAPE.aux_rows)
                 if plan == "late":
                     receiver.abort("aborted after the page list")
+                    live[room] = (receiver, "late-sent")
             elif state in TERMINAL and receiver.settled:
-                outcomes["succeeded" if state is KVPoll.Success else "failed"] += 1
+                if state is KVPoll.Success:
+                    outcomes["succeeded"] += 1
+                else:
+                    why = receiver.reason[:60]
+                    reasons[why] = reasons.get(why, 0) + 1
+                    outcomes["failed"] += 1
                 del live[room]
         time.sleep(0.0002)
-    conn.send(outcomes)
+    conn.send({**outcomes, "failed_by_reason": reasons})
     conn.send(_idle(engine, control, conn.recv()[1]))
     conn.recv()  # ("quit",)
     engine.close()

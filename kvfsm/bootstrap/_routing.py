@@ -72,6 +72,7 @@ Cleanup.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -181,6 +182,15 @@ def _stats() -> dict[str, int]:
         "leases_granted": 0,
         "errors_for_rooms": 0,
     }
+
+
+def _expire(marks: dict[Any, Any], before: float, when: Callable[[Any], float]) -> None:
+    """Drop the marks set before ``before``, oldest first, until the first one that is not."""
+    while marks:
+        oldest = next(iter(marks))
+        if when(marks[oldest]) >= before:
+            return
+        del marks[oldest]
 
 
 def _into(stats: dict[str, int]) -> dict[str, int]:
@@ -513,11 +523,11 @@ class PrefillRouting:
 
     def tick(self, now: float) -> list[Action]:
         ttl = self.config.pending_ttl_s
-        for marks in (self._tombstones, self._early):
-            for room in [r for r, v in marks.items() if now - v[0] > ttl]:
-                del marks[room]
-        for ident in [i for i, when in self._finished.items() if now - when > ttl]:
-            del self._finished[ident]
+        # Marks are kept in the order they were set (``_mark`` re-inserts), so the expired ones
+        # are a prefix: a tick costs what expired, not what is kept.
+        _expire(self._tombstones, now - ttl, lambda v: v[0])
+        _expire(self._early, now - ttl, lambda v: v[0])
+        _expire(self._finished, now - ttl, lambda v: v)
         out: list[Action] = []
         for room, waiting in list(self._held.items()):
             kept = []
