@@ -469,6 +469,7 @@ class ControlPlane:
             self.agent.metadata() if self.role == "decode" else b"",
             msgspec.msgpack.encode(self.agent.layout.summary()) if self.role == "decode" else b"",
             self.incarnation,
+            round(self.config.lease_s * 1000) if self.role == "decode" else 0,
         )
         # Prefill: decode's Hello answers ours, so it is the link's first lease, counted from
         # before ours went out.
@@ -501,7 +502,11 @@ class ControlPlane:
         self.stats["links_opened"] += 1
         now = self._now()
         if self._prefill is not None:
-            self._do(self._prefill.link_opened(link.generation, peer_id, now, hello_sent))
+            self._do(
+                self._prefill.link_opened(
+                    link.generation, peer_id, now, hello_sent, theirs.lease_ms
+                )
+            )
         else:
             assert self._decode is not None
             self._do(self._decode.link_opened(link.generation, peer_id, theirs.rank, now))

@@ -188,6 +188,10 @@ class Hello(Frame, frozen=True):
     layout: bytes
     #: Changes every time the rank's process starts: a new incarnation is a new peer.
     incarnation: Count
+    #: Decode: the write lease its Hello grants (it answers prefill's Hello, so prefill may
+    #: write until it sent its own Hello plus this); later leases come in ``LeaseGrant``.
+    #: 0 from prefill.
+    lease_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
 
 
 class Heartbeat(Frame, frozen=True):

@@ -283,13 +283,21 @@ class PrefillRouting:
 
     # -- links ----------------------------------------------------------------------------------
 
-    def link_opened(self, link: int, peer: str, now: float, hello_sent: float) -> list[Action]:
-        """A link after the Hello exchange. Decode's Hello answers ours, sent at ``hello_sent``:
-        that is the first lease."""
+    def link_opened(
+        self, link: int, peer: str, now: float, hello_sent: float, lease_ms: int | None = None
+    ) -> list[Action]:
+        """A link after the Hello exchange. Decode's Hello answers ours, sent at ``hello_sent``,
+        and grants ``lease_ms`` (``Hello.lease_ms``; None: this side's ``lease_s``, for a peer
+        known to share the configuration): the first lease. 0: none until a ``LeaseGrant``."""
+        if lease_ms is None:
+            lease_ms = round(self.config.lease_s * 1000)
         state = _PrefillLink(peer)
         self._links[link] = state
         state.requests[0] = state.asked = hello_sent
-        return self.lease_granted(link, 0, self.config.lease_s * 1000, now)
+        if lease_ms <= 0:
+            del state.requests[0]
+            return []
+        return self.lease_granted(link, 0, lease_ms, now)
 
     def lease_due(self, link: int, now: float) -> list[Action]:
         """Ask for the next lease if the last request is ``renew_s`` old."""
@@ -657,7 +665,9 @@ class DecodeRouting:
     # -- links ----------------------------------------------------------------------------------
 
     def link_opened(self, link: int, peer: str, rank: int, now: float) -> list[Action]:
-        """A link after the Hello exchange (our Hello answered prefill's: the first lease)."""
+        """A link after the Hello exchange. Our Hello, which granted the first lease, answered
+        prefill's, so ``now`` (after prefill's Hello arrived) is no earlier than that grant's
+        start on prefill's side."""
         self._links[link] = _DecodeLink(peer, rank, now)
         waiting = [k for k, r in self._lost.items() if r.peer == peer]
         if not waiting:

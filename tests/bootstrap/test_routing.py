@@ -63,8 +63,8 @@ def metadata(room: int = 7, gen: int = 1) -> RoomMetadata:
 @pytest.fixture
 def prefill() -> PrefillRouting:
     core = PrefillRouting(CONFIG)
-    core.link_opened(A, "decode-0-1", now=0.0, hello_sent=0.0)
-    core.link_opened(B, "decode-0-2", now=0.0, hello_sent=0.0)
+    core.link_opened(A, "decode-0-1", now=0.0, hello_sent=0.0, lease_ms=2000)
+    core.link_opened(B, "decode-0-2", now=0.0, hello_sent=0.0, lease_ms=2000)
     return core
 
 
@@ -263,7 +263,9 @@ def test_after_a_reconnect_the_rooms_still_writing_settle_on_the_new_link(
     prefill.sender_outcome(S1, KVPoll.Failed, "peer lost", 1.0)
     assert prefill.entries()["orphans"] == 1
     c = 3
-    prefill.link_opened(c, "decode-0-1", now=2.0, hello_sent=2.0)  # the same decode incarnation
+    prefill.link_opened(
+        c, "decode-0-1", now=2.0, hello_sent=2.0, lease_ms=2000
+    )  # the same decode incarnation
     refs = pack_refs([(7, 1), (8, 4)])
     assert sends(prefill.on_reconcile(c, Reconcile(refs))) == [RoomSettled(8, 4)]  # unknown
     assert sends(prefill.sender_settled(S1, 3.0), c) == [RoomSettled(7, 1)]
@@ -273,7 +275,9 @@ def test_after_a_reconnect_the_rooms_still_writing_settle_on_the_new_link(
 
 def test_leases_count_from_prefills_own_send_time() -> None:
     core = PrefillRouting(CONFIG)
-    assert core.link_opened(A, "d", now=0.05, hello_sent=0.0) == [GrantLease(A, 2.0)]
+    # Decode's Hello answers prefill's and grants its lease length (decode's, not prefill's).
+    assert core.link_opened(A, "d", now=0.05, hello_sent=0.0, lease_ms=2000) == [GrantLease(A, 2.0)]
+    assert core.link_opened(B, "d", now=0.05, hello_sent=0.0, lease_ms=0) == []  # none yet
     assert core.lease_due(A, 0.3) == []  # renewed every lease_s / 4
     assert core.lease_due(A, 0.5) == [Send(A, LeaseRequest(1))]
     assert core.lease_due(A, 0.6) == []
