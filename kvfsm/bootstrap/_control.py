@@ -42,13 +42,14 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import anyio
 import msgspec
 from anyio.abc import SocketStream
 
 from kvfsm.bootstrap._frames import (
+    NONCE_BYTES,
     PROTOCOL_VERSION,
     Error,
     Frame,
@@ -65,6 +66,7 @@ from kvfsm.bootstrap._frames import (
     RoomMetadata,
     RoomOutcome,
     RoomSettled,
+    SessionCodec,
     check_hello,
     clip_reason,
 )
@@ -100,6 +102,8 @@ from kvfsm.transport._transport import NixlTransport
 __all__ = ["ChannelConfig", "ControlPlane", "Resolver"]
 
 _log = logging.getLogger("kvfsm.control")
+#: What seals a link's frames: the shared codec, or the connection's session (with a secret).
+Sealer: TypeAlias = FrameCodec | SessionCodec
 
 #: Finds a prefill rank's control address: ``await resolve(peer) -> (host, port)``. ``peer`` is
 #: what a receiver room's ``init(peer)`` named, normally the prefill rank. Where peer ids are not
@@ -137,12 +141,19 @@ class ChannelConfig:
     fence_margin_s: float = 1.0
     #: How long shutdown waits for frames already queued (outcomes, settle acks) to go out.
     flush_timeout_s: float = 1.0
+    #: Prefill: connections still in their handshake (not authenticated) at most; a new one
+    #: over the cap sheds the oldest. Each may buffer at most ``hello_max_bytes`` (its Hello and
+    #: the key confirmation): the pre-authentication memory is bounded by their product.
+    max_unauthenticated: int = 64
+    hello_max_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not (self.heartbeat_s > 0 and self.liveness_factor >= 1.0):
             raise ValueError("heartbeat_s must be > 0 and liveness_factor >= 1")
         if not self.lease_s > 0 or self.fence_margin_s < 0 or self.flush_timeout_s < 0:
             raise ValueError("lease_s must be > 0, fence_margin_s and flush_timeout_s >= 0")
+        if self.max_unauthenticated < 1 or self.hello_max_bytes < 4096:
+            raise ValueError("max_unauthenticated must be >= 1 and hello_max_bytes >= 4096")
 
     @property
     def silence_s(self) -> float:
@@ -166,14 +177,30 @@ class _Link:
     """One live connection after the Hello exchange (loop side). ``generation`` names it to the
     routing core, and is the fence id of the writes made under its leases."""
 
-    __slots__ = ("closed", "error", "generation", "hello", "key", "last_seen", "outbox", "peer_id")
+    __slots__ = (
+        "closed",
+        "codec",
+        "error",
+        "generation",
+        "hello",
+        "key",
+        "last_seen",
+        "outbox",
+        "peer_id",
+    )
 
-    def __init__(self, hello: Hello, generation: int, peer_id: str, now: float) -> None:
+    def __init__(
+        self, hello: Hello, generation: int, peer_id: str, now: float, codec: Sealer
+    ) -> None:
         self.key: int | str = peer_id
+        #: Seals this connection's frames (its session keys and sequence, with a secret).
+        self.codec = codec
         self.hello = hello
         self.generation = generation
         self.peer_id = peer_id
         self.last_seen = now
+        #: Payloads (``FrameCodec.payload``), sealed by the writer as they go out: with a
+        #: session the sequence number is the order on the wire.
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.closed = False
         #: The peer's last Error frame that named no room (a refusal of the link itself, such as
@@ -231,7 +258,12 @@ class ControlPlane:
         self._connecting: dict[int, asyncio.Future[_Link]] = {}
         self._backoff: dict[int, float] = {}  # by peer rank: the last backoff step
         self._backoff_until: dict[int, float] = {}
+        # Prefill: connections in their handshake, oldest first (shed over the cap).
+        self._unauthenticated: dict[anyio.CancelScope, None] = {}
         self.stats: dict[str, int] = {
+            "accept_errors": 0,
+            "unauthenticated_shed": 0,
+            "handshakes_failed": 0,
             "frames_in": 0,
             "frames_out": 0,
             "frames_rejected": 0,
@@ -333,7 +365,7 @@ class ControlPlane:
         if link.closed:
             return
         try:
-            data = self._codec.encode(frame)
+            data = self._codec.payload(frame)
         except FrameError as exc:
             # A frame this side cannot send (a page list over the frame limit): fail the room
             # it is about (law 3), never the link or the engine.
@@ -428,7 +460,8 @@ class ControlPlane:
                         local_host=self.config.host, local_port=self.config.port
                     )
                     self._port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
-                    tg.start_soon(listener.serve, self._accepted)
+                    for one in listener.listeners:
+                        tg.start_soon(self._serve, one)
                 else:
                     tg.start_soon(self._progress)
                 tg.start_soon(self._watchdog)
@@ -442,6 +475,29 @@ class ControlPlane:
                 with anyio.CancelScope(shield=True):
                     await listener.aclose()
 
+    async def _serve(self, listener: Any) -> None:
+        """Accept for ever. An accept error (out of file descriptors: EMFILE, ENFILE; kernel
+        memory: ENOBUFS, ENOMEM; a connection reset while queued) never ends the listener: it is
+        counted and logged, and accepting resumes after a backoff (doubling to 1 s), when the
+        descriptors come back. Refusing to serve while the registry still advertises this port
+        would fail every room of every decode."""
+        backoff = 0.0
+        while True:
+            try:
+                stream = await listener.accept()
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            except OSError as exc:
+                self.stats["accept_errors"] += 1
+                backoff = min(1.0, max(0.01, 2 * backoff))
+                if self.stats["accept_errors"] in (1, 10, 100) or backoff == 1.0:
+                    _log.warning("accept failed (%s): retrying in %.2fs", exc, backoff)
+                await anyio.sleep(backoff)
+                continue
+            backoff = 0.0
+            assert self._tg is not None
+            self._tg.start_soon(self._accepted, stream)
+
     def _spawn(self, coro: Awaitable[None]) -> None:
         tg = self._tg
         if tg is None:
@@ -453,14 +509,43 @@ class ControlPlane:
         tg.start_soon(run)
 
     async def _accepted(self, stream: SocketStream) -> None:
-        with contextlib.suppress(Exception):
-            await self._handshake(stream, expect_rank=None, key=None)
+        """One connection to prefill's port, until it is authenticated or gone. At most
+        ``max_unauthenticated`` wait at once: a new one over the cap sheds the oldest (a flood
+        of idle or slow connections cannot keep out the decode ranks that come later)."""
+        with anyio.CancelScope() as scope:
+            self._unauthenticated[scope] = None
+            if len(self._unauthenticated) > self.config.max_unauthenticated:
+                oldest = next(iter(self._unauthenticated))
+                del self._unauthenticated[oldest]
+                oldest.cancel()
+                self.stats["unauthenticated_shed"] += 1
+            try:
+                await self._handshake(stream, expect_rank=None, key=None, scope=scope)
+            except Exception as exc:
+                self.stats["handshakes_failed"] += 1
+                _log.debug("handshake failed: %s", exc)
+            finally:
+                self._unauthenticated.pop(scope, None)
+        if scope.cancelled_caught:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
 
     async def _handshake(
-        self, stream: SocketStream, expect_rank: int | None, key: int | None
+        self,
+        stream: SocketStream,
+        expect_rank: int | None,
+        key: int | None,
+        scope: anyio.CancelScope | None = None,
     ) -> _Link:
-        """Exchange Hellos, register the link, and run its reader and writer in the group."""
-        reader = FrameReader(self._codec)
+        """Exchange Hellos, authenticate, register the link, run its reader and writer.
+
+        With a secret, the Hellos carry nonces, both sides switch to this connection's session
+        keys, and each sends one sealed frame (a Heartbeat) as key confirmation. Nothing is
+        registered, and prefill loads no NIXL metadata, before the peer's confirmation verified:
+        a recorded Hello replayed by a stranger costs one handshake slot and touches no link.
+        Until then the reader accepts frames of at most ``hello_max_bytes``."""
+        reader = FrameReader(self._codec, limit=self.config.hello_max_bytes)
+        nonce = secrets.token_bytes(NONCE_BYTES) if self.config.secret is not None else b""
         hello = Hello(
             PROTOCOL_VERSION,
             self.role,
@@ -470,27 +555,50 @@ class ControlPlane:
             msgspec.msgpack.encode(self.agent.layout.summary()) if self.role == "decode" else b"",
             self.incarnation,
             round(self.config.lease_s * 1000) if self.role == "decode" else 0,
+            nonce,
         )
         # Prefill: decode's Hello answers ours, so it is the link's first lease, counted from
         # before ours went out.
         hello_sent = self._now()
+        codec: Sealer = self._codec
         try:
             await stream.send(self._codec.encode(hello))
             with anyio.fail_after(self.config.connect_timeout_s):
-                theirs, early = await self._first_frame(stream, reader)
-            check_hello(theirs)
-            if expect_rank is not None and theirs.rank != expect_rank:
-                raise FrameError(
-                    f"expected prefill rank {expect_rank}, got {theirs.rank}", None, True
-                )
+                theirs = await self._handshake_frame(stream, reader)
+                if not isinstance(theirs, Hello):
+                    raise FrameError(f"expected Hello, got {type(theirs).__name__}", None, True)
+                check_hello(theirs)
+                if expect_rank is not None and theirs.rank != expect_rank:
+                    raise FrameError(
+                        f"expected prefill rank {expect_rank}, got {theirs.rank}", None, True
+                    )
+                if self.config.secret is not None:
+                    if len(theirs.nonce) != NONCE_BYTES:
+                        raise FrameError(
+                            f"the peer's Hello has a nonce of {len(theirs.nonce)} bytes, "
+                            f"not {NONCE_BYTES}",
+                            None,
+                            True,
+                            tag="Hello",
+                        )
+                    codec = reader.codec = self._codec.session(self.role, nonce, theirs.nonce)
+                    await stream.send(codec.encode(Heartbeat(0)))  # key confirmation
+                    await self._handshake_frame(stream, reader)  # any sealed frame proves it
+            # Authenticated: from here on the peer may send full-sized frames, and this
+            # connection no longer counts against the unauthenticated cap.
+            reader.limit = self._codec.max_frame_bytes
+            if scope is not None:
+                self._unauthenticated.pop(scope, None)
             peer_id = f"{theirs.role}-{theirs.rank}-{theirs.incarnation}"
             if self.role == "prefill":
-                await self._connect_data_path(stream, peer_id, theirs)
+                await self._connect_data_path(stream, codec, peer_id, theirs)
         except BaseException:
-            await stream.aclose()
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
             raise
+        early = reader.feed(b"")  # whatever came after the Hello (and confirmation)
         loop = self._running_loop()
-        link = _Link(theirs, next(self._generations), peer_id, loop.time())
+        link = _Link(theirs, next(self._generations), peer_id, loop.time(), codec)
         # Decode: the peer id its rooms named (the link is reused by every room naming it).
         link_key: int | str = key if key is not None else peer_id
         link.key = link_key
@@ -519,7 +627,9 @@ class ControlPlane:
         self._tg.start_soon(self._write, link, stream)
         return link
 
-    async def _connect_data_path(self, stream: SocketStream, peer_id: str, theirs: Hello) -> None:
+    async def _connect_data_path(
+        self, stream: SocketStream, codec: Sealer, peer_id: str, theirs: Hello
+    ) -> None:
         """Prefill: load decode's NIXL metadata. A refusal is told to decode in an ``Error``
         frame naming NIXL's error (two decode processes with one agent name get
         ``NIXL_ERR_NOT_ALLOWED``): otherwise it would see only a closed connection."""
@@ -536,28 +646,25 @@ class ControlPlane:
             _log.warning("handshake refused: %s", reason)
             with contextlib.suppress(Exception):
                 with anyio.fail_after(1.0):
-                    await stream.send(self._codec.encode(Error(None, reason)))
+                    await stream.send(codec.encode(Error(None, reason)))
             raise FrameError(reason, None, True) from exc
 
-    async def _first_frame(
-        self, stream: SocketStream, reader: FrameReader
-    ) -> tuple[Hello, list[Frame | FrameError]]:
-        """The peer's Hello, and whatever frames came in the same read after it: the peer may
-        send its first room frames as soon as it has our Hello, and a slow handshake here (a
-        NIXL connect, a loaded machine) lets them arrive in one segment with its Hello."""
+    async def _handshake_frame(self, stream: SocketStream, reader: FrameReader) -> Frame:
+        """The peer's next frame during the handshake: its Hello, then (with a secret) the first
+        sealed frame, which proves it holds the secret. Frames behind it stay in the reader: the
+        peer may send its first room frames at once, and a slow handshake here (a NIXL connect,
+        a loaded machine) lets them arrive in one segment with it."""
+        data = b""
         while True:
+            items = reader.feed(data, max_items=1)
+            if items:
+                first = items[0]
+                if isinstance(first, FrameError):
+                    raise first if first.fatal else FrameError(first.reason, None, True)
+                if isinstance(first, Error):  # the peer refused this handshake and says why
+                    raise FrameError(f"handshake refused: {first.reason}", None, True, tag="Error")
+                return first
             data = await stream.receive()
-            items = reader.feed(data)
-            if not items:
-                continue
-            first = items[0]
-            if isinstance(first, FrameError):
-                raise first
-            if isinstance(first, Error):  # the peer refused this handshake and says why
-                raise FrameError(f"handshake refused: {first.reason}", None, True, tag="Error")
-            if not isinstance(first, Hello):
-                raise FrameError(f"expected Hello, got {type(first).__name__}", None, True)
-            return first, items[1:]
 
     def _take(self, link: _Link, items: list[Frame | FrameError]) -> bool:
         """Handle decoded frames in order; False after a fatal error (the link must go)."""
@@ -598,10 +705,12 @@ class ControlPlane:
             while not link.closed:
                 try:
                     with anyio.fail_after(self.config.heartbeat_s):
-                        data = await link.outbox.get()
+                        payload = await link.outbox.get()
                 except TimeoutError:
-                    data = self._codec.encode(Heartbeat(next(beat)))
-                await stream.send(data)
+                    payload = self._codec.payload(Heartbeat(next(beat)))
+                if not payload:  # the wake-up a lost link queues
+                    continue
+                await stream.send(link.codec.seal(payload))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             self._lose(link, f"connection to {link.peer_id} broken: {exc or type(exc).__name__}")
         finally:

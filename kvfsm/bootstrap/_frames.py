@@ -5,7 +5,11 @@ Rule 1: a frame on the wire is ``length:u32 big-endian | body``, ``1 <= length <
         as soon as its four bytes are read, before a byte of its body is buffered.
 Rule 2: ``body = auth:u8 | mac | payload``. ``auth`` 0: no MAC, ``mac`` is empty. ``auth`` 1:
         ``mac`` is the 32-byte HMAC-SHA256 of ``payload`` under the shared secret
-        (``kvfsm.bootstrap._auth.sign(secret, payload)``). No other ``auth`` value exists.
+        (``kvfsm.bootstrap._auth.sign(secret, payload)``); only ``Hello`` travels so. ``auth`` 2
+        (every frame after the Hellos when a secret is set): ``body = 2 | mac | seq:u64 | payload``
+        and ``mac`` is the HMAC-SHA256 of ``seq | payload`` under this connection's session key
+        for this direction (``SessionCodec``); ``seq`` counts the direction's frames from 1 and
+        must arrive in order. No other ``auth`` value exists.
 Rule 3: ``payload`` is one msgpack map: the frame's fields by name plus ``"t"``, the frame's class
         name. Decoding it against the tagged union of the frame classes *is* the validation:
         types, ranges and lengths are declared on the fields, and nothing downstream re-checks.
@@ -87,9 +91,15 @@ configured with a secret and the other without is a misconfiguration, reported o
 ``Hello`` rather than papered over. A 1-byte ``auth`` tag and a fixed-offset MAC replace a msgpack
 envelope: no second msgpack pass and no copy of the payload just to unwrap it. The MAC proves that
 a holder of the secret wrote the payload and that it was not altered. It does not prove freshness:
-a recorded frame replayed on another connection verifies. Room frames are bound to
-``(room, generation)``, so a replayed one reaches a dead room and is dropped (law 5); a
-per-connection nonce in ``Hello`` would close the rest and is not part of version 1. No encryption.
+a recorded frame replayed on another connection would verify. Version 3 closes that: each
+``Hello`` carries a fresh 16-byte nonce, and everything after the Hellos is sealed with a
+*session key* per direction, derived HKDF-style (RFC 5869, HMAC-SHA256) from the secret and both
+nonces (``session_keys``), with a sequence number under the MAC. A frame recorded on one
+connection is worthless on any other (other nonces, other key), and a replay, drop or reorder
+inside one connection breaks the sequence and drops the connection. A replayed ``Hello`` still
+verifies, but its sender cannot produce the session frame that must follow it (key
+confirmation), so the channel registers nothing for it (``kvfsm.bootstrap._control``). No
+encryption.
 """
 
 from __future__ import annotations
@@ -106,6 +116,7 @@ from kvfsm.bootstrap import _auth
 __all__ = [
     "FRAME_TYPES",
     "MAX_FRAME_BYTES",
+    "NONCE_BYTES",
     "PROTOCOL_VERSION",
     "REASON_MAX",
     "AnyFrame",
@@ -124,14 +135,16 @@ __all__ = [
     "RoomMetadata",
     "RoomOutcome",
     "RoomSettled",
+    "SessionCodec",
     "check_hello",
     "clip_reason",
     "pack_refs",
+    "session_keys",
     "unpack_refs",
 ]
 
 #: The version this module speaks. Peers with another version are refused at ``Hello``.
-PROTOCOL_VERSION: Final = 2  # 2: write leases, room claims, reconciliation
+PROTOCOL_VERSION: Final = 3  # 2: leases, claims, reconciliation; 3: session keys, sequence
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
@@ -141,9 +154,14 @@ _PREFIX_BYTES: Final = _PREFIX.size
 _MAX_LIMIT: Final = 2**32 - 1  # what a u32 length can say
 _AUTH_NONE: Final = 0
 _AUTH_HMAC_SHA256: Final = 1
+_AUTH_SESSION: Final = 2
 _MAC_BYTES: Final = 32
 _UNSIGNED: Final = bytes([_AUTH_NONE])
 _SIGNED: Final = bytes([_AUTH_HMAC_SHA256])
+_SESSION: Final = bytes([_AUTH_SESSION])
+_SEQ: Final = struct.Struct(">Q")
+#: A Hello's nonce, when a secret is set.
+NONCE_BYTES: Final = 16
 _COPY_MAX: Final = 4096  # below this, slicing a payload out of its body copies it
 _INT63_MAX: Final = 2**63 - 1
 _REASON_MAX: Final = 1024
@@ -192,6 +210,8 @@ class Hello(Frame, frozen=True):
     #: write until it sent its own Hello plus this); later leases come in ``LeaseGrant``.
     #: 0 from prefill.
     lease_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
+    #: With a secret: 16 fresh random bytes, half of the session key's salt. Empty without.
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Heartbeat(Frame, frozen=True):
@@ -374,9 +394,28 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_TRUNCATED: Final = " [truncated]"
+
+
 def clip_reason(text: str) -> str:
-    """``text`` cut to fit a frame's reason field: a long reason is shortened, never refused."""
-    return _clip(text, _REASON_MAX)
+    """``text`` cut at the source to fit a frame's reason field, with a marker: a long reason is
+    shortened, never turned into a frame the peer must refuse."""
+    if len(text) <= _REASON_MAX:
+        return text
+    return text[: _REASON_MAX - len(_TRUNCATED)] + _TRUNCATED
+
+
+def session_keys(secret: bytes, decode_nonce: bytes, prefill_nonce: bytes) -> tuple[bytes, bytes]:
+    """``(decode -> prefill key, prefill -> decode key)`` of one connection: HKDF (RFC 5869) with
+    HMAC-SHA256, the secret as input keying material and both nonces as salt. One key per
+    direction, so a frame reflected back to its sender does not verify either."""
+    prk = hmac.new(decode_nonce + prefill_nonce, secret, hashlib.sha256).digest()
+    label = f"kvfsm control v{PROTOCOL_VERSION} ".encode()
+
+    def expand(direction: bytes) -> bytes:
+        return hmac.new(prk, label + direction + b"\x01", hashlib.sha256).digest()
+
+    return expand(b"decode->prefill"), expand(b"prefill->decode")
 
 
 def pack_refs(refs: list[tuple[int, int]]) -> bytes:
@@ -444,8 +483,13 @@ class FrameCodec:
         Raises ``FrameError`` (not fatal, naming the frame's room if it has one) if the body would
         exceed ``max_frame_bytes``: the peer would drop the connection for it.
         """
+        return self.seal(self.payload(frame))
+
+    def payload(self, frame: Frame) -> bytes:
+        """The msgpack payload of ``frame``, checked against the frame limit (``FrameError``
+        naming the frame's room if it would exceed it); ``seal`` makes it wire bytes."""
         payload = self._encoder.encode(frame)
-        size = self._overhead + len(payload)
+        size = self._overhead + _SEQ.size + len(payload)
         if size > self.max_frame_bytes:
             raise FrameError(
                 f"{type(frame).__name__} of {size} bytes exceeds the frame limit of "
@@ -455,11 +499,29 @@ class FrameCodec:
                 generation=getattr(frame, "generation", None),
                 tag=type(frame).__name__,
             )
+        return payload
+
+    def seal(self, payload: bytes) -> bytes:
+        """Wire bytes of a payload from :meth:`payload`: length prefix, auth byte, MAC."""
+        size = self._overhead + len(payload)
         if self._mac is None:
             return b"".join((_PREFIX.pack(size), _UNSIGNED, payload))
         mac = self._mac.copy()
         mac.update(payload)
         return b"".join((_PREFIX.pack(size), _SIGNED, mac.digest(), payload))
+
+    def session(
+        self, role: Literal["prefill", "decode"], own_nonce: bytes, peer_nonce: bytes
+    ) -> SessionCodec:
+        """The codec of one connection after its Hellos (a secret is required)."""
+        if self.secret is None:
+            raise ValueError("a session needs a secret")
+        decode_nonce, prefill_nonce = (
+            (own_nonce, peer_nonce) if role == "decode" else (peer_nonce, own_nonce)
+        )
+        to_prefill, to_decode = session_keys(self.secret, decode_nonce, prefill_nonce)
+        send, receive = (to_prefill, to_decode) if role == "decode" else (to_decode, to_prefill)
+        return SessionCodec(self, send, receive)
 
     def decode(self, body: bytes | bytearray | memoryview) -> Frame:
         """The frame in ``body`` (the bytes after the length prefix).
@@ -496,6 +558,8 @@ class FrameCodec:
                 raise FrameError(
                     "unsigned frame: a secret is configured here and every frame must carry a MAC"
                     if auth == _AUTH_NONE
+                    else "a session frame before the session was set up (expected Hello)"
+                    if auth == _AUTH_SESSION
                     else f"unknown auth byte {auth}",
                     None,
                     True,
@@ -508,6 +572,10 @@ class FrameCodec:
             mac.update(payload)
             if not hmac.compare_digest(mac.digest(), view[1 : 1 + _MAC_BYTES]):
                 raise FrameError("bad MAC: frame altered or signed with another secret", None, True)
+        return self.parse(payload)
+
+    def parse(self, payload: bytes | memoryview) -> Frame:
+        """The frame in an authenticated payload (``FrameError`` if it is not one)."""
         try:
             frame: Frame = self._decoder.decode(payload)
         except (msgspec.MsgspecError, RecursionError) as exc:
@@ -542,6 +610,71 @@ class FrameCodec:
         return FrameError(reason, room, fatal, generation=generation, tag=tag)
 
 
+class SessionCodec:
+    """One connection's codec after the Hellos, when a secret is set: every frame is sealed
+    under this direction's session key with the next sequence number, and every frame read must
+    carry the peer's next one (Rule 2). Stateful: one per connection, one writer, one reader."""
+
+    __slots__ = ("_base", "_receive", "_send", "max_frame_bytes", "received", "sent")
+
+    def __init__(self, base: FrameCodec, send_key: bytes, receive_key: bytes) -> None:
+        self._base = base
+        self._send = hmac.new(send_key, digestmod=hashlib.sha256)
+        self._receive = hmac.new(receive_key, digestmod=hashlib.sha256)
+        self.max_frame_bytes = base.max_frame_bytes
+        self.sent = 0  # sequence number of the last frame sealed
+        self.received = 0  # ... and of the last frame accepted
+
+    def payload(self, frame: Frame) -> bytes:
+        return self._base.payload(frame)
+
+    def encode(self, frame: Frame) -> bytes:
+        return self.seal(self.payload(frame))
+
+    def seal(self, payload: bytes) -> bytes:
+        self.sent += 1
+        seq = _SEQ.pack(self.sent)
+        mac = self._send.copy()
+        mac.update(seq)
+        mac.update(payload)
+        size = 1 + _MAC_BYTES + _SEQ.size + len(payload)
+        return b"".join((_PREFIX.pack(size), _SESSION, mac.digest(), seq, payload))
+
+    def decode(self, body: bytes | bytearray | memoryview) -> Frame:
+        size = len(body)
+        if size > self.max_frame_bytes:
+            raise FrameError(f"frame of {size} bytes exceeds the limit", None, True)
+        if size < 1 + _MAC_BYTES + _SEQ.size or body[0] != _AUTH_SESSION:
+            raise FrameError(
+                "not a session frame: every frame after the Hellos must be sealed with the "
+                "session key",
+                None,
+                True,
+            )
+        view = memoryview(bytes(body) if isinstance(body, bytearray) else body)
+        seq_at = 1 + _MAC_BYTES
+        signed = view[seq_at:]
+        mac = self._receive.copy()
+        mac.update(signed)
+        if not hmac.compare_digest(mac.digest(), view[1:seq_at]):
+            raise FrameError(
+                "bad MAC: frame altered, or recorded on another connection", None, True
+            )
+        (seq,) = _SEQ.unpack_from(view, seq_at)
+        if seq != self.received + 1:
+            raise FrameError(
+                f"frame {seq} out of sequence (expected {self.received + 1}): replayed, "
+                "dropped or reordered",
+                None,
+                True,
+            )
+        self.received = seq
+        return self._base.parse(view[seq_at + _SEQ.size :])
+
+
+Decoder: TypeAlias = FrameCodec | SessionCodec
+
+
 class FrameReader:
     """Incremental reader for one connection's byte stream (sans-IO).
 
@@ -551,10 +684,13 @@ class FrameReader:
     the buffer is dropped, and every later ``feed`` returns ``[error]`` again.
     """
 
-    __slots__ = ("_failed", "_need", "_pending", "codec")
+    __slots__ = ("_failed", "_need", "_pending", "codec", "limit")
 
-    def __init__(self, codec: FrameCodec | None = None) -> None:
-        self.codec = FrameCodec() if codec is None else codec
+    def __init__(self, codec: Decoder | None = None, limit: int | None = None) -> None:
+        self.codec: Decoder = FrameCodec() if codec is None else codec
+        #: The largest body accepted, checked on the length prefix before a byte of the body is
+        #: kept. Lower than the codec's limit while the peer is not authenticated (its Hello).
+        self.limit = self.codec.max_frame_bytes if limit is None else limit
         #: The start of a frame that is not complete yet.
         self._pending = bytearray()
         self._need = _PREFIX_BYTES  # nothing can complete before this many bytes are pending
@@ -570,12 +706,18 @@ class FrameReader:
         """The fatal error that killed this reader, if one did."""
         return self._failed
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame | FrameError]:
-        """Add ``data`` to the stream; return the frames (or errors) it completed."""
+    def feed(
+        self, data: bytes | bytearray | memoryview, max_items: int | None = None
+    ) -> list[Frame | FrameError]:
+        """Add ``data`` to the stream; return the frames (or errors) it completed. With
+        ``max_items``, stop after that many and keep the rest for the next call (``feed(b"")``
+        goes on with it): the handshake changes the codec after the peer's Hello."""
         if self._failed is not None:
             return [self._failed]
         if not data:
-            return []
+            if not self._pending:
+                return []
+            data, self._pending, self._need = bytes(self._pending), bytearray(), _PREFIX_BYTES
         # A read that starts on a frame boundary is parsed in place (no copy). A partial frame
         # waits in a bytearray (amortised O(1) per read, compact even if it trickles in a byte at
         # a time) and is copied out once, when it is complete.
@@ -589,10 +731,12 @@ class FrameReader:
             buf = data if type(data) is bytes else bytes(data)
         view = memoryview(buf)
         end, pos = len(buf), 0
-        limit, decode = self.codec.max_frame_bytes, self.codec.decode
+        limit, decode = self.limit, self.codec.decode
         out: list[Frame | FrameError] = []
         need = _PREFIX_BYTES
         while end - pos >= _PREFIX_BYTES:
+            if max_items is not None and len(out) >= max_items:
+                break
             (size,) = _PREFIX.unpack_from(buf, pos)
             if size > limit:
                 return self._die(

@@ -239,7 +239,7 @@ def test_invalid_hello_is_fatal(changes: dict[str, Any], message: str) -> None:
 
 def test_hello_of_another_version_is_a_fatal_version_mismatch() -> None:
     # A future Hello may carry fields this version does not know: the version still wins.
-    theirs = _with(HELLO_FIELDS, version=PROTOCOL_VERSION + 1, nonce=b"\x00" * 16)
+    theirs = _with(HELLO_FIELDS, version=PROTOCOL_VERSION + 1, cookie=b"\x00" * 16)
     mismatch = (
         f"the peer speaks version {PROTOCOL_VERSION + 1}, this side speaks version "
         f"{PROTOCOL_VERSION}"
