@@ -181,6 +181,7 @@ def _stats() -> dict[str, int]:
         "reconciled": 0,
         "leases_granted": 0,
         "errors_for_rooms": 0,
+        "early_aborts_over_quota": 0,
     }
 
 
@@ -232,11 +233,12 @@ class _Sender:
 
 
 class _PrefillLink:
-    __slots__ = ("asked", "held", "peer", "requests", "seq")
+    __slots__ = ("asked", "early", "held", "peer", "requests", "seq")
 
     def __init__(self, peer: str) -> None:
         self.peer = peer
-        self.held = 0
+        self.held = 0  # claims held for rooms that do not exist yet (quota: pending_max)
+        self.early = 0  # early-abort marks it set that are still kept (quota: pending_max)
         self.seq = 0
         self.asked = -math.inf  # when the last lease request went out
         self.requests: dict[int, float] = {}  # lease request seq -> when it was sent
@@ -361,7 +363,7 @@ class PrefillRouting:
             self._set_held(key.room, waiting)
             self._links[binding.link].held -= 1
             return self._bind(sender, binding)
-        early = self._early.pop(key.room, None)
+        early = self._drop_early(key.room)
         if early is not None:
             sender.known = True
             return [Deliver(key, AbortRequested(early[3], origin="peer"))]
@@ -446,7 +448,7 @@ class PrefillRouting:
                 return []
         early = self._early.get(room)
         if early is not None and (early[1], early[2]) != (link, gen):
-            del self._early[room]  # a newer claim of the id supersedes the early abort
+            self._drop_early(room)  # a newer claim of the id supersedes the early abort
         sender = self._current.get(room)
         if sender is not None and not sender.ended:
             current = sender.binding
@@ -489,7 +491,7 @@ class PrefillRouting:
             self._set_held(room, kept)
         # No sender has it: nothing was written (acknowledge now), and the room, if it comes,
         # fails at once, unless a newer claim of the id comes first.
-        self._mark(self._early, room, (now, link, gen, frame.reason))
+        self._set_early(room, (now, link, gen, frame.reason))
         return [Send(link, RoomSettled(room, gen))]
 
     def rooms_named(self, link: int, room: int, gen: int | None) -> list[RoomKey]:
@@ -534,7 +536,8 @@ class PrefillRouting:
         # Marks are kept in the order they were set (``_mark`` re-inserts), so the expired ones
         # are a prefix: a tick costs what expired, not what is kept.
         _expire(self._tombstones, now - ttl, lambda v: v[0])
-        _expire(self._early, now - ttl, lambda v: v[0])
+        while self._early and now - next(iter(self._early.values()))[0] > ttl:
+            self._drop_early(next(iter(self._early)))
         _expire(self._finished, now - ttl, lambda v: v)
         out: list[Action] = []
         for room, waiting in list(self._held.items()):
@@ -607,6 +610,27 @@ class PrefillRouting:
             self._held[room] = waiting
         else:
             self._held.pop(room, None)
+
+    def _set_early(self, room: int, value: tuple[float, int, int, str]) -> None:
+        """Remember an early abort, within its link's quota: one peer's flood of aborts cannot
+        push out the marks of another (over quota it is acknowledged, not remembered)."""
+        state = self._links[value[1]]
+        if state.early >= self.config.pending_max:
+            self.stats["early_aborts_over_quota"] += 1
+            return
+        self._drop_early(room)
+        if len(self._early) >= 8 * self.config.pending_max:  # every link at its quota at once
+            self._drop_early(next(iter(self._early)))
+        self._early[room] = value
+        state.early += 1
+
+    def _drop_early(self, room: int) -> tuple[float, int, int, str] | None:
+        early = self._early.pop(room, None)
+        if early is not None:
+            state = self._links.get(early[1])
+            if state is not None:
+                state.early -= 1
+        return early
 
     def _mark(self, marks: dict[Any, Any], ident: object, value: object) -> None:
         """Set a bounded, TTL'd mark: the oldest goes first when ``pending_max`` are kept."""

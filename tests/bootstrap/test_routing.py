@@ -151,6 +151,23 @@ def test_held_claims_are_capped_per_link_not_shared(prefill: PrefillRouting) -> 
     assert prefill.on_claim(B, RoomClaim(999, 1), 0.0) == []
 
 
+def test_early_aborts_are_remembered_within_each_links_quota(prefill: PrefillRouting) -> None:
+    for room in range(CONFIG.pending_max + 3):
+        assert prefill.on_abort(A, RoomAbort(room, 1, "flood"), 0.0) == [
+            Send(A, RoomSettled(room, 1))
+        ]
+    assert prefill.stats["early_aborts_over_quota"] == 3
+    prefill.on_abort(B, RoomAbort(500, 1, "client gone"), 0.0)  # B's mark is kept
+    assert delivered(prefill.sender_spawned(RoomKey(500, 9), 0.1)) == [
+        (RoomKey(500, 9), AbortRequested("client gone", origin="peer"))
+    ]
+    assert prefill.entries()["early_aborts"] == CONFIG.pending_max
+    prefill.tick(CONFIG.pending_ttl_s + 1)
+    assert prefill.entries()["early_aborts"] == 0
+    assert prefill.on_abort(A, RoomAbort(1, 1, "again"), 20.0) == [Send(A, RoomSettled(1, 1))]
+    assert prefill.entries()["early_aborts"] == 1  # the quota came back with the expiry
+
+
 def test_held_claims_expire_with_an_answer(prefill: PrefillRouting) -> None:
     prefill.on_metadata(A, metadata(), 0.0)
     assert prefill.tick(5.0) == []
