@@ -2,6 +2,11 @@
 
 Measured here, side by side in one run:
 
+* handshake - the codec work of one connection's handshake, both sides, without and with a
+            secret (nonces, HKDF session keys, key confirmation): a session key costs per
+            connection, not per frame;
+* session - per frame with a secret: the session codec (session key, sequence number under the
+            MAC) against the bare secret (protocol v2's signing) and unsigned;
 * codec   - encode + decode of one frame, per typical frame (Heartbeat, RoomMetadata with 64 and
             with 4,096 packed int32 pages, RoomOutcome), without and with a shared secret:
             - floor:    the bare msgspec round trip of the tagged union (no prefix, no envelope,
@@ -33,6 +38,7 @@ import hmac
 import json
 import multiprocessing as mp
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -42,12 +48,15 @@ from typing import Any
 import msgspec
 
 from kvfsm.bootstrap._frames import (
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
     AnyFrame,
     Frame,
     FrameCodec,
     FrameError,
     FrameReader,
     Heartbeat,
+    Hello,
     RoomAbort,
     RoomMetadata,
     RoomOutcome,
@@ -154,6 +163,65 @@ def codec_rows() -> list[dict[str, Any]]:
                     "envelope_us": _per_call_us(envelope),
                 }
             )
+    return rows
+
+
+def session_rows() -> list[dict[str, Any]]:
+    """Per frame, after the handshake with a secret: the connection's SessionCodec (session key,
+    sequence number under the MAC) against FrameCodec signed with the bare secret (v2's frames)
+    and unsigned: what the freshness costs per frame."""
+    rows = []
+    for name, frame in TYPICAL.items():
+        signed, plain = FrameCodec(SECRET), FrameCodec()
+        nonces = secrets.token_bytes(NONCE_BYTES), secrets.token_bytes(NONCE_BYTES)
+        sender = signed.session("decode", nonces[0], nonces[1])
+        receiver = signed.session("prefill", nonces[1], nonces[0])
+
+        def session(frame: Frame = frame, tx: Any = sender, rx: Any = receiver) -> object:
+            return rx.decode(memoryview(tx.encode(frame))[4:])
+
+        def bare(frame: Frame = frame, codec: FrameCodec = signed) -> object:
+            return codec.decode(memoryview(codec.encode(frame))[4:])
+
+        def unsigned(frame: Frame = frame, codec: FrameCodec = plain) -> object:
+            return codec.decode(memoryview(codec.encode(frame))[4:])
+
+        rows.append(
+            {
+                "frame": name,
+                "session_us": _per_call_us(session),
+                "secret_only_us": _per_call_us(bare),
+                "unsigned_us": _per_call_us(unsigned),
+            }
+        )
+    return rows
+
+
+def handshake_rows() -> list[dict[str, Any]]:
+    """The codec work of one connection's handshake, both sides in one process (no sockets, no
+    NIXL): two Hellos encoded and decoded; with a secret also two nonces, two session-key
+    derivations (HKDF-SHA256) and the two key-confirmation frames. Process CPU per handshake."""
+    layout = b"\x81\xa1k" + bytes(2048)  # a layout summary's size
+    metadata = bytes(8192)  # NIXL agent metadata (UCX, DRAM): a few KiB
+    rows = []
+    for secret in (None, SECRET):
+        codec = FrameCodec(secret)
+
+        def handshake(codec: FrameCodec = codec, secret: bytes | None = secret) -> object:
+            nonce_d = secrets.token_bytes(NONCE_BYTES) if secret else b""
+            nonce_p = secrets.token_bytes(NONCE_BYTES) if secret else b""
+            hello_d = Hello(PROTOCOL_VERSION, "decode", 0, "d", metadata, layout, 1, 2000, nonce_d)
+            hello_p = Hello(PROTOCOL_VERSION, "prefill", 0, "p", b"", b"", 2, 0, nonce_p)
+            got_d = codec.decode(memoryview(codec.encode(hello_d))[4:])
+            got_p = codec.decode(memoryview(codec.encode(hello_p))[4:])
+            if secret is None:
+                return got_d, got_p
+            dec = codec.session("decode", nonce_d, nonce_p)
+            pre = codec.session("prefill", nonce_p, nonce_d)
+            pre.decode(memoryview(dec.encode(Heartbeat(0)))[4:])
+            return dec.decode(memoryview(pre.encode(Heartbeat(0)))[4:])
+
+        rows.append({"signed": secret is not None, "handshake_us": _per_call_us(handshake)})
     return rows
 
 
@@ -286,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     loop_kind = _use_uvloop()
     started = time.perf_counter()
     codec = codec_rows()
+    handshake = handshake_rows()
+    session = session_rows()
     tcp = [asyncio.run(tcp_throughput(args.frames, signed)) for signed in (False, True)]
     echo = [asyncio.run(echo_latency(args.pings, signed)) for signed in (False, True)]
     result = {
@@ -294,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         "loop": loop_kind,
         "cpus": os.cpu_count(),
         "codec": codec,
+        "handshake": handshake,
+        "session": session,
         "tcp": tcp,
         "echo": echo,
         "seconds": time.perf_counter() - started,
@@ -320,6 +392,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['floor_us']:>7.2f} {row['encode_us']:>7.2f} {row['decode_us']:>7.2f} "
             f"{row['kvfsm_us']:>7.2f} {row['kvfsm_us'] / row['floor_us']:>7.1f} "
             f"{row['envelope_us']:>8.2f}"
+        )
+    print()
+    print("handshake: codec work of one connection, both sides (no sockets, no NIXL), us")
+    plain, signed = handshake[0]["handshake_us"], handshake[1]["handshake_us"]
+    print(f"  no secret {plain:8.1f}   secret {signed:8.1f}   ratio {signed / plain:.2f}")
+    print()
+    print("per frame with a secret: session key + sequence vs the bare secret vs unsigned, us")
+    for row in session:
+        print(
+            f"  {row['frame']:<24} session {row['session_us']:6.2f}  secret only "
+            f"{row['secret_only_us']:6.2f}  unsigned {row['unsigned_us']:6.2f}  "
+            f"(x{row['session_us'] / row['secret_only_us']:.2f} of secret only)"
         )
     print()
     print("tcp: RoomOutcome frames through one loopback connection (child sends, parent reads)")
