@@ -786,7 +786,7 @@ class ControlPlane:
             elif isinstance(frame, RoomAbort):
                 actions = prefill.on_abort(gen, frame, now)
             elif isinstance(frame, Reconcile):
-                actions = prefill.on_reconcile(gen, frame)
+                actions = prefill.on_reconcile(gen, frame, now)
             elif isinstance(frame, Error):
                 _log.warning("peer %s reported: %s", link.peer_id, frame.reason)
                 if frame.room is None:

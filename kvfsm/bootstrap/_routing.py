@@ -433,6 +433,12 @@ class PrefillRouting:
         if state is None:
             return []
         self.stats["claims"] += metadata is None
+        if (link, room, gen) in self._finished:
+            # This decode room was answered already (Failed + Settled, or Success): its page
+            # list coming right behind its claim is stale. Holding it as a new claim would hand
+            # pages decode has settled and reused to the id's next sender (laws 4 and 5).
+            self.stats["stale_frames"] += 1
+            return []
         binding = self._bound.get((link, room, gen))
         if binding is not None:  # already bound: the page list after the claim, or a repeat
             if metadata is None or binding.destination:
@@ -455,22 +461,23 @@ class PrefillRouting:
             if current is None:
                 return self._bind(sender, self._new_binding(link, room, gen, metadata, now))
             if not (current.link == link and current.aborted and gen > current.gen):
-                return self._refuse(link, room, gen, "prefill already serves another receiver")
+                return self._refuse(link, room, gen, "prefill already serves another receiver", now)
         else:
             tombstone = self._tombstones.pop(room, None)
             if tombstone is not None:
                 # The sender already failed; nothing was ever posted to these pages.
-                return [
-                    Send(link, RoomOutcome(room, gen, _FAILED, tombstone[1])),
-                    Send(link, RoomSettled(room, gen)),
-                ]
+                return self._answer_failed(link, room, gen, tombstone[1], now)
         if any(held.link != link for held in self._held.get(room, ())):
             # Another decode already waits for this id: ids come from clients and can collide.
             # The first keeps its claim (a newer generation on one link is a reuse: it waits).
-            return self._refuse(link, room, gen, "another receiver already waits for it")
+            return self._refuse(link, room, gen, "another receiver already waits for it", now)
         if state.held >= self.config.pending_max:
             self.stats["pending_dropped"] += 1
-            return self._answer_failed(link, room, gen, "prefill holds too many rooms' claims")
+            reason = (
+                "this decode's claims held by prefill are over their quota of "
+                f"{self.config.pending_max}"
+            )
+            return self._answer_failed(link, room, gen, reason, now)
         state.held += 1
         self._held.setdefault(room, []).append(self._new_binding(link, room, gen, metadata, now))
         return []
@@ -492,6 +499,7 @@ class PrefillRouting:
         # No sender has it: nothing was written (acknowledge now), and the room, if it comes,
         # fails at once, unless a newer claim of the id comes first.
         self._set_early(room, (now, link, gen, frame.reason))
+        self._mark(self._finished, (link, room, gen), now)
         return [Send(link, RoomSettled(room, gen))]
 
     def rooms_named(self, link: int, room: int, gen: int | None) -> list[RoomKey]:
@@ -514,7 +522,7 @@ class PrefillRouting:
         self.stats["errors_for_rooms"] += len(keys)
         return [Deliver(key, EventRejected(reason)) for key in keys]
 
-    def on_reconcile(self, link: int, frame: Reconcile) -> list[Action]:
+    def on_reconcile(self, link: int, frame: Reconcile, now: float) -> list[Action]:
         state = self._links.get(link)
         if state is None:
             return []
@@ -526,6 +534,7 @@ class PrefillRouting:
                 orphan.link = link  # its RoomSettled goes out here when it settles
                 self._bound[(link, room, gen)] = orphan
             else:
+                self._mark(self._finished, (link, room, gen), now)
                 out.append(Send(link, RoomSettled(room, gen)))
         return out
 
@@ -551,7 +560,7 @@ class PrefillRouting:
                 # Nothing was written into its pages: without the settle the receiver, failed
                 # by its peer, would wait for an acknowledgement that never comes.
                 out += self._answer_failed(
-                    binding.link, room, binding.gen, f"no prefill room {room} within {ttl:g}s"
+                    binding.link, room, binding.gen, f"no prefill room {room} within {ttl:g}s", now
                 )
             self._set_held(room, kept)
         return out
@@ -594,12 +603,16 @@ class PrefillRouting:
         for key in [k for k, b in self._orphans.items() if b is binding]:
             del self._orphans[key]
 
-    def _refuse(self, link: int, room: int, gen: int, why: str) -> list[Action]:
+    def _refuse(self, link: int, room: int, gen: int, why: str, now: float) -> list[Action]:
         self.stats["duplicates_refused"] += 1
-        return self._answer_failed(link, room, gen, f"duplicate room id {room}: {why}")
+        return self._answer_failed(link, room, gen, f"duplicate room id {room}: {why}", now)
 
-    @staticmethod
-    def _answer_failed(link: int, room: int, gen: int, reason: str) -> list[Action]:
+    def _answer_failed(
+        self, link: int, room: int, gen: int, reason: str, now: float
+    ) -> list[Action]:
+        """Fail decode room ``(room, gen)`` that no sender wrote to, and remember it: whatever
+        of it still arrives (its page list behind its claim) is stale."""
+        self._mark(self._finished, (link, room, gen), now)
         return [
             Send(link, RoomOutcome(room, gen, _FAILED, reason)),
             Send(link, RoomSettled(room, gen)),  # nothing was written

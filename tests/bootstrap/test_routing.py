@@ -146,7 +146,7 @@ def test_held_claims_are_capped_per_link_not_shared(prefill: PrefillRouting) -> 
         assert prefill.on_claim(A, RoomClaim(room + 100, 1), 0.0) == []
     refused = sends(prefill.on_claim(A, RoomClaim(999, 1), 0.0))
     assert isinstance(refused[0], RoomOutcome)
-    assert "too many" in refused[0].reason
+    assert "over their quota" in refused[0].reason
     # Another decode link still has its own room.
     assert prefill.on_claim(B, RoomClaim(999, 1), 0.0) == []
 
@@ -166,6 +166,16 @@ def test_early_aborts_are_remembered_within_each_links_quota(prefill: PrefillRou
     assert prefill.entries()["early_aborts"] == 0
     assert prefill.on_abort(A, RoomAbort(1, 1, "again"), 20.0) == [Send(A, RoomSettled(1, 1))]
     assert prefill.entries()["early_aborts"] == 1  # the quota came back with the expiry
+
+
+def test_a_page_list_behind_an_answered_claim_is_stale(prefill: PrefillRouting) -> None:
+    prefill.sender_spawned(S1, 0.0)
+    prefill.on_claim(A, RoomClaim(7, 1), 0.0)
+    assert RoomSettled(7, 1) in sends(prefill.sender_outcome(S1, KVPoll.Failed, "x", 0.1))
+    prefill.sender_reaped(S1)
+    assert prefill.on_metadata(A, metadata(), 0.2) == []  # not held for the next sender
+    assert prefill.sender_spawned(S2, 0.3) == []
+    assert prefill.entries()["held"] == 0
 
 
 def test_held_claims_expire_with_an_answer(prefill: PrefillRouting) -> None:
@@ -284,7 +294,7 @@ def test_after_a_reconnect_the_rooms_still_writing_settle_on_the_new_link(
         c, "decode-0-1", now=2.0, hello_sent=2.0, lease_ms=2000
     )  # the same decode incarnation
     refs = pack_refs([(7, 1), (8, 4)])
-    assert sends(prefill.on_reconcile(c, Reconcile(refs))) == [RoomSettled(8, 4)]  # unknown
+    assert sends(prefill.on_reconcile(c, Reconcile(refs), 2.1)) == [RoomSettled(8, 4)]  # unknown
     assert sends(prefill.sender_settled(S1, 3.0), c) == [RoomSettled(7, 1)]
     prefill.sender_reaped(S1)
     assert idle(prefill) == {}

@@ -892,7 +892,7 @@ class PrefillProcess(Process):
         elif isinstance(frame, RoomAbort):
             self.do(core.on_abort(gen, frame, now), (frame.room, frame.generation))
         elif isinstance(frame, Reconcile):
-            self.do(core.on_reconcile(gen, frame))
+            self.do(core.on_reconcile(gen, frame, now))
         elif isinstance(frame, Error):
             cause = None if frame.room is None else (frame.room, frame.generation)
             self.do(core.on_error(gen, frame), cause)

@@ -76,7 +76,7 @@ EXAMPLES = int(os.environ.get("KVFSM_PROPERTY_EXAMPLES", "500"))
 #: symptom (and only theirs), so that the property test keeps guarding everything else; each
 #: has strict xfail tests at the end of this file. Remove an entry when its bug is fixed.
 SETTLED_PAGE_LIST: Final = "settled-page-list"
-KNOWN_BUGS: Final = frozenset({SETTLED_PAGE_LIST})
+KNOWN_BUGS: Final[frozenset[str]] = frozenset()
 ROOM_IDS = 3  # reused all the time
 _BEFORE_INPUT = frozenset({KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput})
 
@@ -722,8 +722,10 @@ def test_planted_newest_generation_routing_is_caught() -> None:
         _run_until(pair, lambda: _checked(pair) and pair.idle(), step=0.25)
 
 
-# -- production bugs this test found (xfail until fixed; see the reasons) -----------------------
+# -- production bugs this test found (fixed; kept as regression tests) ---------------------------
 
+#: Found by this test, fixed in PrefillRouting._claim (a frame of a decode room prefill already
+#: answered is stale): kept to say what the regression tests below guard.
 _FINISHED_PAGE_LIST = (
     "PrefillRouting: once prefill has answered a decode room (link, room, gen) with "
     "RoomOutcome(Failed) + RoomSettled (its sender failed before the page list came: "
@@ -753,7 +755,6 @@ def _failed_then_claimed(core: PrefillRouting, sender: RoomKey) -> list[object]:
     return _frames(core.on_claim(1, RoomClaim(7, 1), 0.1))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FINISHED_PAGE_LIST)
 @pytest.mark.parametrize("answered", [_claimed_then_failed, _failed_then_claimed])
 def test_a_late_page_list_of_a_settled_room_is_stale(
     answered: Callable[[PrefillRouting, RoomKey], list[object]],
@@ -771,7 +772,6 @@ def test_a_late_page_list_of_a_settled_room_is_stale(
     assert core.sender_spawned(second, 0.3) == [], "the next sender got settled pages"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FINISHED_PAGE_LIST)
 def test_an_aborted_senders_late_page_list_is_not_written_into() -> None:
     """The same through the pair: prefill aborts its room while decode's page list is on the
     wire; the id's next request gets those pages after decode settled and reused them."""
