@@ -1,12 +1,16 @@
 """``kvfsm bootstrap``: run the bootstrap registry until Ctrl-C (or SIGTERM), then exit 0.
 
     kvfsm bootstrap --host 127.0.0.1 --port 8998 --expected-ranks N --ttl 30 [--secret-file PATH]
+        [--max-connections 512] [--idle-timeout 5] [--request-timeout 10]
 
 It binds 127.0.0.1 unless told otherwise: give ``--host 0.0.0.0`` (or an interface address) to
 serve other machines, and then a ``--secret-file`` so that only holders of the secret can register
 or remove ranks. The file holds the secret (at least 16 bytes; surrounding whitespace is ignored),
 e.g. ``python -c "import secrets; print(secrets.token_hex(32))" > secret``. The secret is never
 taken on the command line, where other users could read it in the process list.
+
+``--max-connections``, ``--idle-timeout`` and ``--request-timeout`` bound what clients can hold
+open and for how long (kvfsm/bootstrap/_registry.py, "Connections").
 
 One log line per registration, replacement, removal and expiry goes to stderr (heartbeats only
 with ``-v``). Exit status: 0 after Ctrl-C/SIGTERM, 2 for a bad argument or secret file, 1 if the
@@ -28,7 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfsm.bootstrap._auth import check_secret
-from kvfsm.bootstrap._registry import DEFAULT_PORT, BootstrapServer
+from kvfsm.bootstrap._registry import (
+    DEFAULT_PORT,
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    REQUEST_TIMEOUT_S,
+    BootstrapServer,
+)
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -64,6 +74,27 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="file holding the shared secret; with it, writes must be HMAC-signed",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help="connections held at once; beyond, the one idle the longest is closed (%(default)s)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection with no request in progress after this long (%(default)s)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request must be read and answered within this long (%(default)s)",
     )
     # Also after ``bootstrap``; SUPPRESS keeps a count given before it from being reset.
     parser.add_argument(
@@ -122,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
             expected_ranks=args.expected_ranks,
             ttl_s=args.ttl,
             secret=secret,
+            max_connections=args.max_connections,
+            idle_timeout_s=args.idle_timeout,
+            request_timeout_s=args.request_timeout,
         )
     except (OSError, ValueError, TypeError) as exc:
         print(f"kvfsm bootstrap: {exc}", file=sys.stderr)

@@ -3,7 +3,7 @@ exhaustion tests: the child lowers its soft ``RLIMIT_NOFILE`` (1024 unless told 
 that a test can run it out of descriptors without running the machine out of them.
 
     python tests/bootstrap/registry_process.py --nofile 1024 [--max-connections N]
-        [--idle-timeout S] [--request-timeout S] [--expected-ranks N]
+        [--idle-timeout S] [--request-timeout S] [--expected-ranks N] [--uvloop]
 
 Once serving it prints one JSON line, ``{"port": P, "nofile": [soft, hard]}``. Then it reads
 commands from stdin, one a line, and answers each with a JSON line:
@@ -107,12 +107,18 @@ def main() -> None:
     parser.add_argument("--max-connections", type=int, default=None)
     parser.add_argument("--idle-timeout", type=float, default=None)
     parser.add_argument("--request-timeout", type=float, default=None)
+    parser.add_argument("--uvloop", action="store_true", help="serve on uvloop's event loop")
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
     _lower_nofile(args.nofile)
-    asyncio.run(_main(args))
+    if args.uvloop:
+        import uvloop
+
+        uvloop.run(_main(args))
+    else:
+        asyncio.run(_main(args))
 
 
 if __name__ == "__main__":

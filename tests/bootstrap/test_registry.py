@@ -362,6 +362,44 @@ def test_server_refuses_a_short_secret() -> None:
         BootstrapServer(expected_ranks=1, secret=b"short")
 
 
+def test_server_refuses_bad_connection_limits() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_connections"):
+            BootstrapServer(expected_ranks=1, max_connections=bad)  # type: ignore[arg-type]
+    for name in ("idle_timeout_s", "request_timeout_s"):
+        for value in (0.0, -1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=name):
+                BootstrapServer(expected_ranks=1, **{name: value})
+
+
+@pytest.mark.asyncio
+async def test_health_carries_the_connection_counters(http: aiohttp.ClientSession) -> None:
+    server = BootstrapServer(expected_ranks=1, max_connections=7)
+    assert server.stats.limit == 7
+    assert server.stats.accepted == 0
+    async with server, BootstrapClient(server.url) as client:
+        health = await client.health()
+        assert health.connections is not None
+        # This request's own connection: open and busy while it is answered.
+        assert (health.connections.open, health.connections.busy) == (1, 1)
+        assert (health.connections.limit, health.connections.accepted) == (7, 1)
+        async with http.get(f"{server.url}/health") as resp:
+            body = await resp.json()
+        assert body["connections"]["accepted"] == 2
+        assert set(body["connections"]) == {
+            "open",
+            "limit",
+            "busy",
+            "accepted",
+            "shed",
+            "idle_closed",
+            "request_timeouts",
+            "accept_errors",
+        }
+    # The counters outlive the server; nothing is open any more.
+    assert (server.stats.open, server.stats.accepted) == (0, 2)
+
+
 # -- hostile input ---------------------------------------------------------------------------------
 
 GOOD = as_json(info(0))
@@ -501,6 +539,7 @@ async def _wait_healthy(client: BootstrapClient, proc: asyncio.subprocess.Proces
 async def test_cli_serves_until_sigint(tmp_path: Path, signed: bool) -> None:
     port = _free_port()
     args = ["-m", "kvfsm.bootstrap._cli", "--port", str(port), "--expected-ranks", "1"]
+    args += ["--max-connections", "64", "--idle-timeout", "3", "--request-timeout", "4"]
     secret: bytes | None = None
     if signed:
         secret = SECRET
@@ -527,6 +566,7 @@ async def test_cli_serves_until_sigint(tmp_path: Path, signed: bool) -> None:
     log = err.decode()
     assert proc.returncode == 0, log
     assert f"listening on http://127.0.0.1:{port}" in log
+    assert "at most 64 connections, idle timeout 3 s, request timeout 4 s" in log
     assert f"registered: engine {ENGINE} rank 0" in log
     assert ("signed writes" if signed else "unsigned writes") in log
     assert "Traceback" not in log
@@ -547,6 +587,8 @@ async def test_cli_reports_bad_arguments(tmp_path: Path) -> None:
             ),
             (["--expected-ranks", "1", "--secret-file", str(tmp_path / "none")], 2, "No such file"),
             (["--expected-ranks", "1", "--port", str(busy.getsockname()[1])], 1, "cannot serve"),
+            (["--expected-ranks", "1", "--max-connections", "0"], 2, "max_connections"),
+            (["--expected-ranks", "1", "--idle-timeout", "0"], 2, "idle_timeout_s"),
         ]
         for extra, rc, words in cases:
             proc = await asyncio.create_subprocess_exec(
