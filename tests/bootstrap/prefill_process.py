@@ -3,18 +3,27 @@ and a listening ControlPlane, driven by a scripted scheduler that the parent com
 
 Its transport is fenced (``Leases``): every chunk is posted only under a valid lease of the decode
 link that sent the pages. ``slow_post_s`` delays every ``make_prepped_xfer`` on the poster thread
-(a queue of chunks then waits there, as under load), for the freeze tests.
+(a queue of chunks then waits there, as under load), for the freeze tests. ``nofile`` (an absolute
+soft ``RLIMIT_NOFILE``) or ``nofile_headroom`` (that many descriptors above those open) lowers the
+process's descriptor limit once NIXL, the engine and the listener are up, so that a flood of
+connections really meets EMFILE in ``accept()``.
 
 Commands: ``("send", room, src_pages, chunks, src_aux)``: create a sender room for ``room`` and,
 once decode's metadata has made it WaitingForInput, init it and send its pages in ``chunks``
 chunks; ``("abort", room)``; ``("status", room)`` -> (status int, reason, settled);
-``("quit",)``. The sources are deterministic: page p of buffer b holds bytes derived from (b, p),
-so the parent can check what landed without asking.
+``("fds",)`` -> (descriptors open, soft limit, hard limit; -1 open while none is left to count
+them); ``("trim", collect=False)`` -> whether ``malloc_trim(0)`` gave memory back (after
+``gc.collect()`` if asked); ``("quit",)``. The sources are deterministic: page p of buffer b holds
+bytes derived from (b, p), so the parent can check what landed without asking.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
+import resource
 import signal
 import threading
 import time
@@ -102,8 +111,43 @@ class _SlowPosts:
         return getattr(self._nixl, name)
 
 
+def _open_fds() -> int:
+    """Descriptors open here; -1 when listing them needs one more than the limit allows."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def _malloc_trim() -> bool:
+    """``malloc_trim(0)``: glibc keeps freed memory in its arenas (reused, but still resident);
+    False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def _limit_fds(nofile: int | None, headroom: int | None) -> None:
+    """Lower the soft descriptor limit to ``nofile``, or to the descriptors open plus
+    ``headroom`` (never raise it, never touch the hard one)."""
+    if nofile is None and headroom is None:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = nofile if nofile is not None else _open_fds() + (headroom or 0)
+    if soft == resource.RLIM_INFINITY or want < soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def _serve(
-    conn: Connection, config: ChannelConfig, bootstrap_url: str | None, slow_post_s: float
+    conn: Connection,
+    config: ChannelConfig,
+    bootstrap_url: str | None,
+    slow_post_s: float,
+    nofile: tuple[int | None, int | None],
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     kv, aux = make_buffers(SHAPE)
@@ -119,6 +163,7 @@ def _serve(
     registration = None
     if bootstrap_url is not None:
         registration = engine.call(_register(control, bootstrap_url))
+    _limit_fds(*nofile)  # after NIXL, the engine and the listener are up
     conn.send(control.port)
     rooms: dict[int, tuple[SenderRoom, list[int], int, int, bool]] = {}
     lock, stop = threading.Lock(), threading.Event()
@@ -155,6 +200,12 @@ def _serve(
                 conn.send(dict(control.stats))
             elif op == "transport":
                 conn.send(transport.snapshot())
+            elif op == "trim":  # give freed heap memory back to the OS (glibc), as RSS
+                if len(request) > 1 and request[1]:
+                    gc.collect()
+                conn.send(_malloc_trim())
+            elif op == "fds":
+                conn.send((_open_fds(), *resource.getrlimit(resource.RLIMIT_NOFILE)))
             elif op == "entries":
                 conn.send(engine.call(_entries(control)))
     except (EOFError, OSError):
@@ -174,7 +225,20 @@ async def _entries(control: ControlPlane) -> dict[str, int]:
 
 class PrefillProcess(ChildProcess):
     def __init__(
-        self, config: ChannelConfig, bootstrap_url: str | None = None, slow_post_s: float = 0.0
+        self,
+        config: ChannelConfig,
+        bootstrap_url: str | None = None,
+        slow_post_s: float = 0.0,
+        *,
+        nofile: int | None = None,
+        nofile_headroom: int | None = None,
     ) -> None:
-        super().__init__(_serve, config, bootstrap_url, slow_post_s, what="prefill")
+        super().__init__(
+            _serve,
+            config,
+            bootstrap_url,
+            slow_post_s,
+            (nofile, nofile_headroom),
+            what="prefill",
+        )
         self.port: int = self.greeting

@@ -1,13 +1,17 @@
-"""Hostile bytes against a live prefill listener (law 7): random and mutated frames, before and
-after a valid handshake. Whatever arrives, the engine keeps serving: afterwards a real decode
-rank still completes a room through it, and nothing raised inside the engine."""
+"""Hostile bytes against a live prefill listener (law 7): random and mutated frames, before the
+Hello, after a valid Hello and, with a secret, after a complete handshake (the mutations then
+start from frames sealed with the connection's session key). Every test runs without a secret and
+with one. Whatever arrives, the engine keeps serving: afterwards a real decode rank (with the same
+secret) still completes a room through it, and nothing raised inside the engine."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -17,14 +21,18 @@ from hypothesis import strategies as st
 
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.bootstrap._frames import (
+    NONCE_BYTES,
     PROTOCOL_VERSION,
+    Frame,
     FrameCodec,
+    FrameReader,
     Heartbeat,
     Hello,
     RoomAbort,
     RoomMetadata,
     RoomOutcome,
     RoomSettled,
+    SessionCodec,
 )
 from kvfsm.rooms import RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
@@ -33,21 +41,20 @@ from kvfsm.transport._peer import make_buffers, make_layout, wait_for
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.bootstrap.test_control import Decode
 
-CODEC = FrameCodec()
+SECRET = b"a shared secret of 32 bytes....."
 
 
 class LivePrefill:
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None) -> None:
+        self.secret = secret
+        self.config = ChannelConfig(heartbeat_s=0.5, secret=secret)
+        self.codec = FrameCodec(secret)
         self.kv, self.aux = make_buffers(SHAPE)
         fill_sources(self.kv, self.aux)
         self.agent = Agent(f"fuzz-prefill-{os.getpid()}", make_layout(self.kv, self.aux))
         self.transport = NixlTransport(self.agent, leases=Leases())
         self.control = ControlPlane(
-            "prefill",
-            0,
-            self.agent,
-            transport=self.transport,
-            config=ChannelConfig(heartbeat_s=0.5),
+            "prefill", 0, self.agent, transport=self.transport, config=self.config
         )
         self.engine = RoomEngine(self.control).start()
         self.engine.call(self.control.started())
@@ -55,7 +62,9 @@ class LivePrefill:
         dkv, daux = make_buffers(SHAPE)
         self._decode_buffers = (dkv, daux)
         self.decode_agent = Agent(f"fuzz-decode-{os.getpid()}", make_layout(dkv, daux))
-        self.hello = CODEC.encode(
+
+    def hello(self, nonce: bytes = b"") -> bytes:
+        return self.codec.encode(
             Hello(
                 PROTOCOL_VERSION,
                 "decode",
@@ -64,8 +73,26 @@ class LivePrefill:
                 self.decode_agent.metadata(),
                 msgspec.msgpack.encode(self.decode_agent.layout.summary()),
                 123,
+                nonce=nonce,
             )
         )
+
+    def handshake(self, sock: socket.socket, confirm: bool = True) -> FrameCodec | SessionCodec:
+        """Our side of a valid handshake on ``sock``: the Hello and, with a secret, the key
+        confirmation (unless ``confirm`` is false). Returns the codec that seals what follows:
+        the connection's session with a secret (the confirmation, when sent, took its first
+        sequence number), the shared codec without."""
+        if self.secret is None:
+            sock.sendall(self.hello())
+            return self.codec
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        sock.sendall(self.hello(nonce))
+        theirs = read_frame(sock, FrameReader(self.codec))
+        assert isinstance(theirs, Hello), theirs
+        session = self.codec.session("decode", nonce, theirs.nonce)
+        if confirm:
+            sock.sendall(session.encode(Heartbeat(0)))
+        return session
 
     def close(self) -> None:
         self.engine.close()
@@ -74,31 +101,54 @@ class LivePrefill:
         self.decode_agent.close()
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[LivePrefill]:
-    prefill = LivePrefill()
+def read_frame(sock: socket.socket, reader: FrameReader) -> Frame:
+    while True:
+        items = reader.feed(b"")
+        while not items:
+            data = sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("closed before a frame came")
+            items = reader.feed(data, max_items=1)
+        item = items[0]
+        if isinstance(item, Frame):
+            return item
+        raise item
+
+
+@pytest.fixture(scope="module", params=[None, SECRET], ids=["no-secret", "secret"])
+def live(request: pytest.FixtureRequest) -> Iterator[LivePrefill]:
+    prefill = LivePrefill(request.param)
     yield prefill
     prefill.close()
 
 
-def blast(port: int, payload: bytes, handshake: bytes = b"") -> None:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.settimeout(0.2)
-        if handshake:
-            sock.sendall(handshake)
+#: How far into a connection the hostile bytes come: before any Hello, after a valid Hello
+#: (with a secret: in place of the key confirmation), after a complete handshake (with a secret:
+#: confirmed, so that prefill registers the link; without, the same as after the Hello).
+STAGES = ("before the Hello", "after the Hello", "after the handshake")
+
+
+def blast(live: LivePrefill, stage: str, payload: Hostile | bytes) -> None:
+    with socket.create_connection(("127.0.0.1", live.control.port), timeout=5) as sock:
         try:
-            sock.sendall(payload)
+            sealer: FrameCodec | SessionCodec = live.codec
+            if stage != STAGES[0]:
+                session = live.handshake(sock, confirm=stage == STAGES[2])
+                if stage == STAGES[2]:
+                    sealer = session
+            sock.sendall(payload.wire(sealer) if isinstance(payload, Hostile) else payload)
+            sock.settimeout(0.2)
             sock.recv(1 << 16)  # whatever the listener says (its Hello, an Error) or EOF
         except OSError:
             pass
 
 
-VALID = [
-    CODEC.encode(Heartbeat(1)),
-    CODEC.encode(RoomMetadata(77, 1, np.arange(4, dtype=np.int32).tobytes(), 0)),
-    CODEC.encode(RoomOutcome(77, 1, 4, "")),
-    CODEC.encode(RoomAbort(77, 1, "no")),
-    CODEC.encode(RoomSettled(77, 1)),
+VALID: list[Frame] = [
+    Heartbeat(1),
+    RoomMetadata(77, 1, np.arange(4, dtype=np.int32).tobytes(), 0),
+    RoomOutcome(77, 1, 4, ""),
+    RoomAbort(77, 1, "no"),
+    RoomSettled(77, 1),
 ]
 
 
@@ -109,14 +159,28 @@ def mutate(data: bytes, flips: list[tuple[int, int]], cut: int, tail: bytes) -> 
     return bytes(out[: max(0, len(out) - cut)]) + tail
 
 
+@dataclass(frozen=True)
+class Hostile:
+    """A valid frame, mutated once it is sealed for the connection it goes out on (with a secret,
+    after the handshake, the session's key and sequence number are only known then)."""
+
+    frame: int
+    flips: list[tuple[int, int]]
+    cut: int
+    tail: bytes
+
+    def wire(self, sealer: FrameCodec | SessionCodec) -> bytes:
+        return mutate(sealer.encode(VALID[self.frame]), self.flips, self.cut, self.tail)
+
+
 frames = st.builds(
-    mutate,
-    st.sampled_from(VALID),
+    Hostile,
+    st.integers(0, len(VALID) - 1),
     st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 7)), max_size=4),
     st.integers(0, 8),
     st.binary(max_size=16),
 )
-garbage = st.one_of(
+garbage: st.SearchStrategy[Hostile | bytes] = st.one_of(
     st.binary(max_size=256),
     frames,
     st.builds(
@@ -132,16 +196,16 @@ garbage = st.one_of(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(payload=garbage, after_hello=st.booleans())
+@given(payload=garbage, stage=st.sampled_from(STAGES))
 def test_hostile_bytes_never_hurt_the_listener(
-    live: LivePrefill, payload: bytes, after_hello: bool
+    live: LivePrefill, payload: Hostile | bytes, stage: str
 ) -> None:
-    blast(live.control.port, payload, live.hello if after_hello else b"")
+    blast(live, stage, payload)
     assert live.engine.registry_on_loop().errors == []
 
 
 def test_the_listener_still_serves_a_real_decode_rank_afterwards(live: LivePrefill) -> None:
-    decode = Decode({"port": live.control.port})
+    decode = Decode({"port": live.control.port}, ChannelConfig(heartbeat_s=0.2, secret=live.secret))
     try:
         sender = live.engine.sender(4242)
         receiver = decode.receive(4242, [30, 31], aux_row=2)
@@ -162,11 +226,20 @@ def test_a_room_frame_in_the_same_segment_as_the_hello_is_not_lost(live: LivePre
     side of the handshake is slow, that frame arrives in one read with decode's Hello. It used to
     be dropped there, leaving the room to its Bootstrapping deadline."""
     room = 4242
-    pages = np.asarray([3, 4], np.int32).tobytes()
-    metadata = CODEC.encode(RoomMetadata(room, 1, pages, 0))
+    metadata = RoomMetadata(room, 1, np.asarray([3, 4], np.int32).tobytes(), 0)
     sender = live.engine.sender(room)
     with socket.create_connection(("127.0.0.1", live.control.port), timeout=5) as sock:
-        sock.sendall(live.hello + metadata)  # one write: one segment on loopback
+        if live.secret is None:
+            data = live.hello() + live.codec.encode(metadata)
+        else:
+            # Prefill's nonce is needed for the session: its Hello first, then ours, the key
+            # confirmation and the page list in one write.
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            theirs = read_frame(sock, FrameReader(live.codec))
+            assert isinstance(theirs, Hello)
+            session = live.codec.session("decode", nonce, theirs.nonce)
+            data = live.hello(nonce) + session.encode(Heartbeat(0)) + session.encode(metadata)
+        sock.sendall(data)  # one write: one segment on loopback
         wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
         sender.abort("test over")
         wait_for(lambda: sender.settled, timeout=10)
