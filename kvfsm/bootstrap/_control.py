@@ -39,6 +39,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -171,6 +172,34 @@ class ChannelConfig:
             lease_s=self.lease_s,
             fence_margin_s=self.fence_margin_s,
         )
+
+
+class _RawConnection:
+    """An accepted connection before it is authenticated: the raw non-blocking socket, read only
+    as far as asked (``receive(max_bytes)`` is one ``recv`` of at most that many bytes), so what
+    the peer sends beyond that waits in the kernel's socket buffer, not in this process. After
+    the handshake, :meth:`to_stream` hands the socket to anyio."""
+
+    __slots__ = ("_loop", "sock")
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self._loop = loop
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        data = await self._loop.sock_recv(self.sock, max_bytes)
+        if not data:
+            raise anyio.EndOfStream
+        return data
+
+    async def send(self, data: bytes) -> None:
+        await self._loop.sock_sendall(self.sock, data)
+
+    async def aclose(self) -> None:
+        self.sock.close()
+
+    async def to_stream(self) -> SocketStream:
+        return await SocketStream.from_socket(self.sock)
 
 
 class _Link:
@@ -481,10 +510,16 @@ class ControlPlane:
         counted and logged, and accepting resumes after a backoff (doubling to 1 s), when the
         descriptors come back. Refusing to serve while the registry still advertises this port
         would fail every room of every decode."""
+        raw = listener.extra(anyio.abc.SocketAttribute.raw_socket)
+        loop = self._running_loop()
         backoff = 0.0
         while True:
             try:
-                stream = await listener.accept()
+                # Accepted on the raw socket, not through anyio's listener: its streams start
+                # reading at once (uvloop: up to 8 MiB per socket per wake-up), which is memory
+                # an unauthenticated peer would choose. Until it is authenticated, a connection
+                # is read only as far as the handshake asks (_RawConnection).
+                sock, _ = await loop.sock_accept(raw)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
             except OSError as exc:
@@ -495,8 +530,11 @@ class ControlPlane:
                 await anyio.sleep(backoff)
                 continue
             backoff = 0.0
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             assert self._tg is not None
-            self._tg.start_soon(self._accepted, stream)
+            self._tg.start_soon(self._accepted, _RawConnection(sock, loop))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         tg = self._tg
@@ -508,7 +546,7 @@ class ControlPlane:
 
         tg.start_soon(run)
 
-    async def _accepted(self, stream: SocketStream) -> None:
+    async def _accepted(self, stream: _RawConnection) -> None:
         """One connection to prefill's port, until it is authenticated or gone. At most
         ``max_unauthenticated`` wait at once: a new one over the cap sheds the oldest (a flood
         of idle or slow connections cannot keep out the decode ranks that come later)."""
@@ -532,7 +570,7 @@ class ControlPlane:
 
     async def _handshake(
         self,
-        stream: SocketStream,
+        stream: SocketStream | _RawConnection,
         expect_rank: int | None,
         key: int | None,
         scope: anyio.CancelScope | None = None,
@@ -597,6 +635,12 @@ class ControlPlane:
                 await stream.aclose()
             raise
         early = reader.feed(b"")  # whatever came after the Hello (and confirmation)
+        if isinstance(stream, _RawConnection):  # authenticated: a stream that reads ahead
+            try:
+                stream = await stream.to_stream()
+            except BaseException:
+                await stream.aclose()
+                raise
         loop = self._running_loop()
         link = _Link(theirs, next(self._generations), peer_id, loop.time(), codec)
         # Decode: the peer id its rooms named (the link is reused by every room naming it).
@@ -628,7 +672,7 @@ class ControlPlane:
         return link
 
     async def _connect_data_path(
-        self, stream: SocketStream, codec: Sealer, peer_id: str, theirs: Hello
+        self, stream: SocketStream | _RawConnection, codec: Sealer, peer_id: str, theirs: Hello
     ) -> None:
         """Prefill: load decode's NIXL metadata. A refusal is told to decode in an ``Error``
         frame naming NIXL's error (two decode processes with one agent name get
@@ -649,7 +693,9 @@ class ControlPlane:
                     await stream.send(codec.encode(Error(None, reason)))
             raise FrameError(reason, None, True) from exc
 
-    async def _handshake_frame(self, stream: SocketStream, reader: FrameReader) -> Frame:
+    async def _handshake_frame(
+        self, stream: SocketStream | _RawConnection, reader: FrameReader
+    ) -> Frame:
         """The peer's next frame during the handshake: its Hello, then (with a secret) the first
         sealed frame, which proves it holds the secret. Frames behind it stay in the reader: the
         peer may send its first room frames at once, and a slow handshake here (a NIXL connect,
@@ -660,7 +706,10 @@ class ControlPlane:
             if items:
                 first = items[0]
                 if isinstance(first, FrameError):
-                    raise first if first.fatal else FrameError(first.reason, None, True)
+                    # A fresh error: the reader keeps the one it died of, and raising that one
+                    # would tie the reader's buffers to its traceback (a reference cycle that
+                    # only the cyclic GC frees).
+                    raise FrameError(first.reason, None, True, tag=first.tag)
                 if isinstance(first, Error):  # the peer refused this handshake and says why
                     raise FrameError(f"handshake refused: {first.reason}", None, True, tag="Error")
                 return first
@@ -686,7 +735,8 @@ class ControlPlane:
                 link.last_seen = loop.time()
                 items = reader.feed(data)
                 if not self._take(link, items):
-                    raise next(i for i in items if isinstance(i, FrameError) and i.fatal)
+                    fatal = next(i for i in items if isinstance(i, FrameError) and i.fatal)
+                    raise FrameError(fatal.reason, None, True)  # fresh: see _handshake_frame
         except (
             anyio.EndOfStream,
             anyio.BrokenResourceError,
