@@ -4,11 +4,19 @@ The campaign process runs the bootstrap registry (in a thread, restartable on it
 rank processes (:mod:`kvfsm.chaos._rank`): prefill, whose NIXL agent is wrapped by the transfer
 fault proxy, and decode, whose control connections go through the frame fault proxy. Each
 episode runs ``rooms`` rooms on both ranks (aborts from either side at planned points) while this
-process, at seeded times, stops a rank (SIGSTOP, SIGCONT later), restarts the registry, sends
-hostile connections to prefill's control port, and maybe SIGKILLs a rank near the end (it is
-restarted before the next episode; its rooms count as ``killed``). After each episode every rank
-still alive drains and reports what it still holds. At the end both ranks close and report their
-NIXL accounting. Everything random comes from the seed, which the report prints for replay.
+process, at seeded times, stops a rank (SIGSTOP, SIGCONT later), freezes prefill for longer
+than decode's settle bound while it has chunks in flight, restarts the registry, sends hostile
+connections to prefill's control port, and maybe SIGKILLs a rank near the end (it is restarted
+before the next episode; its rooms count as ``killed``). The room plan itself reuses some room
+ids right after decode aborts them and makes some ``send_metadata`` calls oversized. After each
+episode every rank still alive drains and reports what it still holds. At the end both ranks
+close and report their NIXL accounting. Everything random comes from the seed, which the report
+prints for replay.
+
+Besides what each rank checks (:mod:`kvfsm.chaos._rank`), the campaign checks liveness (law 3):
+it records when it killed, stopped (past the silence limit) or cut off a rank, and every room of
+the other rank that was bound to it then (past Bootstrapping: decode claimed it) must fail
+within the silence limit plus ``liveness_slack_s``, not at its deadline.
 
 With ``two_hosts`` the ranks run in two network namespaces joined by a veth
 (:class:`~kvfsm.chaos._netns.TwoHosts`), NIXL on UCX TCP over it, and the link between them is
@@ -38,7 +46,7 @@ from kvfsm._child import ChildProcess, spawn_quietly
 from kvfsm.bootstrap import BootstrapServer
 from kvfsm.chaos._hostile import HOSTILE_KINDS, HostileResult, send_hostile
 from kvfsm.chaos._netns import CutMode, TwoHosts
-from kvfsm.chaos._options import CampaignOptions
+from kvfsm.chaos._options import CampaignOptions, RoomPlan, episode_plan
 from kvfsm.chaos._rank import ABORT_REASON, rank_main
 from kvfsm.states import KVPoll, Role
 
@@ -160,8 +168,8 @@ class _Tally:
         self.rooms = self.succeeded = self.failed = self.killed = self.wedged = 0
         self.mismatched_bytes = self.late_writes = self.starved = 0
         self.unsettled: Counter[str] = Counter()
-        #: Decode rooms left unsettled after the fault proxy dropped or reordered one of
-        #: their frames to decode (maybe the acknowledgement itself): not a violation.
+        #: Without a secret: decode rooms left unsettled after the fault proxy dropped or
+        #: reordered one of their frames (maybe the acknowledgement itself): not a violation.
         self.unsettled_disordered = 0
         self.restarts: Counter[str] = Counter()
         self.failed_by_reason: dict[str, Counter[str]] = {r: Counter() for r in _ROLES}
@@ -174,6 +182,20 @@ class _Tally:
         self.hostile: Counter[str] = Counter()
         self.bad_frame_rooms = 0
         self.max_elapsed_s: dict[str, float] = {r: 0.0 for r in _ROLES}
+        #: Prefill's transport: chunks fenced, stalled, quarantined, posted.
+        self.transport: Counter[str] = Counter()
+        #: Freezes of prefill past decode's settle bound: how many, how long, how many had
+        #: chunks in flight when they began.
+        self.long_freezes: list[float] = []
+        self.long_freezes_in_flight = 0
+        #: Rooms whose peer was lost (killed, stopped or cut off past the silence limit) while
+        #: they were bound to it: how many, and the longest from the loss to their failure.
+        self.liveness_checked = 0
+        self.liveness_max_s = 0.0
+        #: Reused room ids: by what the next generation on decode became.
+        self.reuse: Counter[str] = Counter()
+        #: Oversized send_metadata calls, by kind and by the reason the room failed with.
+        self.oversized: Counter[str] = Counter()
 
     def violation(self, text: str) -> None:
         if len(self.violations) < 50:
@@ -194,6 +216,10 @@ class _Campaign:
         self.incarnations = 0
         self.level = logging.getLogger("kvfsm").getEffectiveLevel()
         self.first_room = 0
+        self.prefill_in_flight = 0  # chunks in flight at prefill's last answer
+        self.freeze_wait_until = 0.0  # a long freeze waits this long for chunks in flight
+        #: Peers lost this episode, for the liveness check: (monotonic time, role lost).
+        self.losses: list[tuple[float, str]] = []
 
     # -- ranks ---------------------------------------------------------------------------------
 
@@ -279,12 +305,17 @@ class _Campaign:
             actions.append((rng.uniform(0.5 * span, span), "sigkill", rng.choice(_ROLES)))
         if self.hosts is not None and rng.random() < opts.link_cut_rate:
             actions.append((rng.uniform(0, span), "cut", rng.choice(("blackhole", "down"))))
+        if rng.random() < opts.long_freeze_rate:
+            # Past decode's settle bound, with chunks in flight: the fence's case (law 4).
+            actions.append((rng.uniform(0, span), "long_freeze", "prefill"))
         actions.sort()
+        self.losses = []
+        self.freeze_wait_until = 0.0
         for child in (ranks["prefill"], ranks["decode"]):  # prefill first: a bootstrap queue
             child.ask("episode", index, self.first_room)
-        rooms = range(self.first_room, self.first_room + opts.rooms)
+        plans = episode_plan(opts, index, self.first_room)
         self.first_room += opts.rooms
-        outcomes: dict[str, dict[int, dict[str, Any]]] = {r: {} for r in _ROLES}
+        outcomes: dict[str, dict[tuple[int, int], dict[str, Any]]] = {r: {} for r in _ROLES}
         done = dict.fromkeys(_ROLES, False)
         killed: set[str] = set()
         stopped: dict[str, float] = {}
@@ -317,7 +348,9 @@ class _Campaign:
                     continue
                 answer = child.ask("poll", timeout=60)
                 for outcome in answer["outcomes"]:
-                    outcomes[role][outcome["room"]] = outcome
+                    outcomes[role][(outcome["room"], outcome.get("gen", 0))] = outcome
+                if role == "prefill":
+                    self.prefill_in_flight = int(answer.get("in_flight", 0))
                 done[role] = answer["done"]
                 self._fold(role, answer["counters"])
             if now > limit:
@@ -328,7 +361,8 @@ class _Campaign:
             os.kill(ranks[role].pid, signal.SIGCONT)
         if self.hosts is not None:
             self.hosts.restore()
-        self._score(index, rooms, outcomes, killed)
+        self._score(index, plans, outcomes, killed)
+        self._liveness(index, outcomes)
         wait = opts.settle_wait_s()
         for role in _ROLES:
             child = self.ranks[role]
@@ -338,11 +372,12 @@ class _Campaign:
             self._account(role, report, closing=False)
             if role != "decode":
                 continue
-            # Rooms whose acknowledgement the proxy dropped keep their pages and aux rows
-            # for good (law 4): a fresh decode rank gets fresh pools before they run out.
+            # Rooms that never settled keep their pages and aux rows for good (law 4): a fresh
+            # decode rank gets fresh pools before they run out.
             pages_left = opts.num_pages - report["written_off_pages"]
             aux_left = opts.aux_rows - report["written_off_aux"]
-            if pages_left < opts.num_pages // 2 or aux_left < opts.aux_rows // 2:
+            oversized = report.get("written_off_oversized", 0)
+            if pages_left < opts.num_pages // 2 or aux_left < opts.aux_rows // 2 or oversized > 1:
                 tally.restarts["decode_pools"] += 1
                 self._close_rank("decode")
 
@@ -357,11 +392,26 @@ class _Campaign:
     ) -> float | None:
         """Do one scheduled fault; return a monotonic time to try again at instead, when it
         cannot be done now."""
-        tally = self.tally
+        tally, opts = self.tally, self.opts
         if what == "sigstop" and arg not in killed and arg not in stopped:
             os.kill(ranks[arg].pid, signal.SIGSTOP)
-            stopped[arg] = time.monotonic() + self.rng.uniform(0.3, self.opts.sigstop_max_s)
+            length = self.rng.uniform(0.3, opts.sigstop_max_s)
+            self._stopped(arg, length, stopped)
             tally.faults[f"sigstop_{arg}"] += 1
+        elif what == "long_freeze" and arg not in killed:
+            if arg in stopped:  # an ordinary stop is under way: after it
+                return stopped[arg]
+            now = time.monotonic()
+            if not self.freeze_wait_until:
+                self.freeze_wait_until = now + 3.0
+            if self.prefill_in_flight == 0 and now < self.freeze_wait_until:
+                return now + 0.02  # wait (a little) for chunks in flight
+            os.kill(ranks[arg].pid, signal.SIGSTOP)
+            length = self.rng.uniform(*opts.long_freeze_s())
+            self._stopped(arg, length, stopped)
+            tally.faults[f"long_freeze_{arg}"] += 1
+            tally.long_freezes.append(length)
+            tally.long_freezes_in_flight += self.prefill_in_flight > 0
         elif what == "registry":
             assert self.registry is not None
             self.registry.restart(self.rng.uniform(0.2, 1.5))
@@ -374,20 +424,36 @@ class _Campaign:
             result = self._hostile(arg, port)
             tally.faults[f"hostile_{arg}"] += 1
             tally.hostile[result.outcome] += 1
-            if result.outcome != "closed":
+            # Refused: the connection dropped, or an Error frame saying why (without a secret
+            # an unsigned Hello is well formed, and a NIXL handshake prefill cannot load is
+            # answered that way before it closes).
+            if result.outcome not in ("closed", "error"):
                 tally.violation(f"hostile {arg}: not refused ({result.outcome} {result.detail})")
         elif what == "sigkill" and arg not in killed:
             stopped.pop(arg, None)
             ranks[arg].kill()
+            self.losses.append((time.monotonic(), arg))
             killed.add(arg)
             self.ranks[arg] = None
             tally.faults[f"sigkill_{arg}"] += 1
         elif what == "cut" and self.hosts is not None and not self.hosts.is_cut:
             mode: CutMode = "down" if arg == "down" else "blackhole"
             self.hosts.cut(mode)
-            self.cut_until = time.monotonic() + self.rng.uniform(0.5, self.opts.link_cut_max_s)
+            now = time.monotonic()
+            length = self.rng.uniform(0.5, opts.link_cut_max_s)
+            self.cut_until = now + length
+            if length > opts.channel_silence_s() + 0.5:  # each side loses the other
+                self.losses += [(now, "prefill"), (now, "decode")]
             tally.faults[f"link_cut_{mode}"] += 1
         return None
+
+    def _stopped(self, role: str, length: float, stopped: dict[str, float]) -> None:
+        """``role`` was just stopped for ``length`` seconds. Long enough past the silence
+        limit, its peer must declare it lost (a shorter stop may not be noticed)."""
+        now = time.monotonic()
+        stopped[role] = now + length
+        if length > self.opts.channel_silence_s() + 0.5:
+            self.losses.append((now, role))
 
     def _hostile(self, kind: str, port: int) -> HostileResult:
         if self.hostile_source is None:
@@ -400,52 +466,112 @@ class _Campaign:
     def _score(
         self,
         index: int,
-        rooms: range,
-        outcomes: dict[str, dict[int, dict[str, Any]]],
+        plans: list[RoomPlan],
+        outcomes: dict[str, dict[tuple[int, int], dict[str, Any]]],
         killed: set[str],
     ) -> None:
         tally = self.tally
-        for room in rooms:
+        lost = "decode" in killed or "prefill" in killed
+        for plan in plans:
+            room = plan.room
             tally.rooms += 1
-            pre, dec = outcomes["prefill"].get(room), outcomes["decode"].get(room)
+            dec = outcomes["decode"].get((room, 0))
             if dec is None:
-                if "decode" in killed or "prefill" in killed:
+                if lost:
                     tally.killed += 1
                 else:
                     tally.violation(f"episode {index}: room {room}: no decode outcome")
                 continue
-            for role, out in (("prefill", pre), ("decode", dec)):
-                if out is None:
-                    continue
-                tally.max_elapsed_s[role] = max(tally.max_elapsed_s[role], out["elapsed_s"])
-                if out["wedged"]:
-                    tally.wedged += 1
-                    tally.violation(f"room {room}: {role} wedged")
-                if not out["settled"]:
-                    if out.get("disordered"):
-                        # Its frames to decode were dropped or reordered (TCP never does
-                        # that): its acknowledgement may be what was lost, so its pages
-                        # stay reserved. Law 4's safe side, not a violation.
-                        tally.unsettled_disordered += 1
-                    else:
-                        # Prefill always drains its handles; decode hears the settle, or its
-                        # link was lost and it settles after peer_lost_grace_s (law 4).
-                        tally.unsettled[role] += 1
-                        tally.violation(f"room {room}: {role} room never settled ({out})")
-                if out["reason"] == "starved":
-                    tally.starved += 1
-                if "bad frame" in out["reason"]:
-                    tally.bad_frame_rooms += 1
-                if out["status"] != KVPoll.Success:
-                    tally.failed_by_reason[role][_reason_class(out["reason"])] += 1
-            if dec["status"] == KVPoll.Success:
-                if dec["mismatched"]:
-                    tally.mismatched_bytes += dec["mismatched"]
-                    tally.violation(f"room {room}: {dec['mismatched']} bytes differ")
+            for role in _ROLES:
+                for gen in (0, 1):
+                    out = outcomes[role].get((room, gen))
+                    if out is not None:
+                        self._check_outcome(room, role, out, plan)
+            nxt = outcomes["decode"].get((room, 1))
+            if plan.reuse and nxt is not None:
+                # Both generations ended and settled (checked above, like every room); the
+                # next one may succeed, with its own bytes right.
+                tally.reuse["rooms"] += 1
+                status = KVPoll(nxt["status"])
+                tally.reuse["next_" + status.name.lower()] += 1
+                if status is not KVPoll.Success:
+                    tally.reuse[f"next failed: {_reason_class(nxt['reason'])}"] += 1
+            final = nxt if nxt is not None else dec
+            if final["status"] == KVPoll.Success:
+                if final["mismatched"]:
+                    tally.mismatched_bytes += final["mismatched"]
+                    tally.violation(f"room {room}: {final['mismatched']} bytes differ")
                 else:
                     tally.succeeded += 1
             else:
                 tally.failed += 1
+            if nxt is not None and dec["status"] == KVPoll.Success and dec["mismatched"]:
+                tally.mismatched_bytes += dec["mismatched"]
+                tally.violation(f"room {room} gen 0: {dec['mismatched']} bytes differ")
+
+    def _check_outcome(self, room: int, role: str, out: dict[str, Any], plan: RoomPlan) -> None:
+        """The checks every room of either side, of any generation, must pass."""
+        tally = self.tally
+        name = f"room {room}" + (f" gen {out['gen']}" if out.get("gen") else "")
+        tally.max_elapsed_s[role] = max(tally.max_elapsed_s[role], out["elapsed_s"])
+        if out["wedged"]:
+            tally.wedged += 1
+            tally.violation(f"{name}: {role} wedged")
+        if not out["settled"]:
+            if out.get("disordered") and not self.opts.use_secret:
+                # Unsigned frames carry no sequence number: a frame dropped or reordered (TCP
+                # never does that) goes unnoticed, and its acknowledgement may be what was
+                # lost, so its pages stay reserved. Law 4's safe side, not a violation. With a
+                # secret the break in the sequence costs the link, and the lost link's rooms
+                # settle by the lease like any other: no excuse then.
+                tally.unsettled_disordered += 1
+            else:
+                # Prefill always drains its handles; decode hears the settle, or its link was
+                # lost and it settles the lease plus the fence margin after its last grant.
+                tally.unsettled[role] += 1
+                tally.violation(f"{name}: {role} room never settled ({out})")
+        reason = out["reason"]
+        if reason == "starved":
+            tally.starved += 1
+        if "bad frame" in reason:
+            tally.bad_frame_rooms += 1
+        if "already held" in reason:
+            # The campaign hands out only pages and aux rows of settled rooms, so one owner
+            # per destination must never refuse it.
+            tally.violation(f"{name}: {role} refused a destination known to be free: {reason}")
+        if out["status"] != KVPoll.Success:
+            tally.failed_by_reason[role][_reason_class(reason)] += 1
+        kind = out.get("oversized", "")
+        if kind and role == "decode":
+            tally.oversized[kind] += 1
+            tally.oversized[f"{kind}: {_reason_class(reason)}"] += 1
+            if out.get("oversized_problem"):
+                tally.violation(f"{name}: oversized ({kind}) {out['oversized_problem']}")
+        elif not plan.oversized and ("max_pages" in reason or "frame limit" in reason):
+            tally.violation(f"{name}: {role} failed by someone else's oversized call: {reason}")
+
+    def _liveness(
+        self, index: int, outcomes: dict[str, dict[tuple[int, int], dict[str, Any]]]
+    ) -> None:
+        """Law 3: a room bound to a peer that is lost (killed, stopped or cut off past the
+        silence limit) fails within the silence limit, not at its deadline. Decode claims its
+        room on the link as soon as it is bound, so this holds for prefill's rooms too."""
+        tally, opts = self.tally, self.opts
+        bound = opts.channel_silence_s() + opts.liveness_slack_s
+        for lost_at, lost in self.losses:
+            side = "decode" if lost == "prefill" else "prefill"
+            for (room, _), out in outcomes[side].items():
+                bound_at, ended_at = out.get("bound_at", 0.0), out.get("ended_at", 0.0)
+                if not bound_at or not bound_at < lost_at < ended_at:
+                    continue
+                took = ended_at - lost_at - out.get("frozen_s", 0.0)
+                tally.liveness_checked += 1
+                tally.liveness_max_s = max(tally.liveness_max_s, took)
+                if took > bound:
+                    tally.violation(
+                        f"episode {index}: {side} room {room} ended {took:.2f}s after its "
+                        f"{lost} peer was lost (bound {bound:g}s): {out['reason']!r}"
+                    )
 
     def _fold(self, role: str, counters: dict[str, Any]) -> None:
         """Add what a rank counted since its previous answer."""
@@ -459,6 +585,8 @@ class _Campaign:
                 tally.slow_calls[f"{role}.{name[5:]}"] += n
             elif name.startswith("fault."):
                 tally.faults[name[6:]] += n
+            elif name.startswith("xfer."):
+                tally.transport[name[5:]] += n
         for note in counters["late_notes"]:
             tally.violation(f"late write: {note}")
 
@@ -579,6 +707,7 @@ class _Campaign:
                 "prefill": self.opts.bound_s(Role.SENDER),
                 "decode": self.opts.bound_s(Role.RECEIVER),
             },
+            "settle_after_loss_s": self.opts.settle_after_loss_s(),
             "leaks": {
                 k: t.leaks.get(k, 0)
                 for k in (
@@ -591,6 +720,21 @@ class _Campaign:
                 )
             },
             "faults": dict(sorted(t.faults.items())),
+            "transport": dict(sorted(t.transport.items())),
+            "long_freezes": {
+                "count": len(t.long_freezes),
+                "with_chunks_in_flight": t.long_freezes_in_flight,
+                "min_s": round(min(t.long_freezes, default=0.0), 2),
+                "max_s": round(max(t.long_freezes, default=0.0), 2),
+                "settle_after_loss_s": self.opts.settle_after_loss_s(),
+            },
+            "liveness": {
+                "rooms_checked": t.liveness_checked,
+                "max_s": round(t.liveness_max_s, 3),
+                "bound_s": self.opts.channel_silence_s() + self.opts.liveness_slack_s,
+            },
+            "reuse": dict(t.reuse),
+            "oversized": dict(sorted(t.oversized.items())),
             "hostile": dict(t.hostile),
             "options": _options_json(self.opts),
             "violations": t.violations,

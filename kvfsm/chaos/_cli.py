@@ -19,7 +19,8 @@ def add_parser(
     p = subparsers.add_parser(
         "chaos",
         help="fault campaign: real prefill and decode processes under transfer faults, control "
-        "frame faults, hostile frames, aborts, SIGSTOP/SIGKILL and registry restarts",
+        "frame faults, hostile frames, aborts, SIGSTOP/SIGKILL (and freezes past decode's "
+        "settle bound), room id reuse, oversized calls and registry restarts",
         description="Run randomized fault episodes against a real prefill-decode pair and check "
         "that no room wedges, nothing leaks, no byte lands in settled pages and no "
         "scheduler-facing call blocks. Exit status 1 on any violation.",
@@ -31,6 +32,24 @@ def add_parser(
     a("--rooms", type=int, default=d.rooms, help="rooms per episode (%(default)s)")
     a("--concurrency", type=int, default=d.concurrency, help="rooms in flight (%(default)s)")
     a("--abort-rate", type=float, default=d.abort_rate, help="aborted rooms (%(default)s)")
+    a(
+        "--long-freeze-rate",
+        type=float,
+        default=d.long_freeze_rate,
+        help="per episode: freeze prefill past decode's settle bound (%(default)s)",
+    )
+    a(
+        "--reuse-rate",
+        type=float,
+        default=d.reuse_rate,
+        help="per room: decode aborts and reuses the id at once (%(default)s)",
+    )
+    a(
+        "--oversized-rate",
+        type=float,
+        default=d.oversized_rate,
+        help="per room: send_metadata with too many pages (%(default)s)",
+    )
     a("--slow-call-ms", type=float, default=d.slow_call_ms, help="blocking threshold (ms)")
     a("--no-secret", action="store_true", help="unsigned control frames and registry")
     a("--no-kill", action="store_true", help="no SIGKILL of ranks")
@@ -56,6 +75,9 @@ def options(args: argparse.Namespace) -> CampaignOptions:
         rooms=args.rooms,
         concurrency=args.concurrency,
         abort_rate=args.abort_rate,
+        long_freeze_rate=args.long_freeze_rate,
+        reuse_rate=args.reuse_rate,
+        oversized_rate=args.oversized_rate,
         slow_call_ms=args.slow_call_ms,
         use_secret=not args.no_secret,
         break_invariant=args.break_invariant,
@@ -84,6 +106,12 @@ def print_text(s: dict[str, Any]) -> None:
         ("slow calls", f"{s['slow_calls']} of {s['calls']}"),
         ("leaks", s["leaks"]),
         ("max room s", f"{s['max_room_s']} (bounds {s['bound_s']})"),
+        ("settle after loss s", s["settle_after_loss_s"]),
+        ("liveness", s["liveness"]),
+        ("long freezes", s["long_freezes"]),
+        ("reused ids", s["reuse"]),
+        ("oversized calls", s["oversized"]),
+        ("transport", s["transport"]),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

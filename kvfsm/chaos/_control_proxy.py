@@ -17,10 +17,13 @@ direction to raw pass-through, so a hostile or broken peer's bytes still reach t
 parser, which is what must refuse them.
 
 A dropped or reordered frame breaks the promise TCP makes (nothing lost or reordered without
-the connection failing), so a room whose settle acknowledgement was dropped may legitimately
-never settle: for the campaign's checks, the proxy remembers the rooms named by frames it
-dropped or reordered, per direction (:meth:`ControlProxy.disordered`). It reads the room id
-from the frame's msgpack payload without checking anything else.
+the connection failing). With a secret the channel notices: every frame after the Hellos carries
+a sequence number under its MAC (protocol v3), so a dropped, duplicated or reordered frame is
+refused at the next one and the connection is dropped, which is peer loss for its rooms.
+Without a secret nothing can notice, and a room whose settle acknowledgement was dropped may
+legitimately never settle: for the campaign's checks, the proxy remembers the rooms named by
+frames it dropped or reordered, per direction (:meth:`ControlProxy.disordered`). It reads the
+room id from the frame's msgpack payload without checking anything else.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ _log = logging.getLogger("kvfsm.chaos")
 _PREFIX: Final = 4
 _READ: Final = 1 << 16
 _MAX_FRAME: Final = 16 * 2**20 + 64  # the channel's own limit plus its envelope
+_SEQ_BYTES: Final = 8
 
 Address = tuple[str, int]
 Resolved = tuple[str, int] | tuple[str, int, int]
@@ -60,7 +64,8 @@ def room_of(frame: bytes) -> int | None:
     body = frame[_PREFIX:]
     if not body:
         return None
-    offset = 1 + (_MAC_BYTES if body[0] == 1 else 0)
+    # auth 0: no MAC; 1: a MAC (Hello); 2: a session frame, a MAC and an 8-byte sequence number.
+    offset = 1 + {0: 0, 1: _MAC_BYTES, 2: _MAC_BYTES + _SEQ_BYTES}.get(body[0], 0)
     try:
         payload = msgspec.msgpack.decode(body[offset:])
     except msgspec.DecodeError:

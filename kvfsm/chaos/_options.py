@@ -16,7 +16,7 @@ from kvfsm.rooms import RoomConfig
 from kvfsm.states import KVPoll, Role
 from kvfsm.transport import TransferConfig
 
-__all__ = ["CampaignOptions", "RoomPlan", "episode_plan"]
+__all__ = ["OVERSIZED_PAGES", "CampaignOptions", "RoomPlan", "episode_plan"]
 
 
 #: Short deadlines (law 3 bounds every room by their sum per role); production is minutes.
@@ -55,15 +55,36 @@ def _transfer_rates() -> TransferRates:
 
 
 def _control_rates() -> ControlRates:
+    # With a secret (the default), every frame after the Hellos carries a sequence number under
+    # its MAC (protocol v3): a dropped, duplicated or reordered frame breaks the sequence and
+    # costs the whole link, like a cut, a truncation or a corrupted byte. At about 60 frames a
+    # second, these rates lose a link every few seconds; the delays cost nothing but time.
     return ControlRates(
-        drop=0.01,
-        duplicate=0.01,
-        reorder=0.02,
+        drop=0.0005,
+        duplicate=0.0005,
+        reorder=0.001,
         delay=0.03,
-        truncate=0.002,
-        corrupt=0.004,
-        cut=0.002,
+        truncate=0.0003,
+        corrupt=0.0005,
+        cut=0.0003,
     )
+
+
+#: What the write fence cannot see on one host (docs/reliability.md, "Write fencing"): the
+#: window between the poster's lease check and ``transfer()``'s entry (p99 1.5 us, at most
+#: 100 us measured; a GIL hand-off there costs up to the 5 ms switch interval) and the copy
+#: inside ``transfer()`` (CMA: 62 us per MiB; the campaign's largest chunk is 64 KiB). 1 s,
+#: ``ChannelConfig``'s default, covers both by more than two orders of magnitude. It does not
+#: and cannot cover a freeze *inside* those windows, which is why they must stay short.
+_UNFENCED_S: Final = 1.0
+
+#: The most pages one decode room may name in the campaign: raised above what one 16 MiB
+#: control frame holds (about 4.19 M packed int32), so that an oversized page list can fail
+#: either at the facade (more than this) or at the control plane (more than a frame holds).
+_DECODE_MAX_PAGES: Final = 4_400_000
+#: Page counts of the two oversized calls: one over ``_DECODE_MAX_PAGES``, one under it but
+#: over the frame limit.
+OVERSIZED_PAGES: Final = {"max_pages": _DECODE_MAX_PAGES + 1, "frame": 4_250_000}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +111,17 @@ class CampaignOptions:
     sigstop_max_s: float = 2.5
     sigkill_rate: float = 0.35
     registry_restart_rate: float = 0.5
+    #: Per episode: probability of freezing the prefill rank (SIGSTOP) for longer than decode's
+    #: settle bound, ``long_freeze_factor`` times :meth:`settle_after_loss_s`, timed while it
+    #: has chunks in flight. Fencing must keep every late write out (law 4).
+    long_freeze_rate: float = 0.3
+    long_freeze_factor: tuple[float, float] = (1.5, 4.0)
+    #: Per room: probability that decode aborts the room after its page list went out and at
+    #: once creates the id's next receiver (prefill then creates the id's next sender).
+    reuse_rate: float = 0.05
+    #: Per room: probability that decode calls ``send_metadata`` with more pages than it may
+    #: (``OVERSIZED_PAGES``: over ``RoomConfig.max_pages``, or over the frame limit).
+    oversized_rate: float = 0.02
     #: Hostile connections to the prefill control port per episode.
     hostile_per_episode: int = 3
     #: Sign the registry and every control frame (a corrupted frame is then always detected).
@@ -98,11 +130,15 @@ class CampaignOptions:
     #: Extra seconds a room gets on top of its deadline sum before it counts as wedged
     #: (scheduler iterations and machine load; time a rank spent stopped is added as well).
     slack_s: float = 8.0
-    #: Decode settles the rooms of a lost control link this long after the loss
-    #: (``ChannelConfig.peer_lost_grace_s``); :meth:`validate` checks it outlasts everything
-    #: that can still write into their pages (see :meth:`writes_end_s`). None: that bound
-    #: plus 2 s, rounded up to whole seconds (8 s on one host, 11 s on two).
-    peer_lost_grace_s: float | None = None
+    #: A rank whose peer is lost (killed, stopped, cut off) must fail the peer's rooms within
+    #: the silence limit plus this much (law 3: a known-dead peer is not waited for).
+    liveness_slack_s: float = 2.0
+    #: Decode grants prefill write leases of this long (``ChannelConfig.lease_s``).
+    lease_s: float = 2.0
+    #: ``ChannelConfig.fence_margin_s``: decode settles a lost link's pages ``lease_s`` plus
+    #: this after the last lease it granted there. None: :meth:`needed_margin_s`, rounded up
+    #: to whole seconds; :meth:`validate` refuses less.
+    fence_margin_s: float | None = None
     #: Prefill and decode in two network namespaces joined by a veth (``--two-hosts``): NIXL on
     #: UCX TCP over it, and the link cut as one more fault.
     two_hosts: bool = False
@@ -121,25 +157,53 @@ class CampaignOptions:
             raise ValueError("--rooms, --concurrency and --episodes must be >= 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("--duration must be > 0")
-        if not 0 <= self.abort_rate <= 1:
-            raise ValueError("--abort-rate must be in [0, 1]")
+        for name in ("abort_rate", "reuse_rate", "oversized_rate", "long_freeze_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1]")
         if self.break_invariant not in ("", "canary"):
             raise ValueError(f"unknown invariant to break: {self.break_invariant!r}")
         if self.max_room_pages * 2 * self.concurrency > self.num_pages:
             raise ValueError("the page pool is too small for the concurrency")
         if 4 * self.concurrency > self.aux_rows:
             raise ValueError("too few aux rows for the concurrency")
-        if not self.grace_s() > self.writes_end_s():
+        low, high = self.long_freeze_factor
+        if not 1.0 < low <= high:
+            raise ValueError("long freezes must outlast decode's settle bound: 1 < low <= high")
+        if not self.margin_s() >= self.needed_margin_s():
             raise ValueError(
-                f"peer_lost_grace_s ({self.grace_s():g}) must exceed the time a lost "
-                f"prefill may still write ({self.writes_end_s():g} s)"
+                f"fence_margin_s ({self.margin_s():g}) must cover what the fence cannot see "
+                f"({self.needed_margin_s():g} s)"
             )
 
-    def grace_s(self) -> float:
-        """``ChannelConfig.peer_lost_grace_s`` of the ranks."""
-        if self.peer_lost_grace_s is not None:
-            return self.peer_lost_grace_s
-        return float(math.ceil(self.writes_end_s() + 2.0))
+    def needed_margin_s(self) -> float:
+        """What decode's margin past the lease must cover. One host: the unfenced windows
+        (``_UNFENCED_S``); how long prefill is stopped does not matter any more, since a writer
+        posts only under a valid lease, checked right before each ``transfer()``. Two hosts:
+        also bytes of WRITEs posted before the lease ended that TCP still holds when the link
+        is cut. Decode cannot refuse them (deregistering or removing an agent does not stop a
+        WRITE on TCP), they arrive after the restore, and TCP's retransmission backoff
+        (doubling) may wait about as long again as the cut lasted, so a cut counts twice, on
+        top of the chunk deadline and quarantine of a WRITE still in progress when it began."""
+        if not self.two_hosts:
+            return _UNFENCED_S
+        largest = self.max_room_pages * self.layers * self.page_bytes + self.aux_row_bytes
+        return (
+            _UNFENCED_S
+            + 2 * self.link_cut_max_s
+            + _TRANSFER.deadline_s(largest)
+            + _TRANSFER.quarantine_s
+        )
+
+    def margin_s(self) -> float:
+        """``ChannelConfig.fence_margin_s`` of the ranks."""
+        if self.fence_margin_s is not None:
+            return self.fence_margin_s
+        return float(math.ceil(self.needed_margin_s()))
+
+    def settle_after_loss_s(self) -> float:
+        """Decode settles a lost link's pages this long after the last lease it granted on it
+        (``ChannelConfig.settle_after_loss_s``): 3 s on one host, 11 s on two."""
+        return self.lease_s + self.margin_s()
 
     def channel(self, host: str = "127.0.0.1") -> ChannelConfig:
         return ChannelConfig(
@@ -148,33 +212,37 @@ class CampaignOptions:
             liveness_factor=_LIVENESS,
             connect_timeout_s=2.0,
             pending_ttl_s=10.0,
-            # The campaign's settle bound after a lost link is grace_s(): the lease plus the
-            # margin (ChannelConfig.settle_after_loss_s).
-            fence_margin_s=max(0.0, self.grace_s() - ChannelConfig().lease_s),
+            lease_s=self.lease_s,
+            fence_margin_s=self.margin_s(),
         )
 
     def channel_silence_s(self) -> float:
-        # Not self.channel(): that needs grace_s(), which needs this.
         return _HEARTBEAT_S * _LIVENESS
 
-    def writes_end_s(self) -> float:
-        """After decode loses its link, how long prefill may still be writing into the rooms'
-        pages: it notices within its silence window, later by as long as it can be stopped;
-        a WRITE it cannot release ends at its chunk deadline plus the quarantine. On two hosts
-        bytes that were on the wire when the link was cut arrive after the restore, and TCP's
-        retransmission backoff (doubling) may wait about as long again as the cut lasted, so
-        a cut counts twice. ``ChannelConfig.peer_lost_grace_s`` must be longer (law 4)."""
-        transfer = _TRANSFER
-        largest = self.max_room_pages * self.layers * self.page_bytes + self.aux_row_bytes
-        held = max(self.sigstop_max_s, 2 * self.link_cut_max_s if self.two_hosts else 0.0)
-        return (
-            self.channel_silence_s() + held + transfer.deadline_s(largest) + transfer.quarantine_s
-        )
+    def long_freeze_s(self) -> tuple[float, float]:
+        """How long a freeze past decode's settle bound lasts (from, to)."""
+        low, high = self.long_freeze_factor
+        bound = self.settle_after_loss_s()
+        return low * bound, high * bound
+
+    def longest_stop_s(self) -> float:
+        """The longest a rank may be stopped in one go."""
+        longest = self.long_freeze_s()[1] if self.long_freeze_rate > 0 else 0.0
+        return max(self.sigstop_max_s, longest)
 
     def room_settle_timeout_s(self) -> float:
-        """``RoomConfig.settle_timeout_s``: a decode room that failed just before its link was
-        lost (its prefill stopped or cut off) must still be waiting when the grace ends."""
-        return self.channel_silence_s() + self.grace_s() + self.sigstop_max_s + 2.0
+        """``RoomConfig.settle_timeout_s``, after which a terminal room gives up settling. A
+        decode room waits for its acknowledgement, which comes once prefill's room drained its
+        chunks (deadline plus quarantine), later by as long as prefill is stopped without its
+        link being declared lost (the silence limit), or, when the link is lost, with the
+        lease-derived settle. A prefill room's own timer runs on through a freeze of its
+        process: one that ended just before a long freeze finds its settle timeout expired on
+        waking while its released chunks still sit out their quarantine, so the longest stop
+        counts as well."""
+        largest = self.max_room_pages * self.layers * self.page_bytes + self.aux_row_bytes
+        drain = _TRANSFER.deadline_s(largest) + _TRANSFER.quarantine_s
+        stopped = max(self.longest_stop_s(), self.channel_silence_s())
+        return stopped + drain + self.settle_after_loss_s() + 2.0
 
     def settle_wait_s(self) -> float:
         """How long a rank watches a terminal room for its settle before reporting it
@@ -185,14 +253,18 @@ class CampaignOptions:
         """Law 3: the most time a room of ``role`` may take to reach a terminal state."""
         return sum(self.deadlines[role].values())
 
-    def manager_config(self, secret: bytes | None, host: str = "127.0.0.1") -> ManagerConfig:
+    def manager_config(
+        self, secret: bytes | None, host: str = "127.0.0.1", role: str = "prefill"
+    ) -> ManagerConfig:
         """A rank's config; ``host``: where prefill's control channel listens (and what its
-        registration publishes)."""
+        registration publishes). Decode may name more pages per room than a frame holds (see
+        ``_DECODE_MAX_PAGES``)."""
         return ManagerConfig(
             rooms=RoomConfig(
                 deadlines=self.deadlines,
                 settle_timeout_s=self.room_settle_timeout_s(),
                 shutdown_timeout_s=5.0,
+                max_pages=_DECODE_MAX_PAGES if role == "decode" else RoomConfig().max_pages,
             ),
             transfer=_TRANSFER,
             channel=self.channel(host),
@@ -206,7 +278,13 @@ class RoomPlan:
     """One request. ``abort_side`` "prefill": ``abort_at`` -1 before decode's pages arrive, 0
     before ``init``, k in 1..chunks-1 right after chunk k was sent (a non-last chunk in
     flight), ``chunks`` right after the last chunk. "decode": -1 before ``send_metadata``, k >= 0
-    k scheduler iterations after it."""
+    k scheduler iterations after it.
+
+    ``reuse``: decode's abort (at ``abort_at`` >= 0, after the page list went out) is followed at
+    once by a new receiver of the same id, on fresh pages; prefill, once its first sender of the
+    id is terminal, creates the id's next sender. ``oversized``: decode's ``send_metadata`` names
+    ``OVERSIZED_PAGES[oversized]`` pages instead of the planned ones (``"max_pages"``: refused
+    by the facade; ``"frame"``: a page list no control frame can carry)."""
 
     room: int
     src: tuple[int, ...]
@@ -214,6 +292,8 @@ class RoomPlan:
     cuts: tuple[int, ...]
     abort_side: str
     abort_at: int
+    reuse: bool = False
+    oversized: str = ""
 
     @property
     def chunks(self) -> int:
@@ -237,7 +317,24 @@ def episode_plan(opts: CampaignOptions, episode: int, first_room: int) -> list[R
                 side, at = "prefill", rng.randint(-1, len(cuts) + 1)
             else:
                 side, at = "decode", rng.randint(-1, 3)
+        # Always drawn, whatever the rates, so that changing one rate does not reshuffle the
+        # rest of the plan (FaultPlan's rule 2).
+        special, param = rng.random(), rng.random()
+        reuse, oversized = False, ""
+        if special < opts.reuse_rate:
+            reuse, side, at = True, "decode", int(param * 4)  # 0..3 iterations after
+        elif special < opts.reuse_rate + opts.oversized_rate:
+            side, at, oversized = "", 0, "max_pages" if param < 0.5 else "frame"
         plans.append(
-            RoomPlan(first_room + i, tuple(src), rng.randrange(opts.aux_rows), cuts, side, at)
+            RoomPlan(
+                first_room + i,
+                tuple(src),
+                rng.randrange(opts.aux_rows),
+                cuts,
+                side,
+                at,
+                reuse=reuse,
+                oversized=oversized,
+            )
         )
     return plans

@@ -13,18 +13,35 @@ What a rank checks itself, because only it can:
 
 * **bounded time**: every room must be terminal within its role's deadline sum plus slack; the
   time this process spent stopped (SIGSTOP, seen as a gap between two loop iterations) is added,
-  since no timer of a stopped process can fire. A room past that is *wedged* (and aborted).
+  since no timer of a stopped process can fire. Only this process's own stops count: a room
+  whose *peer* is stopped must not wait for it (law 3). A room past that is *wedged* (and
+  aborted).
 * **never block**: every scheduler-facing call (``poll``, ``init``, ``send``, ``send_metadata``,
   ``abort``, ``clear``, and creating the room) is timed; calls over ``slow_call_ms`` are counted.
+  An oversized ``send_metadata`` is timed on its own: the facade packs (copies) the caller's
+  page list before refusing it, so its bound is ``slow_call_ms`` plus 1 ms per MB.
 * **no late writes** (decode): a settled room's pages are filled with a canary, and checked before
   they are handed out again and at every drain. A changed byte is a write that landed after its
-  pages were declared free.
+  pages were declared free. Pages are handed out oldest-freed first, so a canary stays in place
+  as long as the pool allows (through a freeze of prefill past decode's settle bound).
 * **settled** (both): a terminal room must settle before its own settle timeout; decode rooms of
-  a lost link settle ``peer_lost_grace_s`` after the loss. A decode room whose frames the fault
-  proxy dropped or reordered (TCP never does) is reported as such: its acknowledgement may have
-  been the frame lost.
+  a lost link settle the lease plus the fence margin after the last lease granted on it. A
+  decode room whose frames the fault proxy dropped or reordered (TCP never does) is reported as
+  such: its acknowledgement may have been the frame lost.
 * **the bytes** (decode): a Success room's pages and aux row must equal prefill's sources, which
   both ranks compute from the seed.
+* **id reuse** (both): a room planned for reuse has two generations on each side, reported
+  separately (``gen`` 0 and 1); both must end and settle. Decode creates its next receiver
+  right after aborting the first (before it settled); prefill its next sender once the first
+  is terminal.
+* **oversized calls** (decode): an ``send_metadata`` over ``max_pages`` must leave the room Failed
+  when the call returns, with a reason naming ``max_pages``; one over the frame limit must fail
+  the room within a second. The outcome says whether it did (``oversized_problem``).
+
+Outcomes carry ``started_at``, ``bound_at`` (when the room was first seen past Bootstrapping:
+decode claimed it on the link) and ``ended_at``, on ``time.monotonic()``, which every process of
+one kernel shares: the campaign checks them against the moments it killed, stopped or cut off
+the peer.
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -48,7 +65,7 @@ import numpy.typing as npt
 from kvfsm.bootstrap._discovery import registry_resolver
 from kvfsm.bootstrap._registry import BootstrapClient
 from kvfsm.chaos._control_proxy import ProxyThread
-from kvfsm.chaos._options import CampaignOptions, RoomPlan, episode_plan
+from kvfsm.chaos._options import OVERSIZED_PAGES, CampaignOptions, RoomPlan, episode_plan
 from kvfsm.chaos._plan import FaultPlan
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, PrefillManager
@@ -65,6 +82,8 @@ _CANARY: Final = 0x5A
 _POISON: Final = 0xA5
 #: A gap this long between two loop iterations means the process was stopped (or starved).
 _FROZEN_GAP_S: Final = 0.25
+#: Transport counters each prefill answer carries (as deltas).
+_XFER_COUNTERS: Final = ("chunks_fenced", "chunks_stalled", "chunks_quarantined", "chunks_posted")
 Pages = npt.NDArray[np.int32]
 
 
@@ -87,22 +106,60 @@ def source_rows(seed: int, buffer: int, rows: npt.NDArray[np.int64], width: int)
         return (row ^ word ^ base).view(np.uint8)
 
 
+class _Pool:
+    """Free indices of one pool (pages, or aux rows), handed out oldest-freed first.
+
+    A real allocator hands out only what is free; this one also hands out what was freed
+    longest ago, so a settled room's canary stays in place for as long as the pool allows (a
+    late write is caught even when it lands seconds after the settle, as it would after a freeze
+    past decode's settle bound). Indices of rooms that never settle are never given back."""
+
+    __slots__ = ("free", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free: deque[int] = deque(range(size))
+
+    def take(self, n: int, rng: np.random.Generator) -> Pages | None:
+        if len(self.free) < n:
+            return None
+        picked = np.fromiter((self.free.popleft() for _ in range(n)), np.int32, n)
+        rng.shuffle(picked)  # page lists are not sorted in the wild
+        return picked
+
+    def give(self, indices: Pages) -> None:
+        self.free.extend(int(i) for i in indices)
+
+
 @dataclass(slots=True)
 class _Live:
     plan: RoomPlan
     room: SenderRoom | ReceiverRoom
     started: float
     frozen_at_start: float
+    #: 0: the room's first generation; 1: the next room of the same id (``plan.reuse``).
+    gen: int = 0
     phase: int = 0  # 0 bootstrap, 1 sending / metadata sent, 2 finishing, 3 settling
     step: int = 0
     status: int = 0
     reason: str = ""
+    bound_at: float = 0.0  # first seen past Bootstrapping
     ended: float = 0.0
+    frozen_s: float = 0.0  # how long this process was stopped while the room was live
     wedged: bool = False
     mismatched: int = 0
     checked: int = 0
     dst: Pages | None = None
     dst_aux: int = -1
+    #: An oversized send_metadata: when it was called, and what was wrong with its outcome.
+    oversized_at: float = 0.0
+    oversized_problem: str = ""
+    oversized_slot: int = -1
+
+    @property
+    def abort_side(self) -> str:
+        # The next generation of a reused id runs without a planned abort.
+        return self.plan.abort_side if self.gen == 0 else ""
 
 
 class _Rank:
@@ -113,6 +170,7 @@ class _Rank:
         self.layout = make_layout(self.kv, self.aux)
         self.outcomes: list[dict[str, Any]] = []
         self.live: list[_Live] = []
+        self.spawned: list[_Live] = []  # next generations started during an iteration
         self.pending: list[RoomPlan] = []
         self.frozen = 0.0
         self.slow: Counter[str] = Counter()
@@ -120,6 +178,7 @@ class _Rank:
         self.calls = 0
         self.late_writes = 0
         self.late_notes: list[str] = []
+        self.events: Counter[str] = Counter()  # what this rank did on plan (reuse, oversized)
         self.reported: Counter[str] = Counter()  # cumulative counters as last reported
         self.settle_wait = opts.settle_wait_s()
         self.broken = False
@@ -135,7 +194,7 @@ class _Rank:
 
     def build(self, secret: bytes | None, seed_salt: int, host: str) -> None:
         opts = self.opts
-        config = opts.manager_config(secret, host)
+        config = opts.manager_config(secret, host, self.role)
         # Each incarnation of a rank gets its own fault streams (a restarted rank must not
         # replay its predecessor's faults); the salt is the campaign's, so still reproducible.
         plan = FaultPlan(opts.seed * 1000 + seed_salt, opts.transfer, opts.control)
@@ -160,19 +219,23 @@ class _Rank:
                 for b in range(len(self.kv))
             ]
             self.want_aux = source_rows(opts.seed, -1, np.arange(opts.aux_rows), opts.aux_row_bytes)
-            self.free_pages = np.ones(opts.num_pages, bool)
-            self.free_aux = np.ones(opts.aux_rows, bool)
+            self.pages = _Pool(opts.num_pages)
+            self.aux_pool = _Pool(opts.aux_rows)
             self.canary_pages = np.zeros(opts.num_pages, bool)
             self.canary_aux = np.zeros(opts.aux_rows, bool)
             self.owner = np.full(opts.num_pages, -1, np.int64)
             self.rng = np.random.default_rng(opts.seed + seed_salt)
+            # Oversized page lists over the frame limit pass the facade, so the engine holds
+            # them as destinations until the room settles: indices past the pool, in slots
+            # that never overlap while one is held (a room that never settles keeps its slot).
+            self.oversized_held: set[int] = set()
 
     # -- the pipe ------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        last = time.perf_counter()
+        last = time.monotonic()
         while not self.quit:
-            now = time.perf_counter()
+            now = time.monotonic()
             if now - last > _FROZEN_GAP_S:
                 self.frozen += now - last
             last = now
@@ -191,13 +254,16 @@ class _Rank:
             self.conn.send(True)
         elif op == "poll":
             outcomes, self.outcomes = self.outcomes, []
-            self.conn.send(
-                {
-                    "done": not (self.live or self.pending),
-                    "outcomes": outcomes,
-                    "counters": self._counters(),
-                }
-            )
+            answer: dict[str, Any] = {
+                "done": not (self.live or self.pending),
+                "outcomes": outcomes,
+                "counters": self._counters(),
+            }
+            if isinstance(self.manager, PrefillManager):
+                # The campaign freezes prefill past decode's settle bound while chunks are
+                # accepted and not final (queued for the poster, or posted).
+                answer["in_flight"] = self.manager.transport.in_flight
+            self.conn.send(answer)
         elif op == "port":
             self.conn.send(self.manager.port if isinstance(self.manager, PrefillManager) else 0)
         elif op == "drain":
@@ -212,13 +278,18 @@ class _Rank:
     # -- timing the scheduler-facing calls -----------------------------------------------------
 
     def _timed(self, name: str, call: Callable[..., Any], *args: Any) -> Any:
+        return self._timed_within(name, self.opts.slow_call_ms, call, *args)
+
+    def _timed_within(
+        self, name: str, limit_ms: float, call: Callable[..., Any], *args: Any
+    ) -> Any:
         t0 = time.perf_counter()
         result = call(*args)
         ms = (time.perf_counter() - t0) * 1e3
         self.calls += 1
         if ms > self.max_call_ms.get(name, 0.0):
             self.max_call_ms[name] = ms
-        if ms > self.opts.slow_call_ms:
+        if ms > limit_ms:
             self.slow[name] += 1
         return result
 
@@ -238,6 +309,9 @@ class _Rank:
         for item in self.live:
             progressed |= self._step(item, now)
         self.live = [item for item in self.live if item.phase < 4]
+        if self.spawned:
+            self.live += self.spawned
+            self.spawned = []
         if blocked and not self.live:
             # Unsettled rooms hold every free page: report the rest rather than spin.
             for plan in self.pending:
@@ -248,58 +322,81 @@ class _Rank:
     def _step(self, item: _Live, now: float) -> bool:
         room = item.room
         if item.phase == 3:
-            grace_over = now - item.ended > self.settle_wait + self.frozen_since(item)
-            if room.settled or grace_over:
+            waited_out = now - item.ended > self.settle_wait + self.frozen_since(item)
+            if room.settled or waited_out:
                 self._finish(item, settled=room.settled)
                 item.phase = 4
                 return True
             return False
         status = self._timed("poll", room.poll)
+        if not item.bound_at and status is not KVPoll.Bootstrapping:
+            item.bound_at = now
         if status in TERMINAL:
             item.status, item.reason, item.ended = int(status), room.reason, now
+            item.frozen_s = self.frozen_since(item)
             if status is KVPoll.Success:
                 self._landed(item)
+            self._check_oversized(item)
             self._timed("clear", room.clear)
             item.phase = 3
+            if self.role == "prefill" and item.plan.reuse and item.gen == 0:
+                # Decode reuses the id after aborting it: serve its next receiver, whatever the
+                # first sender became (it may have finished before decode's abort came, or
+                # served the next receiver itself when the first one's claim was withdrawn
+                # before it existed; then this one waits out its Bootstrapping deadline).
+                self._next_generation(item, now)
             return True
         allowed = self.bound + self.opts.slack_s + self.frozen_since(item)
         if now - item.started > allowed:
             self._timed("abort", room.abort, "wedged")
             item.status, item.reason, item.ended = int(KVPoll.Failed), "wedged", now
+            item.frozen_s = self.frozen_since(item)
             item.wedged = True
             item.phase = 3
             return True
         if self.role == "prefill":
             return self._advance_sender(item, status)
-        return self._advance_receiver(item, status)
+        return self._advance_receiver(item, status, now)
 
     def frozen_since(self, item: _Live) -> float:
         return self.frozen - item.frozen_at_start
 
-    def _start(self, plan: RoomPlan, now: float) -> _Live | None:
+    def _start(self, plan: RoomPlan, now: float, gen: int = 0) -> _Live | None:
         if self.role == "prefill":
             assert isinstance(self.manager, PrefillManager)
             sender = self._timed("create", self.manager.sender, plan.room)
-            item = _Live(plan, sender, now, self.frozen)
-            if plan.abort_side == "prefill" and plan.abort_at == -1:
+            item = _Live(plan, sender, now, self.frozen, gen=gen)
+            if item.abort_side == "prefill" and plan.abort_at == -1:
                 self._timed("abort", sender.abort, ABORT_REASON)
             return item
-        dst = self._pick(self.free_pages, len(plan.src))
-        aux = self._pick(self.free_aux, 1)
-        if dst is None or aux is None:
+        # An oversized room names pages past the pool (see _oversized_pages), none of it.
+        dst = self.pages.take(0 if plan.oversized else len(plan.src), self.rng)
+        if dst is None:
+            return None
+        aux = self.aux_pool.take(1, self.rng)
+        if aux is None:
+            self.pages.give(dst)
             return None
         self._check_canary(dst, int(aux[0]), clear=True)
-        self.free_pages[dst] = False
-        self.free_aux[aux] = False
         assert isinstance(self.manager, DecodeManager)
         receiver = self._timed("create", self.manager.receiver, plan.room)
         self._timed("init", receiver.init, 0)
-        return _Live(plan, receiver, now, self.frozen, dst=dst, dst_aux=int(aux[0]))
+        return _Live(plan, receiver, now, self.frozen, gen=gen, dst=dst, dst_aux=int(aux[0]))
+
+    def _next_generation(self, item: _Live, now: float) -> None:
+        """The id's next room on this side (``plan.reuse``): right away, while the first one
+        may still be settling."""
+        nxt = self._start(item.plan, now, gen=1)
+        if nxt is None:  # decode: no free pages; the reuse is skipped, and counted
+            self.events["reuse_skipped"] += 1
+            return
+        self.events[f"reuse_{self.role}"] += 1
+        self.spawned.append(nxt)
 
     def _advance_sender(self, item: _Live, status: KVPoll) -> bool:
         sender, plan = item.room, item.plan
         assert isinstance(sender, SenderRoom)
-        mine = plan.abort_side == "prefill"
+        mine = item.abort_side == "prefill"
         if item.phase == 0 and status is KVPoll.WaitingForInput:
             if mine and plan.abort_at == 0:
                 self._timed("abort", sender.abort, ABORT_REASON)
@@ -322,14 +419,18 @@ class _Rank:
             return True
         return False
 
-    def _advance_receiver(self, item: _Live, status: KVPoll) -> bool:
+    def _advance_receiver(self, item: _Live, status: KVPoll, now: float) -> bool:
         receiver, plan = item.room, item.plan
         assert isinstance(receiver, ReceiverRoom)
         assert item.dst is not None
-        mine = plan.abort_side == "decode"
+        mine = item.abort_side == "decode"
         if item.phase == 0 and status is KVPoll.WaitingForInput:
             if mine and plan.abort_at == -1:
                 self._timed("abort", receiver.abort, ABORT_REASON)
+                return True
+            if plan.oversized and item.gen == 0:
+                self._send_oversized(item, receiver, now)
+                item.phase = 1
                 return True
             for buf in self.kv:  # a page that is never written cannot pass the check
                 buf[item.dst] = _POISON
@@ -337,22 +438,62 @@ class _Rank:
             self._timed("send_metadata", receiver.send_metadata, item.dst, item.dst_aux)
             item.phase = 1
             if mine and plan.abort_at == 0:
-                self._timed("abort", receiver.abort, ABORT_REASON)
+                self._abort_receiver(item, receiver, now)
             return True
         if item.phase == 1:
             item.step += 1
             if mine and plan.abort_at == item.step:
-                self._timed("abort", receiver.abort, ABORT_REASON)
+                self._abort_receiver(item, receiver, now)
         return False
 
-    def _pick(self, free: npt.NDArray[np.bool_], n: int) -> Pages | None:
-        candidates = np.flatnonzero(free)
-        if candidates.size < n:
-            return None
-        start = int(self.rng.integers(candidates.size)) if candidates.size else 0
-        picked = np.roll(candidates, -start)[:n].astype(np.int32)
-        self.rng.shuffle(picked)
-        return picked
+    def _abort_receiver(self, item: _Live, receiver: ReceiverRoom, now: float) -> None:
+        self._timed("abort", receiver.abort, ABORT_REASON)
+        if item.plan.reuse and item.gen == 0:
+            # At once, before the aborted generation settled: the next receiver of the id,
+            # on fresh pages (the aborted room's stay held until it settles).
+            self._next_generation(item, now)
+
+    # -- decode: oversized page lists ----------------------------------------------------------
+
+    def _send_oversized(self, item: _Live, receiver: ReceiverRoom, now: float) -> None:
+        kind = item.plan.oversized
+        count = OVERSIZED_PAGES[kind]
+        slot = 0
+        if kind == "frame":
+            while slot in self.oversized_held:
+                slot += 1
+            self.oversized_held.add(slot)
+            item.oversized_slot = slot
+        start = self.opts.num_pages + slot * count
+        pages = np.arange(start, start + count, dtype=np.int32)
+        self.events[f"oversized_{kind}"] += 1
+        item.oversized_at = now
+        # The facade packs the caller's list (a copy of 4 bytes per page) before it can look at
+        # its length: that copy is the call's cost, not a wait on anything.
+        limit = self.opts.slow_call_ms + pages.nbytes / 1e6
+        self._timed_within(
+            "send_metadata_oversized", limit, receiver.send_metadata, pages, item.dst_aux
+        )
+        if kind == "max_pages":
+            status = receiver.poll()
+            if status is not KVPoll.Failed or "max_pages" not in receiver.reason:
+                item.oversized_problem = (
+                    f"{count} pages: {status.name} after the call ({receiver.reason!r})"
+                )
+
+    def _check_oversized(self, item: _Live) -> None:
+        """An oversized room must have failed, a frame-sized one within a second (frozen
+        time aside): nothing it asked for could be sent."""
+        if not item.plan.oversized or item.gen or item.oversized_problem:
+            return
+        if item.status != KVPoll.Failed:
+            item.oversized_problem = f"ended {KVPoll(item.status).name}"
+        elif not item.oversized_at:
+            return  # failed before its call (a lost link): nothing to check
+        elif item.ended - item.oversized_at - self.frozen_since(item) > 1.0:
+            item.oversized_problem = (
+                f"failed {item.ended - item.oversized_at:.2f}s after the call: {item.reason!r}"
+            )
 
     # -- decode: bytes, canaries ---------------------------------------------------------------
 
@@ -382,8 +523,9 @@ class _Rank:
         self.canary_pages[item.dst] = True
         self.canary_aux[item.dst_aux] = True
         self.owner[item.dst] = item.plan.room
-        self.free_pages[item.dst] = True
-        self.free_aux[item.dst_aux] = True
+        self.pages.give(item.dst)
+        self.aux_pool.give(np.asarray([item.dst_aux], np.int32))
+        self.oversized_held.discard(item.oversized_slot)
         if self.opts.break_invariant == "canary" and not self.broken and item.dst.size:
             # A deliberate late write, to prove the check below is not vacuous.
             self.kv[0][item.dst[0], 0] ^= 0xFF
@@ -435,13 +577,21 @@ class _Rank:
                 item.plan.room,
                 item.status,
                 item.reason,
-                elapsed_s=item.ended - item.started - self.frozen_since(item),
+                gen=item.gen,
+                elapsed_s=item.ended - item.started - item.frozen_s,
+                started_at=item.started,
+                bound_at=item.bound_at,
+                ended_at=item.ended,
+                frozen_s=item.frozen_s,
                 wedged=item.wedged,
                 settled=settled,
                 mismatched=item.mismatched,
                 checked=item.checked,
-                aborted=bool(item.plan.abort_side),
+                aborted=bool(item.abort_side),
                 disordered=disordered,
+                reuse=item.plan.reuse,
+                oversized=item.plan.oversized if item.gen == 0 else "",
+                oversized_problem=item.oversized_problem,
             )
         )
 
@@ -468,12 +618,14 @@ class _Rank:
         if self.faults is not None:
             out["transfer_faults"] = self.faults.snapshot()
         if self.role == "decode":
-            out["written_off_pages"] = int(
-                self.opts.num_pages - np.count_nonzero(self.free_pages)
-            ) - sum(len(i.plan.src) for i in self.live)
-            out["written_off_aux"] = int(self.opts.aux_rows - np.count_nonzero(self.free_aux)) - (
-                len(self.live)
-            )
+            # Not free and not held by a room still watched: a room that never settled.
+            held = sum(i.dst.size for i in self.live if i.dst is not None)
+            out["written_off_pages"] = self.pages.size - len(self.pages.free) - held
+            out["written_off_aux"] = self.aux_pool.size - len(self.aux_pool.free) - len(self.live)
+            # Oversized page lists of rooms that never settled: 4 M destinations each, held by
+            # the engine for its life (34 MB of owner table per slot).
+            live_slots = {i.oversized_slot for i in self.live}
+            out["written_off_oversized"] = len(self.oversized_held - live_slots)
         return out
 
     def _counters(self) -> dict[str, Any]:
@@ -481,6 +633,11 @@ class _Rank:
         and their notes, injected transfer faults, the frame proxy's counters."""
         now: Counter[str] = Counter({"calls": self.calls, "late_writes": self.late_writes})
         now.update({f"slow.{name}": n for name, n in self.slow.items()})
+        now.update({f"fault.{name}": n for name, n in self.events.items()})
+        if isinstance(self.manager, PrefillManager):
+            # What the fence and the deadlines did to chunks (law 4's evidence, not faults).
+            snapshot = self.manager.transport.snapshot()
+            now.update({f"xfer.{name}": snapshot[name] for name in _XFER_COUNTERS})
         if self.faults is not None:
             now.update(
                 {

@@ -11,7 +11,8 @@ excluded, and the veth's byte counters, read before and after the run, show the 
 :func:`run_link_cut`: the same ranks, rooms transferring, and the link cut while chunks are in
 flight (a silent blackhole both ways, or the link down). Every room still ends (Success, or
 Failed with a reason) within its deadline bound on both sides and settles (decode's rooms of the
-lost link ``peer_lost_grace_s`` after the loss), prefill's handles drain and are released, and
+lost link the lease plus the fence margin after the last lease granted on it, the margin covering
+WRITEs that TCP still holds across the cut), prefill's handles drain and are released, and
 after the link is restored a second batch of rooms succeeds byte for byte on the same processes
 (decode reconnects, prefill reloads the peer as a new generation).
 
@@ -73,17 +74,18 @@ class Tuning:
     transfer_deadline_base_s: float | None = None
     quarantine_s: float | None = None
     heartbeat_s: float | None = None
-    peer_lost_grace_s: float | None = None
+    #: ``ChannelConfig.fence_margin_s``: decode settles a lost link's pages the lease plus this
+    #: after the last lease it granted there. None keeps the production value.
+    fence_margin_s: float | None = None
 
     def channel(self, host: str) -> ChannelConfig:
         base = ChannelConfig(host=host)
-        margin = base.fence_margin_s
-        if self.peer_lost_grace_s is not None:  # the whole settle bound after a lost link
-            margin = max(0.0, self.peer_lost_grace_s - base.lease_s)
         return dataclasses.replace(
             base,
             heartbeat_s=self.heartbeat_s if self.heartbeat_s is not None else base.heartbeat_s,
-            fence_margin_s=margin,
+            fence_margin_s=(
+                self.fence_margin_s if self.fence_margin_s is not None else base.fence_margin_s
+            ),
         )
 
     def transfer(self) -> TransferConfig:
@@ -93,19 +95,16 @@ class Tuning:
             quarantine_s=self.quarantine_s if self.quarantine_s is not None else base.quarantine_s,
         )
 
-    def writes_end_s(self, largest_chunk_bytes: int, cut_s: float) -> float:
-        """After decode loses its link to a prefill cut off for ``cut_s``, how long that
-        prefill's WRITEs may still land: it notices within its silence window; bytes already
-        on the wire arrive after the restore, and TCP's retransmission backoff (doubling) may
-        wait about as long again as the cut lasted; a WRITE it released ends at its chunk
-        deadline plus the quarantine. ``peer_lost_grace_s`` must be longer (law 4)."""
+    def needed_margin_s(self, largest_chunk_bytes: int, cut_s: float) -> float:
+        """What decode's fence margin must cover when the link is cut for ``cut_s``. The lease
+        stops prefill from *posting* once it ends, but bytes of a WRITE posted just before
+        stay in TCP's hands across the cut, and decode cannot refuse them (removing an agent
+        or deregistering memory does not stop a WRITE on TCP). They arrive after the restore,
+        and TCP's retransmission backoff (doubling) may wait about as long again as the cut
+        lasted: a cut counts twice, on top of the chunk deadline and quarantine of a WRITE
+        still in progress when the cut began."""
         transfer = self.transfer()
-        return (
-            self.channel("127.0.0.1").silence_s
-            + 2 * cut_s
-            + transfer.deadline_s(largest_chunk_bytes)
-            + transfer.quarantine_s
-        )
+        return 2 * cut_s + transfer.deadline_s(largest_chunk_bytes) + transfer.quarantine_s
 
     def bound_s(self, role: Role) -> float:
         """Longest a room of ``role`` can live: the sum of its states' deadlines."""
@@ -248,9 +247,10 @@ CUT_S = 4.0
 
 #: Deadlines for the cut scenario: production shapes, shrunk so that a room orphaned by the
 #: cut (a prefill room whose decode room failed before its page list went out waits out its
-#: Bootstrapping deadline) ends within seconds. Decode settles the rooms of the lost link after
-#: 16 s: more than the 14 s a prefill cut off for ``CUT_S`` may still be writing (2 s silence,
-#: twice the cut, a 3 s chunk deadline, 1 s quarantine: :meth:`Tuning.writes_end_s`).
+#: Bootstrapping deadline) ends within seconds. Decode settles the rooms of the lost link 2 s
+#: (the lease) + 13 s (the margin) after its last grant there: the margin exceeds the 12 s a
+#: WRITE posted under the lease may still take to land across a ``CUT_S`` cut (twice the cut,
+#: a 3 s chunk deadline, 1 s quarantine: :meth:`Tuning.needed_margin_s`).
 CUT_TUNING = Tuning(
     deadlines={
         "sender": {"Bootstrapping": 8.0, "WaitingForInput": 8.0, "Transferring": 8.0},
@@ -258,13 +258,13 @@ CUT_TUNING = Tuning(
     },
     transfer_deadline_base_s=3.0,
     quarantine_s=1.0,
-    peer_lost_grace_s=16.0,
+    fence_margin_s=13.0,
 )
 
 
 def cut_options(tuning: Tuning = CUT_TUNING, **overrides: Any) -> DemoOptions:
     """The workload of the cut scenario: smallish rooms, wedge check at the deadline bound,
-    and a settle wait past decode's grace for the rooms of the lost link (a decode room may
+    and a settle wait past decode's settle bound for the rooms of the lost link (a decode room may
     have ended up to the silence window before its link was declared lost)."""
     bound = max(tuning.bound_s(Role.SENDER), tuning.bound_s(Role.RECEIVER))
     channel = tuning.channel("127.0.0.1")
@@ -366,12 +366,12 @@ def run_link_cut(
     """
     opts = opts if opts is not None else cut_options(tuning)
     opts.validate()
-    writes_end = tuning.writes_end_s(largest_chunk_bytes(opts), cut_s)
-    grace = tuning.channel("127.0.0.1").settle_after_loss_s
-    if not grace > writes_end:
+    needed = tuning.needed_margin_s(largest_chunk_bytes(opts), cut_s)
+    margin = tuning.channel("127.0.0.1").fence_margin_s
+    if not margin > needed:
         raise ValueError(
-            f"peer_lost_grace_s {grace:g} s must exceed the {writes_end:.1f} s a cut-off "
-            "prefill may still write"
+            f"fence_margin_s {margin:g} s must exceed the {needed:.1f} s a WRITE posted under "
+            f"the lease may take to land across a {cut_s:g} s cut"
         )
     seed = opts.seed if opts.seed is not None else 1
     report = CutReport()
@@ -496,7 +496,7 @@ def _check_cut_batch(
                     cut_to_failed[side].append(o.ended_at - t_cut)
             if o.unsettled:
                 # Prefill drains its handles; decode hears the settle, or settles the rooms of
-                # the lost link peer_lost_grace_s after the loss (law 4 with bounded time).
+                # the lost link the lease plus the margin after its last grant (law 4).
                 problems.append(f"room {req.room}: {side} room never settled: {o}")
         d = dec.get(req.room)
         if d is not None and d.mismatched:

@@ -93,11 +93,11 @@ def registry() -> Iterator[str]:
 
 
 class ProxiedPair:
-    def __init__(self, url: str, rates: ControlRates) -> None:
+    def __init__(self, url: str, rates: ControlRates, secret: bytes | None = SECRET) -> None:
         config = ManagerConfig(
             channel=ChannelConfig(heartbeat_s=0.25, connect_timeout_s=2.0),
             register_interval_s=0.5,
-            secret=SECRET,
+            secret=secret,
         )
         self.src_kv, self.src_aux = make_buffers(SHAPE)
         fill_sources(self.src_kv, self.src_aux)
@@ -152,7 +152,9 @@ def test_a_corrupted_frame_is_refused_with_a_clear_error(
 def test_duplicated_frames_to_decode_resurrect_nothing(
     registry: str, pairs: list[ProxiedPair]
 ) -> None:
-    pair = ProxiedPair(registry, ControlRates(duplicate=1.0))
+    # Unsigned: without a secret frames carry no sequence number, so the copies are delivered
+    # and the routing rules must make them harmless (with one, see the test after the next).
+    pair = ProxiedPair(registry, ControlRates(duplicate=1.0), secret=None)
     pairs.append(pair)
     receiver = pair.decode.receiver(8)
     receiver.init(0)
@@ -177,8 +179,9 @@ def test_a_duplicated_page_list_does_not_settle_pages_still_written(
     the room's RoomMetadata reaches prefill twice on the same link. The copy is a
     retransmission, not a second receiver: prefill must ignore it (counted stale), not refuse it
     as a duplicate room id, which would tell decode its pages are free while the sender is about
-    to write them. The room then transfers and succeeds, bytes intact."""
-    pair = ProxiedPair(registry, ControlRates(duplicate=1.0))
+    to write them. The room then transfers and succeeds, bytes intact. Unsigned: with a secret
+    the copy breaks the session's sequence and costs the link instead (the next test)."""
+    pair = ProxiedPair(registry, ControlRates(duplicate=1.0), secret=None)
     pairs.append(pair)
     receiver = pair.decode.receiver(9)
     receiver.init(0)
@@ -187,9 +190,14 @@ def test_a_duplicated_page_list_does_not_settle_pages_still_written(
     dst = [5, 6]
     receiver.send_metadata(np.asarray(dst, np.int32), aux_index=2)
     wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
-    # Both copies have reached prefill's plane: the second was seen and dropped.
-    wait_for(lambda: pair.prefill.stats()["rooms"]["stale_events"] >= 1, timeout=10)
-    assert pair.prefill.stats()["control"]["duplicates_refused"] == 0
+    # Both copies have reached prefill's plane once a lease grant sent after them has: the proxy
+    # writes a frame and its copy back to back, and the stream keeps its order. The copy was
+    # dropped by the routing core as a repeat (counted stale), not refused as a duplicate id.
+    granted = pair.prefill.stats()["control"]["leases_granted"]
+    wait_for(lambda: pair.prefill.stats()["control"]["leases_granted"] > granted, timeout=10)
+    control = pair.prefill.stats()["control"]
+    assert control["stale_frames"] >= 1
+    assert control["duplicates_refused"] == 0
     assert receiver.poll() not in TERMINAL
     assert not receiver.settled  # the sender has not even started writing
     src = [1, 2]
@@ -200,3 +208,26 @@ def test_a_duplicated_page_list_does_not_settle_pages_still_written(
     for got, want in zip(pair.dst_kv, pair.src_kv, strict=True):
         assert np.array_equal(got[dst], want[src])
     assert np.array_equal(pair.dst_aux[2], pair.src_aux[0])
+
+
+def test_with_a_secret_a_repeated_frame_costs_the_link_and_the_room_still_settles(
+    registry: str, pairs: list[ProxiedPair]
+) -> None:
+    """Protocol v3: every frame after the Hellos carries a sequence number under its MAC, so a
+    frame the proxy duplicates (or drops, or reorders) is refused as out of sequence and the
+    link is dropped. What the campaign relies on: the room fails with that reason, and still
+    settles (its page list was exposed, so by the lease, or by prefill's acknowledgement once
+    decode reconnects)."""
+    pair = ProxiedPair(registry, ControlRates(duplicate=1.0))
+    pairs.append(pair)
+    receiver = pair.decode.receiver(10)
+    receiver.init(0)
+    wait_for(lambda: receiver.poll() in TERMINAL, timeout=30)
+    assert receiver.poll() is KVPoll.Failed
+    assert "peer lost" in receiver.reason
+    wait_for(lambda: receiver.settled, timeout=10)
+    assert pair.proxy.stats().get("to_prefill:duplicate", 0) >= 1
+    # The first repeat is the key confirmation's or a room frame's: the connection dies in its
+    # handshake (nothing registered) or as a link.
+    control = pair.prefill.stats()["control"]
+    assert control["handshakes_failed"] + control["links_lost"] >= 1
