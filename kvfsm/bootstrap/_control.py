@@ -429,7 +429,8 @@ class ControlPlane:
         try:
             link = await self._link_to(peer_rank)
         except Exception as exc:
-            registry.deliver(key, PeerLost(f"cannot reach prefill rank {peer_rank}: {exc}"))
+            why = str(exc) or type(exc).__name__  # a timeout's str() is empty
+            registry.deliver(key, PeerLost(f"cannot reach prefill rank {peer_rank}: {why}"))
             return
         room = registry.get(key)
         if room is None or room.core.terminal:

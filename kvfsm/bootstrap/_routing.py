@@ -487,7 +487,15 @@ class PrefillRouting:
         binding = self._bound.get((link, room, gen))
         if binding is not None and binding.sender is not None:
             binding.aborted = True
-            return [Deliver(binding.sender, AbortRequested(frame.reason, origin="peer"))]
+            abort = Deliver(binding.sender, AbortRequested(frame.reason, origin="peer"))
+            if binding.destination:
+                return [abort]  # RoomSettled once its writes are over (sender_settled)
+            # Claimed, never given the pages: nothing was or will be written. Acknowledge now:
+            # the sender, failed on the peer's word, reports nothing back.
+            sender = self._senders.get(binding.sender)
+            if sender is not None:
+                self._drop_binding(sender, now)
+            return [abort, Send(link, RoomSettled(room, gen))]
         if (link, room, gen) in self._finished:  # too late: that room is over and settled
             self.stats["stale_frames"] += 1
             return [Send(link, RoomSettled(room, gen))]
@@ -761,7 +769,12 @@ class DecodeRouting:
     def metadata(self, key: RoomKey, frame: RoomMetadata) -> list[Action]:
         receiver = self._rooms.get(key)
         if receiver is None:
-            return []
+            # Its link was lost between send_metadata and now (the room has not processed its
+            # PeerLost yet): the page list never left, so nothing can be written to it.
+            return [
+                Deliver(key, PeerLost("control link lost before the page list was sent")),
+                Deliver(key, PeerSettled(0)),
+            ]
         if not receiver.exposed:
             receiver.exposed = True
             self._exposed += 1

@@ -38,7 +38,6 @@ from kvfsm.states import (
     KVPoll,
     MetadataSubmitted,
     PeerFailed,
-    PeerLost,
     PeerResolved,
     PeerSettled,
     PostChunk,
@@ -78,7 +77,11 @@ def page_count(pages: bytes) -> int:
 
 
 def _from_peer(event: Event) -> bool:
-    if isinstance(event, (PeerLost, PeerFailed)):
+    """The peer told us (it failed, or it aborted): telling it back would be an echo. A lost
+    peer is not one of these: the loss may be only the data path's (a NIXL remote disconnect
+    while the control link is up), and the peer must hear why its room failed; over a lost
+    control link the report simply goes nowhere."""
+    if isinstance(event, PeerFailed):
         return True
     return isinstance(event, AbortRequested) and event.origin == "peer"
 

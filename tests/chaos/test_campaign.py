@@ -4,7 +4,6 @@ every fault kind at once, and a deliberately broken invariant that the checker m
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 
@@ -18,13 +17,12 @@ pytestmark = pytest.mark.slow
 def test_a_short_campaign_has_no_violation() -> None:
     opts = CampaignOptions(seed=20260507, episodes=2, rooms=24, sigkill_rate=1.0)
     report = run_campaign(opts)
-    known = [v for v in report["violations"] if _known_bug(v)]
-    assert [v for v in report["violations"] if not _known_bug(v)] == [], report
+    assert report["violations"] == [], report
     assert report["wedged"] == report["late_writes"] == report["slow_calls"] == 0
     assert set(report["leaks"].values()) == {0}, report["leaks"]
     # Every room settles: decode's rooms of a lost link the lease plus the fence margin after
-    # their last grant (with a secret no disordered frame is excused), but for the known bugs.
-    assert sum(report["unsettled"].values()) == len(known), report["unsettled"]
+    # their last grant (with a secret no disordered frame is excused).
+    assert sum(report["unsettled"].values()) == 0, report["unsettled"]
     assert report["starved"] == 0
     assert report["rooms"] == 48
     faults = report["faults"]
@@ -54,26 +52,6 @@ def test_the_checker_reports_a_late_write() -> None:
     assert any("late write" in v for v in report["violations"])
 
 
-def _known_bug(violation: str) -> bool:
-    """The violations tolerated below, two open kvfsm bugs, each reproduced on its own (and
-    marked xfail) in tests/chaos/test_found_by_campaign.py; drop each clause with its xfail.
-
-    * An oversized page list over the frame limit never settles when prefill had claimed its
-      room (``test_a_page_list_over_the_frame_limit_settles_when_prefill_has_claimed_the_room``).
-    * A page list applied right after its link was lost never settles: a decode room failed
-      within 0.1 s of its start, ``peer lost`` (or by the campaign's own abort, made in the same
-      iteration as its ``send_metadata``)
-      (``test_a_page_list_applied_after_its_link_was_lost_still_settles``)."""
-    if "decode room never settled" not in violation:
-        return False
-    if "'oversized': 'frame'" in violation:
-        return True
-    elapsed = re.search(r"'elapsed_s': ([0-9.e-]+)", violation)
-    early = elapsed is not None and float(elapsed[1]) < 0.1
-    reasons = ("'reason': 'peer lost", "'reason': 'aborted (local)")
-    return early and any(reason in violation for reason in reasons)
-
-
 def test_freezes_past_the_settle_bound_reused_ids_and_oversized_calls() -> None:
     """Issue 11's faults, each in every episode or often: prefill frozen for 1.5 to 4 times
     decode's settle bound with chunks in flight (fencing must keep every late write out, and
@@ -91,12 +69,11 @@ def test_freezes_past_the_settle_bound_reused_ids_and_oversized_calls() -> None:
         sigkill_rate=0.0,
     )
     report = run_campaign(opts)
-    known = [v for v in report["violations"] if _known_bug(v)]
-    assert [v for v in report["violations"] if not _known_bug(v)] == [], report
+    assert report["violations"] == [], report
     assert report["wedged"] == report["late_writes"] == report["mismatched_bytes"] == 0
     assert report["slow_calls"] == 0
     assert set(report["leaks"].values()) == {0}, report["leaks"]
-    assert sum(report["unsettled"].values()) == len(known)
+    assert sum(report["unsettled"].values()) == 0, report["unsettled"]
     freezes = report["long_freezes"]
     assert freezes["count"] == 2
     assert freezes["min_s"] > report["settle_after_loss_s"]

@@ -1,8 +1,8 @@
 """Minimal reproductions of what ``kvfsm chaos`` found in kvfsm itself, on a real pair.
 
-Each one is marked ``xfail(strict=True)`` while the bug is open: the campaign only reports, the
-fix belongs to the code's owners, and the strict mark makes the fixed test fail until the mark is
-removed. docs/reliability.md says which run found each one.
+Each was an open bug when the campaign found it, marked ``xfail(strict=True)``; all three are
+fixed now (kvfsm/bootstrap/_routing.py, kvfsm/rooms/_core.py) and these are their regression
+tests. docs/reliability.md says which run found each one.
 """
 
 from __future__ import annotations
@@ -60,12 +60,6 @@ def pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeManager]]:
         prefill.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvfsm/bootstrap/_routing.py DecodeRouting.metadata drops the page list of a room "
-    "whose link was lost between send_metadata and the room task applying it; the room "
-    "counts its pages as exposed and waits for an acknowledgement that never comes",
-)
 def test_a_page_list_applied_after_its_link_was_lost_still_settles(
     pair: tuple[PrefillManager, DecodeManager],
 ) -> None:
@@ -131,13 +125,6 @@ def raised_pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeManager]]
         prefill.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a page list over the frame limit fails the decode room, whose abort then fails "
-    "prefill's claimed sender from the peer: the sender reports nothing (a peer's failure is "
-    "not echoed) and PrefillRouting.on_abort only forwards the abort, so no RoomSettled "
-    "comes, although nothing was ever sent or written",
-)
 def test_a_page_list_over_the_frame_limit_settles_when_prefill_has_claimed_the_room(
     raised_pair: tuple[PrefillManager, DecodeManager],
 ) -> None:
@@ -195,13 +182,6 @@ def disconnecting_pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeMa
         prefill.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sender failed by its transport's PeerLost (a NIXL remote disconnect while the "
-    "control link is up) does not report its outcome: PeerLost counts as the peer's own "
-    "word, so decode hears only RoomSettled and fails with 'rejected: PeerSettled in "
-    "Transferring' instead of the reason",
-)
 def test_a_data_path_disconnect_tells_decode_why_its_room_failed(
     disconnecting_pair: tuple[PrefillManager, DecodeManager],
 ) -> None:

@@ -226,13 +226,20 @@ class TestAbortAndSettle:
             assert core.reason == ""
         assert stats.late_events == 2
 
-    @pytest.mark.parametrize(
-        "event",
-        [PeerLost("heartbeat"), PeerFailed("prefill died"), AbortRequested("x", origin="peer")],
-    )
-    def test_failures_caused_by_the_peer_are_not_reported_back(self, event: Event) -> None:
+    @pytest.mark.parametrize("event", [PeerFailed("prefill died"), AbortRequested("x", "peer")])
+    def test_failures_the_peer_reported_are_not_echoed_back(self, event: Event) -> None:
         core = receiver_at("transferring")
         assert core.handle(event) == ()
+        assert core.state is KVPoll.Failed
+
+    def test_a_lost_peer_is_still_told_why(self) -> None:
+        # The loss may be the data path's only (a NIXL remote disconnect while the control
+        # link is up): the peer must hear why the room failed. Over a lost control link the
+        # report goes nowhere.
+        core = receiver_at("transferring")
+        assert core.handle(PeerLost("remote disconnect")) == (
+            ReportOutcome(KVPoll.Failed, "peer lost: remote disconnect"),
+        )
         assert core.state is KVPoll.Failed
 
     def test_stale_deadline_for_a_state_already_left_is_ignored(self) -> None:
