@@ -31,7 +31,7 @@ Rules:
   round trip, so a newer link lost meanwhile is fine, thousands are not plausible.
 
 What the fence does not cover (``python -m tests.transport.fence_probe``; 2 vCPUs, NIXL 1.5.1,
-details in ``docs/fencing-notes.md``), so the owner's grace must:
+details in ``docs/reliability.md (Write fencing)``), so the owner's grace must:
 
 * a freeze between the check and ``transfer()``: from the check's return to ``transfer()``'s
   entry took 0.23 us median, 1 us p99, 46 us at most idle and 100 us with a GIL-hungry thread

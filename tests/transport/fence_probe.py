@@ -1,4 +1,4 @@
-"""Measurements behind ``docs/fencing-notes.md``, on real NIXL (UCX), DRAM into another process.
+"""Measurements behind docs/reliability.md (Write fencing), on real NIXL (UCX), DRAM into another process.
 
 Run: ``python -m tests.transport.fence_probe [--tls tcp] [--json]``. Three probes:
 
