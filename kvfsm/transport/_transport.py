@@ -41,7 +41,7 @@ It is not one: ``check_xfer_state`` of *any* handle progresses the whole worker
 outstanding puts rather than discarding them. Stopping progress would only postpone those bytes
 to the next progress for any reason, arbitrarily late and after the owner's grace. So the pump
 keeps progressing while anything is held: released bytes land within milliseconds of the
-release, inside the owner's grace. What stays unfenced is in ``docs/reliability.md (Write fencing)``.
+release, inside the owner's grace. What stays unfenced: ``docs/reliability.md``, Write fencing.
 """
 
 from __future__ import annotations

@@ -585,8 +585,8 @@ def test_planted_lease_from_receipt_writes_into_reused_pages() -> None:
 def test_a_write_in_flight_across_a_freeze_is_the_window_no_fence_closes() -> None:
     """A WRITE posted before the freeze and still in progress moves its bytes at the first
     progress after the resume (even its release flushes them): after decode reused the pages.
-    The lease cannot stop what was already posted (docs/reliability.md (Write fencing)); the pair records
-    the landing as excused and counts it."""
+    The lease cannot stop what was already posted (docs/reliability.md, Write fencing); the
+    pair records the landing as excused and counts it."""
     pair = Pair()
     pair.new_request(0, Who.BOTH, 2, False, [ChunkPlan(2, ChunkFate.DONE_LATER, 1.0)])
     job = pair.sender_jobs[RoomKey(0, 1)]

@@ -1,4 +1,4 @@
-"""Measurements behind docs/reliability.md (Write fencing), on real NIXL (UCX), DRAM into another process.
+"""Measurements behind docs/reliability.md (Write fencing): real NIXL (UCX), DRAM, two processes.
 
 Run: ``python -m tests.transport.fence_probe [--tls tcp] [--json]``. Three probes:
 
