@@ -31,13 +31,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from _rank import start_rank  # benchmarks/ is the script's directory: on sys.path
 
 from kvfsm._child import ChildProcess
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.rooms import ReceiverRoom, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll
-from kvfsm.transport import Agent, Leases, NixlTransport
-from kvfsm.transport._peer import Shape, make_buffers, make_layout
+from kvfsm.transport._peer import Shape
 
 SHAPE = Shape(layers=2, num_pages=4096, page_bytes=1024, aux_rows=512, aux_row_bytes=64)
 PAGES_PER_ROOM = 4
@@ -68,12 +68,8 @@ def _idle(engine: RoomEngine, control: ControlPlane, seconds: float) -> dict[str
 
 
 def _prefill(conn: Connection, rooms: int, window: int) -> None:
-    kv, aux = make_buffers(SHAPE)
-    agent = Agent(f"idle-prefill-{os.getpid()}", make_layout(kv, aux))
-    transport = NixlTransport(agent, leases=Leases())
-    control = ControlPlane("prefill", 0, agent, transport=transport, config=CHANNEL)
-    engine = RoomEngine(control).start()
-    engine.call(control.started())
+    rank = start_rank(SHAPE, CHANNEL, name="idle-prefill")
+    engine, control = rank.engine, rank.control
     conn.send(control.port)
     conn.send(_idle(engine, control, conn.recv()[1]))  # ("idle", seconds)
     conn.recv()  # ("serve",)
@@ -98,21 +94,12 @@ def _prefill(conn: Connection, rooms: int, window: int) -> None:
     conn.send("done")
     conn.send(_idle(engine, control, conn.recv()[1]))
     conn.recv()  # ("quit",)
-    engine.close()
-    transport.close()
-    agent.close()
+    rank.close()
 
 
 def _decode(conn: Connection, port: int, rooms: int, window: int, abort_rate: float) -> None:
-    kv, aux = make_buffers(SHAPE)
-    agent = Agent(f"idle-decode-{os.getpid()}", make_layout(kv, aux))
-
-    async def resolve(rank: int) -> tuple[str, int]:
-        return "127.0.0.1", port
-
-    control = ControlPlane("decode", 0, agent, resolver=resolve, config=CHANNEL)
-    engine = RoomEngine(control).start()
-    engine.call(control.started())
+    rank = start_rank(SHAPE, CHANNEL, name="idle-decode", port=port)
+    engine, control = rank.engine, rank.control
     conn.send(True)
     conn.send(_idle(engine, control, conn.recv()[1]))
     conn.recv()  # ("serve",)
@@ -153,8 +140,7 @@ def _decode(conn: Connection, port: int, rooms: int, window: int, abort_rate: fl
     conn.send({**outcomes, "failed_by_reason": reasons})
     conn.send(_idle(engine, control, conn.recv()[1]))
     conn.recv()  # ("quit",)
-    engine.close()
-    agent.close()
+    rank.close()
 
 
 def _both(ranks: dict[str, ChildProcess], request: tuple[Any, ...], timeout: float) -> Any:

@@ -23,25 +23,21 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from _rank import start_rank  # benchmarks/ is the script's directory: on sys.path
 
 from kvfsm._child import ChildProcess
-from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
-from kvfsm.rooms import ReceiverRoom, RoomEngine, SenderRoom
+from kvfsm.bootstrap._control import ChannelConfig
+from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll
-from kvfsm.transport import Agent, Leases, NixlTransport
-from kvfsm.transport._peer import Shape, make_buffers, make_layout
+from kvfsm.transport._peer import Shape
 
 SHAPE = Shape(layers=2, num_pages=1024, page_bytes=1024, aux_rows=256, aux_row_bytes=64)
 CHANNEL = ChannelConfig()
 
 
 def _prefill(conn: Connection) -> None:
-    kv, aux = make_buffers(SHAPE)
-    agent = Agent(f"loss-prefill-{os.getpid()}", make_layout(kv, aux))
-    transport = NixlTransport(agent, leases=Leases())
-    control = ControlPlane("prefill", 0, agent, transport=transport, config=CHANNEL)
-    engine = RoomEngine(control).start()
-    engine.call(control.started())
+    rank = start_rank(SHAPE, CHANNEL, name="loss-prefill")
+    engine, control = rank.engine, rank.control
     conn.send(control.port)
     senders: dict[int, SenderRoom] = {}
     while True:
@@ -72,21 +68,12 @@ def _prefill(conn: Connection) -> None:
                 }
             )
             conn.send((terminal, settled, reasons))
-    engine.close()
-    transport.close()
-    agent.close()
+    rank.close()
 
 
 def _decode(conn: Connection, port: int) -> None:
-    kv, aux = make_buffers(SHAPE)
-    agent = Agent(f"loss-decode-{os.getpid()}", make_layout(kv, aux))
-
-    async def resolve(rank: int) -> tuple[str, int]:
-        return "127.0.0.1", port
-
-    control = ControlPlane("decode", 0, agent, resolver=resolve, config=CHANNEL)
-    engine = RoomEngine(control).start()
-    engine.call(control.started())
+    rank = start_rank(SHAPE, CHANNEL, name="loss-decode", port=port)
+    engine = rank.engine
     conn.send(True)
     receivers: dict[int, ReceiverRoom] = {}
     while True:
@@ -105,8 +92,7 @@ def _decode(conn: Connection, port: int) -> None:
                     time.sleep(0.001)
                 receiver.send_metadata(np.arange(4 * room, 4 * room + 4), room)
             conn.send(True)
-    engine.close()
-    agent.close()
+    rank.close()
 
 
 def trial(rooms: int, how: str) -> dict[str, Any]:

@@ -194,7 +194,10 @@ def _drive(engine: RoomEngine, n: int, concurrency: int, base: int) -> int:
         for entry in flight:
             stage, sender, receiver = entry
             if stage == 0 and receiver.poll() is KVPoll.WaitingForInput:
-                receiver.send_metadata(PAGES, 3)
+                # Each room its own pages and aux row, as an allocator would (a decode engine
+                # refuses a receiver whose destinations another live room holds).
+                slot = (receiver.room - base) % (4 * concurrency)
+                receiver.send_metadata(PAGES + 4 * slot, slot)
                 entry[0] = stage = 1
                 moved = True
             if stage == 1 and sender.poll() is KVPoll.WaitingForInput:
