@@ -146,6 +146,19 @@ class _RoomFacade:
             self._fail_locally(EventRejected(f"bad page indices: {exc}"))
             return None
 
+    def _too_long(self, call: str, pages: PageIndices) -> bool:
+        """Refuse an over-long index list before packing it: packing is a copy on the caller's
+        thread, 17 MB for the four million pages a frame can carry."""
+        count = len(pages) // _PAGE_BYTES if isinstance(pages, bytes) else len(pages)
+        if count <= self._max_pages:
+            return False
+        self._fail_locally(
+            EventRejected(
+                f"{call} with {count} pages: more than max_pages ({self._max_pages}) in one room"
+            )
+        )
+        return True
+
     def _too_many(self, call: str, pages: bytes, state: bytes) -> bool:
         """More indices than one room may name: fail the room now (True)."""
         if len(pages) + len(state) <= self._max_pages * _PAGE_BYTES:
@@ -199,6 +212,8 @@ class SenderRoom(_RoomFacade):
         """Send one chunk of source pages. The chunk that brings the total to ``num_pages`` is
         the last one and also carries the aux row and, if given, the state rows; it may be
         empty."""
+        if self._too_long("send", page_indices):
+            return
         packed = self._pack(page_indices)
         state = b"" if state_indices is None else self._pack(state_indices)
         if packed is not None and state is not None and not self._too_many("send", packed, state):
@@ -222,6 +237,8 @@ class ReceiverRoom(_RoomFacade):
         aux_index = int(aux_index)
         if aux_index < 0:
             self._fail_locally(EventRejected(f"aux row {aux_index} is negative"))
+            return
+        if self._too_long("send_metadata", page_indices):
             return
         packed = self._pack(page_indices)
         state = b"" if state_indices is None else self._pack(state_indices)
