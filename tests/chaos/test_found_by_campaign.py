@@ -7,6 +7,7 @@ tests. docs/reliability.md says which run found each one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 
@@ -34,6 +35,43 @@ def registry() -> Iterator[str]:
         yield url
 
 
+@contextlib.contextmanager
+def _managers(
+    registry: str,
+    engine_id: str,
+    config: ManagerConfig,
+    prefill_config: ManagerConfig | None = None,
+) -> Iterator[tuple[PrefillManager, DecodeManager]]:
+    """A real prefill/decode manager pair (decode reaches prefill's port directly)."""
+    src_kv, src_aux = make_buffers(SHAPE)
+    fill_sources(src_kv, src_aux)
+    dst_kv, dst_aux = make_buffers(SHAPE)
+    prefill = PrefillManager(
+        make_layout(src_kv, src_aux), registry, engine_id=engine_id, config=prefill_config or config
+    )
+    port = prefill.port
+
+    async def direct(rank: int) -> tuple[str, int]:
+        return ("127.0.0.1", port)
+
+    try:
+        decode = DecodeManager(
+            make_layout(dst_kv, dst_aux),
+            registry,
+            engine_id=engine_id,
+            resolver=direct,
+            config=config,
+        )
+    except BaseException:
+        prefill.close()
+        raise
+    try:
+        yield prefill, decode
+    finally:
+        decode.close()
+        prefill.close()
+
+
 @pytest.fixture
 def pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeManager]]:
     config = ManagerConfig(
@@ -41,23 +79,8 @@ def pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeManager]]:
         rooms=RoomConfig(settle_timeout_s=SETTLE_TIMEOUT_S),
         register_interval_s=0.5,
     )
-    src_kv, src_aux = make_buffers(SHAPE)
-    fill_sources(src_kv, src_aux)
-    dst_kv, dst_aux = make_buffers(SHAPE)
-    prefill = PrefillManager(make_layout(src_kv, src_aux), registry, engine_id="fb", config=config)
-    port = prefill.port
-
-    async def direct(rank: int) -> tuple[str, int]:
-        return ("127.0.0.1", port)
-
-    decode = DecodeManager(
-        make_layout(dst_kv, dst_aux), registry, engine_id="fb", resolver=direct, config=config
-    )
-    try:
-        yield prefill, decode
-    finally:
-        decode.close()
-        prefill.close()
+    with _managers(registry, "fb", config) as managers:
+        yield managers
 
 
 def test_a_page_list_applied_after_its_link_was_lost_still_settles(
@@ -106,23 +129,8 @@ def raised_pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeManager]]
         register_interval_s=0.5,
         secret=b"found-by-campaign-secret-0123456789",
     )
-    src_kv, src_aux = make_buffers(SHAPE)
-    fill_sources(src_kv, src_aux)
-    dst_kv, dst_aux = make_buffers(SHAPE)
-    prefill = PrefillManager(make_layout(src_kv, src_aux), registry, engine_id="fr", config=config)
-    port = prefill.port
-
-    async def direct(rank: int) -> tuple[str, int]:
-        return ("127.0.0.1", port)
-
-    decode = DecodeManager(
-        make_layout(dst_kv, dst_aux), registry, engine_id="fr", resolver=direct, config=config
-    )
-    try:
-        yield prefill, decode
-    finally:
-        decode.close()
-        prefill.close()
+    with _managers(registry, "fr", config) as managers:
+        yield managers
 
 
 def test_a_page_list_over_the_frame_limit_settles_when_prefill_has_claimed_the_room(
@@ -161,25 +169,8 @@ def disconnecting_pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeMa
     config = ManagerConfig(channel=CHANNEL, register_interval_s=0.5)
     faults = TransportFaults(FaultPlan(1, TransferRates(post_disconnect=1.0)))
     prefill_config = dataclasses.replace(config, agent=faulty_agent_config(faults, config.agent))
-    src_kv, src_aux = make_buffers(SHAPE)
-    fill_sources(src_kv, src_aux)
-    dst_kv, dst_aux = make_buffers(SHAPE)
-    prefill = PrefillManager(
-        make_layout(src_kv, src_aux), registry, engine_id="fd", config=prefill_config
-    )
-    port = prefill.port
-
-    async def direct(rank: int) -> tuple[str, int]:
-        return ("127.0.0.1", port)
-
-    decode = DecodeManager(
-        make_layout(dst_kv, dst_aux), registry, engine_id="fd", resolver=direct, config=config
-    )
-    try:
-        yield prefill, decode
-    finally:
-        decode.close()
-        prefill.close()
+    with _managers(registry, "fd", config, prefill_config=prefill_config) as managers:
+        yield managers
 
 
 def test_a_data_path_disconnect_tells_decode_why_its_room_failed(
