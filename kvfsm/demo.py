@@ -32,7 +32,9 @@ elapsed time, bytes checked, mismatches) back over its pipe when asked.
 
 **Sources are deterministic**: word ``w`` of page ``p`` of K/V buffer ``b`` is a hash of
 ``(seed, b, p, w)`` (aux rows likewise), so decode checks what landed without asking prefill.
-Decode poisons destination pages before it hands them out, so a missing write cannot pass.
+Decode keeps every free page and aux row poisoned and checks the poison when it hands one out
+and at the end of the run: a missing write cannot pass a room's byte check, and a write that
+lands after its room settled is counted in ``late_writes`` (law 4).
 
 A room is *succeeded* when decode's room ends Success and its bytes check; *failed* when
 decode's room ends Failed (counted by reason, numbers blanked); *wedged* when either side's room
@@ -89,6 +91,9 @@ Pages = npt.NDArray[np.int32]
 _ENGINE: Final = "demo"
 #: The reason given to requests decode could not start: unsettled rooms hold every free page.
 STARVED: Final = "not started: unsettled rooms hold the free pages"
+
+#: What decode's free pages and aux rows hold (see ``_DecodeRank``).
+_POISON: Final = 0xA5
 #: Word-hash multipliers for the deterministic sources (odd, so distinct inputs spread).
 _MUL: Final = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 
@@ -422,6 +427,15 @@ class _DecodeRank(_Rank):
         self.free_pages = np.ones(opts.num_pages, dtype=bool)
         self.free_aux = np.ones(opts.aux_rows, dtype=bool)
         self.rng = np.random.default_rng(seed + 1)
+        # Every free page and aux row holds the poison, checked when it is handed out and on
+        # request ("late"): a byte changed while free landed after its room settled (law 4).
+        # A page never written cannot pass a room's byte check either.
+        for buf in self.kv:
+            buf[:] = _POISON
+        self.aux[:] = _POISON
+        self.late_writes = 0
+        self.late_notes: list[str] = []
+        self.last_owner = np.full(opts.num_pages, -1, np.int64)
 
     def _pick(self, free: npt.NDArray[np.bool_], n: int) -> Pages | None:
         """``n`` free indices from a random offset, shuffled half the time (fragmentation)."""
@@ -434,11 +448,40 @@ class _DecodeRank(_Rank):
             self.rng.shuffle(picked)
         return picked
 
+    def _answer(self, request: Any) -> None:
+        if request[0] == "late":  # every free page and aux row checked now
+            self._check_poison(np.flatnonzero(self.free_pages), np.flatnonzero(self.free_aux))
+            self.conn.send({"late_writes": self.late_writes, "notes": list(self.late_notes)})
+        else:
+            super()._answer(request)
+
+    def _check_poison(
+        self, pages: npt.NDArray[np.integer[Any]], aux: npt.NDArray[np.integer[Any]]
+    ) -> None:
+        """Count free pages and aux rows that no longer hold the poison (and restore it, so one
+        late write is counted once)."""
+        changed = np.zeros(pages.size, bool)
+        for buf in self.kv:
+            changed |= np.any(buf[pages] != _POISON, axis=1)
+        for page in pages[changed].tolist():
+            self._late(f"page {page} changed after room {int(self.last_owner[page])} settled")
+            for buf in self.kv:
+                buf[page] = _POISON
+        for row in aux[np.any(self.aux[aux] != _POISON, axis=1)].tolist():
+            self._late(f"aux row {row} changed after its room settled")
+            self.aux[row] = _POISON
+
+    def _late(self, note: str) -> None:
+        self.late_writes += 1
+        if len(self.late_notes) < 10:
+            self.late_notes.append(note)
+
     def _start(self, req: Request) -> _Live | None:
         dst = self._pick(self.free_pages, len(req.src))
         aux = self._pick(self.free_aux, 1)
         if dst is None or aux is None:
             return None  # wait until a live room settles and gives its pages back
+        self._check_poison(dst, aux)
         self.free_pages[dst] = False
         self.free_aux[aux] = False
         receiver = self.manager.receiver(req.room)
@@ -450,9 +493,6 @@ class _DecodeRank(_Rank):
         assert isinstance(receiver, ReceiverRoom)
         assert item.dst is not None
         if item.phase == 0 and status is KVPoll.WaitingForInput:
-            for buf in self.kv:  # poison: a page that is never written cannot pass the check
-                buf[item.dst] = 0xA5
-            self.aux[item.dst_aux] = 0xA5
             receiver.send_metadata(item.dst, item.dst_aux)
             item.phase = 1
         elif item.phase == 1:
@@ -487,6 +527,10 @@ class _DecodeRank(_Rank):
         if not item.room.settled:
             return  # written off: its pages stay reserved for good
         assert item.dst is not None
+        for buf in self.kv:
+            buf[item.dst] = _POISON
+        self.aux[item.dst_aux] = _POISON
+        self.last_owner[item.dst] = item.req.room
         self.free_pages[item.dst] = True
         self.free_aux[item.dst_aux] = True
 
@@ -675,6 +719,7 @@ def run_demo(opts: DemoOptions, site: Site | None = None) -> dict[str, Any]:
         progress.show(len(dec), ok, len(dec) - ok, force=True)
         pids = {"prefill": prefill.pid, "decode": decode.pid}
         stats = {"prefill": prefill.ask("stats"), "decode": decode.ask("stats")}
+        late = decode.ask("late")
         extra = site.report()
     finally:
         progress.end()
@@ -694,6 +739,8 @@ def run_demo(opts: DemoOptions, site: Site | None = None) -> dict[str, Any]:
                     _log.exception("stopping the registry failed")
     summary = _summarize(opts, seed, pre=pre, dec=dec, seconds=seconds, setup_s=setup_s, pids=pids)
     summary["engines"] = stats
+    summary["late_writes"] = late["late_writes"]
+    summary["failures"] += late["notes"][: max(0, 10 - len(summary["failures"]))]
     summary.update(extra)
     return summary
 
@@ -794,6 +841,7 @@ def ok(summary: dict[str, Any]) -> bool:
         and summary["failed_unexpectedly"] == summary["mismatched"] == 0
         and summary["mismatched_bytes"] == 0
         and summary["wedged"] == summary["unsettled"] == 0
+        and summary.get("late_writes", 0) == 0
         # --two-hosts: the KV must have crossed the veth, not a shared-memory shortcut.
         and summary.get("two_hosts", {}).get("crossed_wire", True)
     )
@@ -816,6 +864,7 @@ def print_text(s: dict[str, Any]) -> None:
         ("unsettled", s["unsettled"]),
         ("mismatched rooms", s["mismatched"]),
         ("mismatched bytes", f"{s['mismatched_bytes']} of {s['checked_bytes']} checked"),
+        ("late writes", s.get("late_writes", 0)),
         ("moved", f"{s['bytes'] / 1e9:.3f} GB in {s['seconds']:.2f} s"),
         ("GB/s", f"{s['gbps']:.2f}"),
         ("p50 ms / room", f"{s['p50_ms']:.2f}"),

@@ -408,6 +408,7 @@ def run_link_cut(
             wire_after = site.wire()
             final = _drained(prefill, timeout_s=tuning.bound_s(Role.SENDER))
             decode_nixl = decode.ask("nixl")
+            late = decode.ask("late")
             engines = {"prefill": prefill.ask("stats"), "decode": decode.ask("stats")}
     report.before = {"prefill": pre, "decode": dec}
     report.after = {"prefill": pre2, "decode": dec2}
@@ -416,6 +417,11 @@ def run_link_cut(
         problems.append(f"the link was never cut: no chunk in flight after {cut_after} rooms")
         return report
     t_cut = cut_at[0]
+    # Law 4: nothing landed in a page or aux row after its room settled (the poison of every
+    # free one checked when it was handed out again, and now).
+    if late["late_writes"]:
+        problems.append(f"{late['late_writes']} late writes: " + "; ".join(late["notes"]))
+    report.figures["late_writes"] = late["late_writes"]
     _check_cut_batch(report, opts, seed, tuning, t_cut)
     _check_after(report, opts, seed, dec2, pre2)
     # NIXL: after the drain every transfer handle is released; the lists left are the local

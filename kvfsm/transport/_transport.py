@@ -40,8 +40,12 @@ It is not one: ``check_xfer_state`` of *any* handle progresses the whole worker
 ``remove_remote_agent`` closes the endpoint in flush mode (``closeImpl(flags=0)``), completing
 outstanding puts rather than discarding them. Stopping progress would only postpone those bytes
 to the next progress for any reason, arbitrarily late and after the owner's grace. So the pump
-keeps progressing while anything is held: released bytes land within milliseconds of the
-release, inside the owner's grace. What stays unfenced: ``docs/reliability.md``, Write fencing.
+keeps progressing while anything is held, and an idle pump lingers after a hold (or a dropped
+peer generation), progressing every ``linger_interval_s`` for ``linger_s``: released bytes land
+within milliseconds of the release on a healthy link, and as soon as a cut link is back, not
+when the next transfer happens to progress the agent (found by the two-host cut test: bytes
+queued before a 4 s cut landed 16 s later, in pages decode had settled and handed out again).
+What stays unfenced: ``docs/reliability.md``, Write fencing.
 """
 
 from __future__ import annotations
@@ -109,12 +113,23 @@ class TransferConfig:
     quarantine_s: float = 2.0
     #: Minimum time between two reconnections of a peer after a remote disconnect.
     reconnect_interval_s: float = 1.0
+    #: After a chunk is held (released with bytes perhaps still queued in the agent) or a peer
+    #: generation is dropped, how long an otherwise idle pump keeps progressing the agent, and
+    #: how often. Queued bytes of a released WRITE move only when the agent is progressed; on
+    #: a link cut they can move only once the link is back, long after the quarantine, and
+    #: they must land then, not whenever the next transfer happens to progress the agent
+    #: (which may be after the owner reused the pages). Past TCP's longest retransmission
+    #: interval (120 s) nothing is left to move.
+    linger_s: float = 130.0
+    linger_interval_s: float = 0.02
 
     def __post_init__(self) -> None:
         if not (self.deadline_base_s > 0 and self.floor_bandwidth_bps > 0):
             raise ValueError("deadline_base_s and floor_bandwidth_bps must be > 0")
-        if self.quarantine_s < 0 or self.reconnect_interval_s < 0:
-            raise ValueError("quarantine_s and reconnect_interval_s must be >= 0")
+        if self.quarantine_s < 0 or self.reconnect_interval_s < 0 or self.linger_s < 0:
+            raise ValueError("quarantine_s, reconnect_interval_s and linger_s must be >= 0")
+        if not self.linger_interval_s > 0:
+            raise ValueError("linger_interval_s must be > 0")
 
     def deadline_s(self, nbytes: int) -> float:
         return self.deadline_base_s + nbytes / self.floor_bandwidth_bps
@@ -130,6 +145,8 @@ class TransportStats(LedgerStats):
     handles_released_at_post: int = 0  # poster thread: done inside transfer()
     chunks_posted: int = 0
     pump_rounds: int = 0
+    #: Progresses of the agent by an idle pump after a hold (``TransferConfig.linger_s``).
+    linger_progresses: int = 0
     peers_lost: int = 0
     peers_connected: int = 0
     stale_deliveries: int = 0
@@ -199,6 +216,8 @@ class NixlTransport:
         self._inbox: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        #: Until when an idle pump keeps progressing the agent (``TransferConfig.linger_s``).
+        self._linger_until = 0.0
         self._pump_task: asyncio.Task[None] | None = None
         # Peer set-up (milliseconds per add_remote_agent) and chunk posting (copies on shared
         # memory) are both blocking; each gets its own thread so a connecting peer never delays
@@ -267,6 +286,7 @@ class NixlTransport:
             old = self._peers.pop(peer_id, None)
             if old is not None:
                 self._in_worker.append(old)
+                self._linger()  # the old endpoint closes in flush mode: see _linger
             peer = await loop.run_in_executor(
                 self._worker, self._reconnect_blocking, old, peer_id, metadata, summary
             )
@@ -314,6 +334,7 @@ class NixlTransport:
         # Its in-flight handles are released here, before the remote agent goes
         # (Agent.disconnect wants that).
         self._execute(self._ledger.peer_lost(peer, reason, time.monotonic()))
+        self._linger()  # its endpoint closes in flush mode: whatever it queued still moves
         loop = self._running_loop()
         self._in_worker.append(peer)
         loop.run_in_executor(self._worker, self._disconnect_blocking, peer)
@@ -494,10 +515,24 @@ class NixlTransport:
         check, progress = nixl.check_xfer_state, nixl.get_new_notifs
         clock = time.monotonic
         idle_rounds = 0
+        interval = self.config.linger_interval_s
         while True:
             if not ledger.busy:
                 wake.clear()
-                await wake.wait()
+                linger = self._linger_until - clock()
+                if linger <= 0:
+                    await wake.wait()
+                else:
+                    # Bytes of a held WRITE (or of a dropped generation's endpoint) may still
+                    # be queued in the agent: keep moving them (TransferConfig.linger_s).
+                    try:
+                        progress()
+                    except Exception:
+                        _log.exception("agent progress failed")
+                    self.stats.linger_progresses += 1
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(min(interval, linger)):
+                            await wake.wait()
                 idle_rounds = 0
                 continue
             if leases is not None:
@@ -546,12 +581,16 @@ class NixlTransport:
                 self._running_loop().call_later(delay, self._quarantine_over, action.record)
                 # Progress-driven transports (UCX over TCP) move a released WRITE's queued
                 # bytes only when the agent is progressed: the pump keeps progressing while
-                # anything is held, so those bytes land within the quarantine, not whenever
-                # the next transfer comes.
-                if self._wake is not None:
-                    self._wake.set()
+                # anything is held and lingers after, so those bytes land as soon as the
+                # link lets them, not whenever the next transfer comes.
+                self._linger()
             else:
                 self._poster.submit(cast("_Xfer", action.record))
+
+    def _linger(self) -> None:
+        self._linger_until = time.monotonic() + self.config.linger_s
+        if self._wake is not None:
+            self._wake.set()
 
     def _errored(self, record: Record, exc: BaseException, now: float) -> list[Action]:
         if is_remote_disconnect(exc):

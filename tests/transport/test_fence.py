@@ -117,6 +117,7 @@ class Gate:
         self.hold_at = 0
         self.made = 0
         self.transfers = 0
+        self.progresses = 0
         self.stuck = False
         self.holding = threading.Event()
         self._open = threading.Event()
@@ -144,6 +145,10 @@ class Gate:
     def check_xfer_state(self, handle: Any) -> str:
         state = str(self.inner.check_xfer_state(handle))
         return "PROC" if self.stuck else state
+
+    def get_new_notifs(self) -> Any:
+        self.progresses += 1
+        return self.inner.get_new_notifs()
 
     def release(self) -> None:
         self._open.set()
@@ -348,3 +353,37 @@ def test_an_in_flight_chunk_whose_lease_goes_is_released_before_its_deadline(
     stats = prefill.transport.stats
     assert stats.chunks_fenced == 1
     assert stats.chunks_stalled == 0  # not a deadline
+
+
+def test_after_a_hold_an_idle_pump_keeps_progressing_the_agent_then_parks(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    """Bytes of a released WRITE still queued in the agent move only when it is progressed. On
+    a cut link they can move only once the link is back, long after the quarantine; if the
+    pump parked, they would land with the next transfer, after their pages were settled and
+    reused (the two-host cut test showed it). So after a hold an idle pump keeps progressing
+    every ``linger_interval_s`` for ``linger_s``, and only then parks."""
+    config = TransferConfig(
+        deadline_base_s=30.0, quarantine_s=0.2, linger_s=1.5, linger_interval_s=0.01
+    )
+    prefill = FencedPrefill(peer, config)
+    make.append(prefill)
+    gate, stats = prefill.gate, prefill.transport.stats
+    prefill.grant(FENCE, 30.0)
+    quiet = gate.progresses
+    time.sleep(0.3)
+    assert gate.progresses == quiet  # nothing ever held: an idle pump does not progress
+    gate.stuck = True
+    sender = prefill.room(7, [10], [42])
+    wait_for(lambda: stats.pump_rounds > 3)
+    prefill.revoke(FENCE)
+    wait_for(lambda: sender.settled, timeout=10)  # quarantine over: nothing in flight or held
+    assert prefill.transport.snapshot()["in_flight"] == 0
+    lingering = gate.progresses
+    time.sleep(0.3)
+    assert gate.progresses >= lingering + 2  # idle, and still progressing
+    assert stats.linger_progresses > 0
+    time.sleep(config.linger_s)  # the linger is over
+    parked = gate.progresses
+    time.sleep(0.3)
+    assert gate.progresses == parked
