@@ -36,6 +36,7 @@ import numpy.typing as npt
 
 from kvfsm import KVPoll
 from kvfsm import diagram as diagram_cli
+from kvfsm.bootstrap import Fingerprint
 from kvfsm.bootstrap import _cli as bootstrap_cli
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import DestinationReceived
@@ -101,6 +102,16 @@ class WorkloadOptions:
     def total_page_bytes(self) -> int:
         """Bytes one page moves: its slice of every layer's K and V buffer."""
         return 2 * self.layers * self.buffer_page_bytes
+
+    def fingerprint(self) -> Fingerprint:
+        """What the ranks of this workload declare in their handshakes."""
+        return Fingerprint(
+            layers=self.layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            page_tokens=self.page_tokens,
+        )
 
     def shape(self) -> Shape:
         return Shape(

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -569,6 +570,8 @@ def _rank_main(  # noqa: PLR0917 (ChildProcess passes its arguments positionally
     kv, aux = make_buffers(opts.shape())
     layout = make_layout(kv, aux)
     config = configure(role) if configure is not None else ManagerConfig()
+    if config.fingerprint is None:
+        config = dataclasses.replace(config, fingerprint=opts.fingerprint())
     rank: _Rank
     manager: PrefillManager | DecodeManager
     if role == "prefill":

@@ -35,6 +35,7 @@ from typing import Any
 
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
+from kvfsm.bootstrap._fingerprint import Fingerprint
 from kvfsm.bootstrap._registry import (
     BootstrapClient,
     BootstrapError,
@@ -91,6 +92,10 @@ class ManagerConfig:
     status_host: str = "127.0.0.1"
     #: Keep Prometheus metrics (needs ``prometheus-client``: ``pip install kvfsm[metrics]``).
     metrics: bool = False
+    #: The model layout and parallel shape this rank declares in its handshake; a peer whose
+    #: declaration does not pair with it is refused there (``kvfsm.bootstrap._fingerprint``).
+    #: None: nothing declared (pairs only with peers that declare nothing).
+    fingerprint: Fingerprint | None = None
 
     def channel_config(self) -> ChannelConfig:
         if self.secret is None:
@@ -244,6 +249,7 @@ class PrefillManager(_Manager):
                 self.agent,
                 transport=self.transport,
                 config=self.config.channel_config(),
+                fingerprint=self.config.fingerprint,
             )
             self._start(control)
             registration = Registration(
@@ -343,6 +349,7 @@ class DecodeManager(_Manager):
                 self.agent,
                 resolver=resolver or resolve,
                 config=self.config.channel_config(),
+                fingerprint=self.config.fingerprint,
             )
             self._start(control)
         except BaseException:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvfsm.bootstrap._auth import AuthError, sign, verify
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
+from kvfsm.bootstrap._fingerprint import Fingerprint
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameError, FrameReader
 from kvfsm.bootstrap._registry import (
     BootstrapClient,
@@ -30,6 +31,7 @@ __all__ = [
     "BootstrapServer",
     "ChannelConfig",
     "ControlPlane",
+    "Fingerprint",
     "FrameCodec",
     "FrameError",
     "FrameReader",

@@ -49,6 +49,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
+from kvfsm.bootstrap._fingerprint import Fingerprint, mismatch
 from kvfsm.bootstrap._frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -257,6 +258,7 @@ class ControlPlane:
         transport: NixlTransport | None = None,
         resolver: Resolver | None = None,
         config: ChannelConfig | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> None:
         if role == "prefill" and (transport is None or transport.leases is None):
             # Unfenced writes would break law 4 under a freeze: refuse to run that way.
@@ -268,6 +270,8 @@ class ControlPlane:
         self.agent = agent
         self.transport = transport
         self.config = config if config is not None else ChannelConfig()
+        #: What every peer must agree on; checked on both sides of each handshake.
+        self.fingerprint = fingerprint if fingerprint is not None else Fingerprint()
         self.incarnation = secrets.randbits(62)
         self._resolver = resolver
         self._codec = FrameCodec(self.config.secret)
@@ -595,6 +599,7 @@ class ControlPlane:
             self.incarnation,
             round(self.config.lease_s * 1000) if self.role == "decode" else 0,
             nonce,
+            self.fingerprint,
         )
         # Prefill: decode's Hello answers ours, so it is the link's first lease, counted from
         # before ours went out.
@@ -629,6 +634,7 @@ class ControlPlane:
             if scope is not None:
                 self._unauthenticated.pop(scope, None)
             peer_id = f"{theirs.role}-{theirs.rank}-{theirs.incarnation}"
+            await self._check_fingerprint(stream, codec, theirs)
             if self.role == "prefill":
                 await self._connect_data_path(stream, codec, peer_id, theirs)
         except BaseException:
@@ -671,6 +677,28 @@ class ControlPlane:
         self._tg.start_soon(self._read, link, stream, reader)
         self._tg.start_soon(self._write, link, stream)
         return link
+
+    async def _check_fingerprint(
+        self, stream: SocketStream | _RawConnection, codec: Sealer, theirs: Hello
+    ) -> None:
+        """Refuse a peer whose fingerprint does not pair with ours, before prefill loads its
+        NIXL metadata and before any room frame: both sides find the same reason (the roles
+        go in a fixed order), log it, count it and tell the other in an ``Error`` frame."""
+        if self.role == "prefill":
+            reason = mismatch(self.fingerprint, theirs.fingerprint)
+        else:
+            reason = mismatch(theirs.fingerprint, self.fingerprint)
+        if reason is None:
+            return
+        self.stats["handshakes_refused"] += 1
+        reason = clip_reason(
+            f"{self.role} rank {self.rank} refused {theirs.role} rank {theirs.rank}: {reason}"
+        )
+        _log.warning("handshake refused: %s", reason)
+        with contextlib.suppress(Exception):
+            with anyio.fail_after(1.0):
+                await stream.send(codec.encode(Error(None, reason)))
+        raise FrameError(reason, None, True)
 
     async def _connect_data_path(
         self, stream: SocketStream | _RawConnection, codec: Sealer, peer_id: str, theirs: Hello

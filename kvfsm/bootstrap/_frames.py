@@ -112,6 +112,7 @@ from typing import Annotated, Any, Final, Literal, TypeAlias
 import msgspec
 
 from kvfsm.bootstrap import _auth
+from kvfsm.bootstrap._fingerprint import Fingerprint
 
 __all__ = [
     "FRAME_TYPES",
@@ -144,7 +145,8 @@ __all__ = [
 ]
 
 #: The version this module speaks. Peers with another version are refused at ``Hello``.
-PROTOCOL_VERSION: Final = 3  # 2: leases, claims, reconciliation; 3: session keys, sequence
+PROTOCOL_VERSION: Final = 4  # 2: leases, claims, reconciliation; 3: session keys, sequence
+# numbers; 4: the handshake fingerprint (Hello.fingerprint)
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
@@ -212,6 +214,9 @@ class Hello(Frame, frozen=True):
     lease_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
     #: With a secret: 16 fresh random bytes, half of the session key's salt. Empty without.
     nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    #: What the peer must agree on (model layout, parallel shape), checked by both sides
+    #: before anything else happens on the link (``_fingerprint.mismatch``).
+    fingerprint: Fingerprint = Fingerprint()
 
 
 class Heartbeat(Frame, frozen=True):
