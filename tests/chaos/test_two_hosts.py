@@ -41,8 +41,28 @@ DEMO = [sys.executable, "-m", "kvfsm.cli", "demo"]
 
 
 def _ours() -> set[str]:
+    """kvfsm's namespaces that this test run answers for: those named after this process or
+    after a process that is gone (a child that leaked them). Another live run's namespaces on
+    the same machine (a second suite, a campaign started by hand) are not ours to count."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("kvfsm-")}
+    names = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("kvfsm-")}
+    return {name for name in names if not _owned_by_another_live_process(name)}
+
+
+def _owned_by_another_live_process(name: str) -> bool:
+    match = _netns._NAME.match(name)
+    if match is None:
+        return False
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _connect(hosts: TwoHosts, address: str, port: int) -> int:
