@@ -40,7 +40,8 @@ A record is one accepted chunk. It moves through four phases, and only forward:
    still in progress waits for it, whatever its siblings say. NIXL raising on a record fails it
    settled, unless a part is in flight or its peer is lost: then it is held (the error does not
    end a WRITE already posted). Bad input found by the poster (``rejected``) fails settled.
-6. **Lost peers.** ``peer_lost`` tells every record of that peer generation's room
+6. **Lost peers.** ``peer_lost`` (a remote disconnect, or the peer connected again as a new
+   generation, whose old lists and agent then go) tells every record of that generation's room
    ``PeerLost``, marks each one dropped (the poster skips it if it has not reached it yet) and
    holds the ACTIVE ones: their remote agent is about to be removed, after which NIXL says ERR
    for reasons that say nothing about the WRITE. A record of a lost peer that comes back from

@@ -285,8 +285,13 @@ class NixlTransport:
         try:
             old = self._peers.pop(peer_id, None)
             if old is not None:
+                # Its lists and remote agent go on the worker: hold its chunks first, as for a
+                # lost peer (NIXL's word on a handle whose agent was removed says nothing about
+                # the WRITE), and keep progressing what the old endpoint still has queued.
+                reason = f"peer {peer_id} reconnected as a new generation"
+                self._execute(self._ledger.peer_lost(old, reason, time.monotonic()))
                 self._in_worker.append(old)
-                self._linger()  # the old endpoint closes in flush mode: see _linger
+                self._linger()
             peer = await loop.run_in_executor(
                 self._worker, self._reconnect_blocking, old, peer_id, metadata, summary
             )

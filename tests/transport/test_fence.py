@@ -118,6 +118,7 @@ class Gate:
         self.made = 0
         self.transfers = 0
         self.progresses = 0
+        self.calls: list[str] = []
         self.stuck = False
         self.holding = threading.Event()
         self._open = threading.Event()
@@ -149,6 +150,19 @@ class Gate:
     def get_new_notifs(self) -> Any:
         self.progresses += 1
         return self.inner.get_new_notifs()
+
+    # The order in which handles, lists and remote agents go (``calls``).
+    def release_xfer_handle(self, handle: Any) -> Any:
+        self.calls.append("release_xfer_handle")
+        return self.inner.release_xfer_handle(handle)
+
+    def release_dlist_handle(self, dlist: Any) -> Any:
+        self.calls.append("release_dlist_handle")
+        return self.inner.release_dlist_handle(dlist)
+
+    def remove_remote_agent(self, name: str) -> Any:
+        self.calls.append("remove_remote_agent")
+        return self.inner.remove_remote_agent(name)
 
     def release(self) -> None:
         self._open.set()
@@ -387,3 +401,31 @@ def test_after_a_hold_an_idle_pump_keeps_progressing_the_agent_then_parks(
     parked = gate.progresses
     time.sleep(0.3)
     assert gate.progresses == parked
+
+
+def test_a_reconnect_holds_the_old_generations_writes_before_its_agent_goes(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    """The same peer connected again (a new generation, as after a control link came back):
+    its old generation's lists and remote agent go. A chunk still in flight to it must be
+    released and held first, as for a lost peer: removing the agent under a live handle makes
+    NIXL say ERR for reasons that say nothing about the WRITE, and settling on that word lets a
+    late write land in reused pages."""
+    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
+    prefill = FencedPrefill(peer, config)
+    make.append(prefill)
+    gate = prefill.gate
+    prefill.grant(FENCE, 30.0)
+    gate.stuck = True  # in flight for as long as the proxy says so
+    sender = prefill.room(8, [11], [43])
+    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    assert sender.poll() is KVPoll.Transferring
+    gate.calls.clear()
+    prefill.engine.call(prefill.transport.connect_peer("decode", peer.metadata, peer.summary))
+    wait_for(lambda: sender.poll() in TERMINAL, timeout=5)  # at once, not at the 30 s deadline
+    assert "reconnected" in sender.reason, sender.reason
+    assert not sender.settled  # held: the old WRITE may still be moving
+    assert gate.calls.index("release_xfer_handle") < gate.calls.index("remove_remote_agent")
+    gate.unstick()
+    wait_for(lambda: sender.settled, timeout=10)
+    assert prefill.transport.stats.chunks_quarantined == 1
