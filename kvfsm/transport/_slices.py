@@ -1,0 +1,223 @@
+"""Which KV heads move between which ranks when prefill and decode use different attention TP.
+
+Pure: no NIXL, no threads, no IO. This is the plan the data path follows for heterogeneous
+tensor parallelism (issue 14): for a prefill rank and a decode rank it says which heads the one
+writes into the other, where they sit in each side's page, and it builds the NIXL descriptors
+of that slice for every page of a layout, prepared once per (peer, layout) like the whole-page
+lists of :mod:`kvfsm.transport._layout`.
+
+Heads and shards
+----------------
+
+SGLang splits the ``total`` KV heads of an MHA/GQA model over attention-TP ranks. With
+``tp <= total`` (``total % tp == 0``) rank ``r`` holds heads ``[r * total // tp, ...)``, ``total //
+tp`` of them. With ``tp > total`` (``tp % total == 0``) heads are replicated: every rank holds one
+head, rank ``r`` head ``r // (tp // total)``, and ``tp // total`` ranks share each head. MLA is
+the extreme case, ``total = 1``: every rank holds the one latent cache. A rank's K (or V) page
+is ``page_tokens`` rows, one per token, each row its heads side by side (SGLang's token-major
+pool), so a head slice of a page is ``page_tokens`` runs of bytes, one per row.
+
+Rules
+-----
+
+1. **Every decode head is written exactly once.** For each decode rank and each head it
+   holds, exactly one prefill rank writes it (:func:`sources` and :func:`targets` are the two
+   views of one relation, and tests prove it for every shape).
+2. **Replicas write once.** When several prefill ranks hold the same heads (``tp > total``,
+   and always for MLA), the one among them whose index in its replica group equals the decode
+   rank's index modulo the group size writes: one replica per decode rank moves the bytes, as
+   SGLang does for MLA, and the work spreads over the replicas. The others write nothing to
+   that decode rank (they are SGLang's "dummy" ranks for it).
+3. **A slice is contiguous in heads.** The heads one prefill rank writes into one decode rank
+   are an interval on both sides (both sides split heads into contiguous intervals), so a slice
+   is one byte run per row: ``(offset, length)`` inside each side's row.
+
+Descriptors
+-----------
+
+NIXL's descriptor lists have no stride in 1.5 (its ``(addr, len, dev, stride, count)`` input is
+expanded into ``count`` plain descriptors), so a sliced list has one descriptor per (region,
+page, row): row ``(b * items + p) * rows + t`` is row ``t`` of page ``p`` of region ``b``
+(:func:`sliced_descs`), and moving pages ``P`` is :func:`sliced_index` of them on both sides.
+Where a slice is a whole row on both sides (equal TP), consecutive rows of a page are adjacent
+on both sides and ``make_prepped_xfer`` merges them back into one run per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from kvfsm.transport._layout import INT32_MAX, Descs, Indices, LayoutError, RegionSpec
+
+__all__ = [
+    "HeadShard",
+    "HeadSlice",
+    "RowSlice",
+    "sliced_descs",
+    "sliced_index",
+    "sources",
+    "targets",
+]
+
+_MAX_TP: Final = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """The KV heads one attention-TP rank holds: ``tp`` ranks share ``total`` heads."""
+
+    total: int
+    tp: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not (0 < self.total <= _MAX_TP and 0 < self.tp <= _MAX_TP):
+            raise ValueError(f"heads {self.total} and TP {self.tp} must be in [1, {_MAX_TP}]")
+        if not 0 <= self.rank < self.tp:
+            raise ValueError(f"TP rank {self.rank} out of range [0, {self.tp})")
+        if self.total % self.tp and self.tp % self.total:
+            raise ValueError(
+                f"{self.total} KV heads cannot be split over TP {self.tp}: one must divide the "
+                "other"
+            )
+
+    @property
+    def heads(self) -> int:
+        """Heads this rank holds (1 when heads are replicated)."""
+        return max(1, self.total // self.tp)
+
+    @property
+    def first(self) -> int:
+        """The first head this rank holds."""
+        if self.tp <= self.total:
+            return self.rank * self.heads
+        return self.rank // self.replicas
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold this rank's heads, itself included."""
+        return max(1, self.tp // self.total)
+
+    @property
+    def replica(self) -> int:
+        """This rank's index among them."""
+        return self.rank % self.replicas
+
+
+@dataclass(frozen=True, slots=True)
+class RowSlice:
+    """A run of bytes inside every row of one side's pages."""
+
+    row_bytes: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """The heads one prefill rank writes into one decode rank: ``count`` heads, starting at
+    head ``src_head`` of the prefill rank's own heads and ``dst_head`` of the decode rank's."""
+
+    prefill_rank: int
+    decode_rank: int
+    src_head: int
+    dst_head: int
+    count: int
+
+    def rows(
+        self, prefill: HeadShard, decode: HeadShard, head_bytes: int
+    ) -> tuple[RowSlice, RowSlice]:
+        """Where the slice sits in a prefill row and in a decode row, in bytes."""
+        if head_bytes <= 0:
+            raise ValueError(f"head_bytes must be > 0, got {head_bytes}")
+        length = self.count * head_bytes
+        return (
+            RowSlice(prefill.heads * head_bytes, self.src_head * head_bytes, length),
+            RowSlice(decode.heads * head_bytes, self.dst_head * head_bytes, length),
+        )
+
+
+def _pair(prefill: HeadShard, decode: HeadShard) -> HeadSlice | None:
+    """What ``prefill`` writes into ``decode`` (None: nothing), by rules 1 to 3."""
+    if prefill.total != decode.total:
+        raise ValueError(f"prefill has {prefill.total} KV heads, decode {decode.total}")
+    if prefill.replicas > 1 and prefill.replica != decode.rank % prefill.replicas:
+        return None  # another replica of these heads writes to this decode rank (rule 2)
+    lo = max(prefill.first, decode.first)
+    hi = min(prefill.first + prefill.heads, decode.first + decode.heads)
+    if lo >= hi:
+        return None
+    return HeadSlice(prefill.rank, decode.rank, lo - prefill.first, lo - decode.first, hi - lo)
+
+
+def sources(decode: HeadShard, prefill_tp: int) -> list[HeadSlice]:
+    """The prefill ranks (of ``prefill_tp``) that write into ``decode``, with their slices,
+    in prefill rank order."""
+    out = []
+    for rank in range(prefill_tp):
+        piece = _pair(HeadShard(decode.total, prefill_tp, rank), decode)
+        if piece is not None:
+            out.append(piece)
+    return out
+
+
+def targets(prefill: HeadShard, decode_tp: int) -> list[HeadSlice]:
+    """The decode ranks (of ``decode_tp``) that ``prefill`` writes into, with their slices, in
+    decode rank order. Empty: this prefill rank moves nothing (a dummy rank for every decode
+    rank)."""
+    out = []
+    for rank in range(decode_tp):
+        piece = _pair(prefill, HeadShard(prefill.total, decode_tp, rank))
+        if piece is not None:
+            out.append(piece)
+    return out
+
+
+def sliced_descs(specs: Sequence[RegionSpec], rows: int, piece: RowSlice) -> Descs:
+    """``(len(specs) * items * rows, 3)`` descriptors of ``piece`` in every row of every page of
+    every region: row ``(b * items + p) * rows + t`` is row ``t`` of page ``p`` of region ``b``.
+    Each region's pages must be exactly ``rows`` rows of ``piece.row_bytes``."""
+    if rows <= 0:
+        raise LayoutError(f"rows per page must be > 0, got {rows}")
+    if not (
+        piece.offset >= 0 and piece.length > 0 and piece.offset + piece.length <= piece.row_bytes
+    ):
+        raise LayoutError(f"slice {piece} does not fit in its row")
+    if not specs:
+        return np.empty((0, 3), np.uint64)
+    items = specs[0][1] // specs[0][2]
+    for i, (_, nbytes, item_bytes, _) in enumerate(specs):
+        if item_bytes != rows * piece.row_bytes:
+            raise LayoutError(
+                f"region {i}: a page is {item_bytes} bytes, not {rows} rows of {piece.row_bytes}"
+            )
+        if nbytes // item_bytes != items:
+            raise LayoutError(f"region {i} has {nbytes // item_bytes} pages, region 0 {items}")
+    if len(specs) * items * rows > INT32_MAX:
+        raise LayoutError(
+            f"{len(specs)} regions x {items} pages x {rows} rows do not fit int32 indices"
+        )
+    addr = np.array([s[0] for s in specs], np.uint64)
+    device = np.array([s[3] for s in specs], np.uint64)
+    page = np.arange(items, dtype=np.uint64) * np.uint64(rows * piece.row_bytes)
+    row = np.arange(rows, dtype=np.uint64) * np.uint64(piece.row_bytes) + np.uint64(piece.offset)
+    out = np.empty((len(specs), items, rows, 3), np.uint64)
+    out[..., 0] = addr[:, None, None] + page[None, :, None] + row[None, None, :]
+    out[..., 1] = piece.length
+    out[..., 2] = device[:, None, None]
+    return out.reshape(-1, 3)
+
+
+def sliced_index(n_regions: int, items: int, rows: int, pages: Indices) -> Indices:
+    """Indices into :func:`sliced_descs` for ``pages`` (already range-checked against
+    ``items``) across all regions, region-major, rows of a page consecutive."""
+    base = (np.arange(n_regions, dtype=np.int64)[:, None] * items + pages[None, :]) * rows
+    return (
+        (base[:, :, None] + np.arange(rows, dtype=np.int64)[None, None, :])
+        .reshape(-1)
+        .astype(np.int32)
+    )

@@ -1,0 +1,226 @@
+"""The heterogeneous-TP plan (``kvfsm.transport._slices``): its rules for every shape, its
+descriptors against a numpy reference, and real NIXL WRITEs of head slices between agents of
+different TP, every byte of every head slice checked on decode."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvfsm.transport._layout import LayoutError
+from kvfsm.transport._nixl import nixl_agent, nixl_agent_config
+from kvfsm.transport._slices import (
+    HeadShard,
+    HeadSlice,
+    RowSlice,
+    sliced_descs,
+    sliced_index,
+    sources,
+    targets,
+)
+
+HEADS = (1, 2, 4, 8, 16)
+TPS = (1, 2, 4, 8, 16)
+
+
+def _shapes() -> Iterator[tuple[int, int, int]]:
+    for total, tp_p, tp_d in itertools.product(HEADS, TPS, TPS):
+        if all(total % tp == 0 or tp % total == 0 for tp in (tp_p, tp_d)):
+            yield total, tp_p, tp_d
+
+
+# -- the rules -----------------------------------------------------------------------------
+
+
+def test_shards_split_or_replicate_heads_as_sglang_does() -> None:
+    assert [HeadShard(8, 4, r).first for r in range(4)] == [0, 2, 4, 6]
+    assert {HeadShard(8, 4, r).heads for r in range(4)} == {2}
+    # More ranks than heads: each holds one head, shared by tp // total ranks.
+    assert [HeadShard(2, 8, r).first for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [HeadShard(2, 8, r).replica for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="cannot be split"):
+        HeadShard(6, 4, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        HeadShard(8, 4, 4)
+
+
+@pytest.mark.parametrize(("total", "tp_p", "tp_d"), list(_shapes()))
+def test_every_decode_head_is_written_exactly_once(total: int, tp_p: int, tp_d: int) -> None:
+    for d in range(tp_d):
+        decode = HeadShard(total, tp_d, d)
+        written = [0] * decode.heads
+        for piece in sources(decode, tp_p):
+            prefill = HeadShard(total, tp_p, piece.prefill_rank)
+            assert piece.decode_rank == d
+            assert piece.src_head >= 0
+            assert piece.src_head + piece.count <= prefill.heads
+            for i in range(piece.count):
+                written[piece.dst_head + i] += 1
+                # The same model head on both sides.
+                assert prefill.first + piece.src_head + i == decode.first + piece.dst_head + i
+        assert written == [1] * decode.heads
+
+
+@pytest.mark.parametrize(("total", "tp_p", "tp_d"), list(_shapes()))
+def test_sources_and_targets_are_one_relation(total: int, tp_p: int, tp_d: int) -> None:
+    by_targets = sorted(
+        (piece for p in range(tp_p) for piece in targets(HeadShard(total, tp_p, p), tp_d)),
+        key=lambda s: (s.decode_rank, s.prefill_rank),
+    )
+    by_sources = [piece for d in range(tp_d) for piece in sources(HeadShard(total, tp_d, d), tp_p)]
+    assert by_targets == by_sources
+
+
+def test_mla_moves_one_replica_per_decode_rank_spread_over_prefill() -> None:
+    # MLA: one latent "head" on every rank. Prefill TP 4 into decode TP 2 (DP attention style):
+    # each decode rank hears from exactly one prefill rank, and they differ.
+    writers = [sources(HeadShard(1, 2, d), 4) for d in range(2)]
+    assert [[s.prefill_rank for s in w] for w in writers] == [[0], [1]]
+    assert [len(targets(HeadShard(1, 4, p), 2)) for p in range(4)] == [1, 1, 0, 0]
+    # TP 8 into TP 1: one writer, seven dummy ranks.
+    assert [s.prefill_rank for s in sources(HeadShard(1, 1, 0), 8)] == [0]
+
+
+def test_row_slices_in_bytes() -> None:
+    # Prefill TP 1 (8 heads) into decode TP 2, rank 1: heads 4..7 of prefill's row.
+    (piece,) = sources(HeadShard(8, 2, 1), 1)
+    src, dst = piece.rows(HeadShard(8, 1, 0), HeadShard(8, 2, 1), head_bytes=256)
+    assert src == RowSlice(row_bytes=2048, offset=1024, length=1024)
+    assert dst == RowSlice(row_bytes=1024, offset=0, length=1024)
+
+
+# -- descriptors ---------------------------------------------------------------------------
+
+
+def test_sliced_descs_and_index_address_the_slice_of_each_row() -> None:
+    rows, row_bytes, items = 4, 64, 3
+    specs = [
+        (1 << 20, items * rows * row_bytes, rows * row_bytes, 0),
+        (1 << 24, items * rows * row_bytes, rows * row_bytes, 0),
+    ]
+    piece = RowSlice(row_bytes, 16, 32)
+    descs = sliced_descs(specs, rows, piece)
+    assert descs.shape == (2 * items * rows, 3)
+    for b, p, t in itertools.product(range(2), range(items), range(rows)):
+        row = descs[(b * items + p) * rows + t]
+        assert tuple(int(x) for x in row) == (
+            specs[b][0] + p * rows * row_bytes + t * row_bytes + 16,
+            32,
+            0,
+        )
+    pages = np.array([2, 0], np.int32)
+    index = sliced_index(2, items, rows, pages)
+    want = [(b * items + p) * rows + t for b in range(2) for p in (2, 0) for t in range(rows)]
+    assert index.tolist() == want
+    assert index.dtype == np.int32
+
+
+def test_sliced_descs_refuse_what_does_not_fit() -> None:
+    spec = [(1 << 20, 3 * 4 * 64, 4 * 64, 0)]
+    with pytest.raises(LayoutError, match="does not fit in its row"):
+        sliced_descs(spec, 4, RowSlice(64, 48, 32))
+    with pytest.raises(LayoutError, match="not 4 rows of 32"):
+        sliced_descs(spec, 4, RowSlice(32, 0, 32))
+
+
+# -- real NIXL ----------------------------------------------------------------------------
+
+TOKENS, HEAD_BYTES, LAYERS, PAGES = 4, 64, 2, 6
+
+
+class Rank:
+    """One TP rank's K and V buffers (``LAYERS`` each) of ``PAGES`` pages, its heads only."""
+
+    def __init__(self, role: str, shard: HeadShard, fill: bool) -> None:
+        self.shard = shard
+        name = f"slices-{role}-{shard.tp}-{shard.rank}-{os.getpid()}-{time.monotonic_ns()}"
+        self.agent: Any = nixl_agent(
+            name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
+        self.name = name
+        shape = (PAGES, TOKENS, shard.heads, HEAD_BYTES)
+        rng = np.random.default_rng(shard.rank + 1)
+        self.bufs = [
+            rng.integers(0, 256, shape, dtype=np.uint8) if fill else np.zeros(shape, np.uint8)
+            for _ in range(2 * LAYERS)
+        ]
+        descs = [(b.ctypes.data, b.nbytes, 0, "") for b in self.bufs]
+        self.reg = self.agent.register_memory(self.agent.get_reg_descs(descs, "DRAM"))
+
+    def specs(self) -> list[tuple[int, int, int, int]]:
+        return [(b.ctypes.data, b.nbytes, b.nbytes // PAGES, 0) for b in self.bufs]
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
+def _write(prefill: Rank, decode: Rank, piece: HeadSlice, src: np.ndarray, dst: np.ndarray) -> None:
+    src_rows, dst_rows = piece.rows(prefill.shard, decode.shard, HEAD_BYTES)
+    peer = prefill.agent.add_remote_agent(decode.agent.get_agent_metadata())
+    local = prefill.agent.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", sliced_descs(prefill.specs(), TOKENS, src_rows), "DRAM"
+    )
+    remote = prefill.agent.prep_xfer_dlist(
+        peer, sliced_descs(decode.specs(), TOKENS, dst_rows), "DRAM"
+    )
+    n = len(prefill.bufs)
+    handle = prefill.agent.make_prepped_xfer(
+        "WRITE",
+        local,
+        sliced_index(n, PAGES, TOKENS, src),
+        remote,
+        sliced_index(n, PAGES, TOKENS, dst),
+    )
+    state = prefill.agent.transfer(handle)
+    deadline = time.monotonic() + 10
+    while state != "DONE":
+        assert state == "PROC", state
+        assert time.monotonic() < deadline, "the WRITE did not complete"
+        decode.agent.get_new_notifs()
+        state = prefill.agent.check_xfer_state(handle)
+    prefill.agent.release_xfer_handle(handle)
+    prefill.agent.release_dlist_handle(local)
+    prefill.agent.release_dlist_handle(remote)
+    prefill.agent.remove_remote_agent(peer)
+
+
+@pytest.mark.parametrize(
+    ("total", "tp_p", "tp_d"),
+    [(4, 2, 1), (4, 1, 2), (8, 4, 2), (2, 4, 1), (1, 2, 1)],
+    ids=["tp2-to-tp1", "tp1-to-tp2", "tp4-to-tp2", "gqa-replicated-tp4-to-tp1", "mla-tp2-to-tp1"],
+)
+def test_head_slices_land_from_the_right_prefill_rank(total: int, tp_p: int, tp_d: int) -> None:
+    """Every decode rank's pages are written by the prefill ranks the plan names; afterwards
+    every head of every written page equals that head on the prefill rank that holds it, and
+    pages not in the room are untouched."""
+    prefill = [Rank("p", HeadShard(total, tp_p, r), fill=True) for r in range(tp_p)]
+    decode = [Rank("d", HeadShard(total, tp_d, r), fill=False) for r in range(tp_d)]
+    src = np.array([4, 1, 2], np.int32)
+    dst = np.array([0, 5, 3], np.int32)
+    try:
+        for d in decode:
+            for piece in sources(d.shard, tp_p):
+                _write(prefill[piece.prefill_rank], d, piece, src, dst)
+        for d in decode:
+            covered = np.zeros(d.shard.heads, int)
+            for piece in sources(d.shard, tp_p):
+                # Each rank's bytes are its own (random per rank, replicas included), so a
+                # slice from the wrong rank, head or page cannot pass.
+                writer = prefill[piece.prefill_rank]
+                theirs = slice(piece.src_head, piece.src_head + piece.count)
+                mine = slice(piece.dst_head, piece.dst_head + piece.count)
+                for got, want in zip(d.bufs, writer.bufs, strict=True):
+                    assert np.array_equal(got[dst][:, :, mine], want[src][:, :, theirs]), piece
+                covered[mine] += 1
+            assert covered.tolist() == [1] * d.shard.heads
+            untouched = np.setdiff1d(np.arange(PAGES), dst)
+            assert all(not buf[untouched].any() for buf in d.bufs)
+    finally:
+        for rank in (*prefill, *decode):
+            rank.close()
