@@ -54,15 +54,7 @@ def _owned_by_another_live_process(name: str) -> bool:
     if match is None:
         return False
     pid = int(match.group(1))
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid != os.getpid() and _netns._alive(pid)
 
 
 def _connect(hosts: TwoHosts, address: str, port: int) -> int:
