@@ -43,7 +43,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import anyio
 import msgspec
@@ -102,6 +102,17 @@ from kvfsm.transport._layout import LayoutSummary
 from kvfsm.transport._transport import NixlTransport
 
 __all__ = ["ChannelConfig", "ControlPlane", "Resolver"]
+
+#: What a peer can make a handshake fail with: its bytes (``FrameError``), its silence
+#: (``TimeoutError``), its hang-up or the socket's errors. Anything else is a bug.
+_PEER_ERRORS: Final = (
+    FrameError,
+    TimeoutError,
+    OSError,
+    anyio.EndOfStream,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+)
 
 _log = logging.getLogger("kvfsm.control")
 #: What seals a link's frames: the shared codec, or the connection's session (with a secret).
@@ -304,6 +315,7 @@ class ControlPlane:
             "links_opened": 0,
             "links_lost": 0,
             "handshakes_refused": 0,
+            "unexpected_errors": 0,
         }
         routing = self.config.routing()
         self._prefill = PrefillRouting(routing, self.stats) if role == "prefill" else None
@@ -332,6 +344,17 @@ class ControlPlane:
     @property
     def port(self) -> int:
         return self._port
+
+    @property
+    def running(self) -> bool:
+        """The control plane's task is alive (it ends only when the engine closes it)."""
+        return self._main is not None and not self._main.done()
+
+    def _unexpected(self, where: str, exc: BaseException) -> None:
+        """An exception no rule expects (a bug, not a peer's bad input): counted, logged with
+        its traceback, and confined to the one connection it came from."""
+        self.stats["unexpected_errors"] += 1
+        _log.error("unexpected error %s", where, exc_info=exc)
 
     def entries(self) -> dict[str, int]:
         """Per-room entries the routing core keeps (all 0 once every room is gone)."""
@@ -564,9 +587,12 @@ class ControlPlane:
                 self.stats["unauthenticated_shed"] += 1
             try:
                 await self._handshake(stream, expect_rank=None, key=None, scope=scope)
-            except Exception as exc:
+            except _PEER_ERRORS as exc:  # the peer's doing: bad bytes, a timeout, a hang-up
                 self.stats["handshakes_failed"] += 1
                 _log.debug("handshake failed: %s", exc)
+            except Exception as exc:
+                self.stats["handshakes_failed"] += 1
+                self._unexpected("in a handshake", exc)
             finally:
                 self._unauthenticated.pop(scope, None)
         if scope.cancelled_caught:
@@ -774,6 +800,10 @@ class ControlPlane:
             FrameError,
         ) as exc:
             self._lose(link, f"connection to {link.peer_id} closed: {exc or type(exc).__name__}")
+        except Exception as exc:
+            # A bug reached by one peer's frames costs that link, not every link of the engine.
+            self._unexpected(f"reading from {link.peer_id}", exc)
+            self._lose(link, f"connection to {link.peer_id} closed: internal error: {exc!r}")
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()

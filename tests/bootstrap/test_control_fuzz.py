@@ -12,6 +12,7 @@ import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -200,8 +201,14 @@ garbage: st.SearchStrategy[Hostile | bytes] = st.one_of(
 def test_hostile_bytes_never_hurt_the_listener(
     live: LivePrefill, payload: Hostile | bytes, stage: str
 ) -> None:
+    before = dict(live.control.stats)
     blast(live, stage, payload)
-    assert live.engine.registry_on_loop().errors == []
+    stats = live.control.stats
+    # Whatever the bytes were, they were the peer's fault or nothing: no exception that the
+    # control plane does not expect from a peer (a bug) was raised, on the handshake path or on
+    # a registered link, and the control plane still runs.
+    assert stats["unexpected_errors"] == before["unexpected_errors"]
+    assert live.control.running
 
 
 def test_the_listener_still_serves_a_real_decode_rank_afterwards(live: LivePrefill) -> None:
@@ -243,3 +250,30 @@ def test_a_room_frame_in_the_same_segment_as_the_hello_is_not_lost(live: LivePre
         wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
         sender.abort("test over")
         wait_for(lambda: sender.settled, timeout=10)
+
+
+def test_a_bug_reached_through_one_link_costs_that_link_only(
+    live: LivePrefill, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the fuzzing above counts can be counted: a frame that hits a bug in the control
+    plane (here a KeyError planted in its frame handler) is an unexpected error, logged and
+    counted; its link is dropped; the control plane keeps running and serves the next rank."""
+    handle = live.control._on_frame
+
+    def buggy(link: Any, frame: Any) -> None:
+        if isinstance(frame, RoomAbort) and frame.room == 4343:
+            raise KeyError("a planted bug")
+        handle(link, frame)
+
+    monkeypatch.setattr(live.control, "_on_frame", buggy)
+    before = live.control.stats["unexpected_errors"]
+    lost = live.control.stats["links_lost"]
+    with socket.create_connection(("127.0.0.1", live.control.port), timeout=5) as sock:
+        sealer = live.handshake(sock, confirm=True)
+        wait_for(lambda: live.control.stats["links_opened"] > 0)
+        sock.sendall(sealer.encode(RoomAbort(4343, 1, "hits the bug")))
+        wait_for(lambda: live.control.stats["unexpected_errors"] == before + 1)
+        wait_for(lambda: live.control.stats["links_lost"] == lost + 1)
+    assert live.control.running
+    monkeypatch.undo()
+    test_the_listener_still_serves_a_real_decode_rank_afterwards(live)
