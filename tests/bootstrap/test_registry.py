@@ -32,14 +32,8 @@ from kvfsm.bootstrap import (
     RejectedError,
     UnauthorizedError,
     UnreachableError,
-    sign,
-    verify,
 )
 from kvfsm.bootstrap._auth import (
-    SIGNATURE_HEADER,
-    TIMESTAMP_HEADER,
-    AuthError,
-    check_request,
     request_headers,
 )
 from kvfsm.bootstrap._registry import MAX_BODY_BYTES, RefusedError, Registry
@@ -146,49 +140,6 @@ def test_registry_refuses_clashes_and_bounds_engines() -> None:
     with pytest.raises(RefusedError, match="registry full") as exc:
         reg.register(info(0, engine="c"), now=1.0)
     assert exc.value.status == 429
-
-
-# -- HMAC helpers ----------------------------------------------------------------------------------
-
-
-def test_sign_and_verify() -> None:
-    mac = sign(SECRET, b"PUT", b"/v1/ranks", b"123", b"body\nwith newline")
-    assert len(mac) == 32
-    assert verify(SECRET, mac, b"PUT", b"/v1/ranks", b"123", b"body\nwith newline")
-    assert not verify(SECRET, mac, b"PUT", b"/v1/ranks", b"124", b"body\nwith newline")
-    assert not verify(SECRET + b"x", mac, b"PUT", b"/v1/ranks", b"123", b"body\nwith newline")
-    assert not verify(SECRET, mac[:-1], b"PUT", b"/v1/ranks", b"123", b"body\nwith newline")
-    # Only the last part may hold a newline: otherwise ("a\nb", "c") would sign like ("a", "b\nc").
-    with pytest.raises(ValueError, match="newline"):
-        sign(SECRET, b"a\nb", b"c")
-    assert not verify(SECRET, sign(SECRET, b"a", b"b\nc"), b"a\nb", b"c")
-    with pytest.raises(ValueError, match="at least 16"):
-        sign(b"short", b"x")
-    with pytest.raises(TypeError):
-        sign("text", b"x")  # type: ignore[arg-type]
-
-
-def test_check_request() -> None:
-    now = 1_700_000_000.0
-    headers = request_headers(SECRET, "put", "/v1/ranks", b"{}", now=now)
-    check_request(SECRET, "PUT", "/v1/ranks", b"{}", headers, now=now + 59)
-    refusals = [
-        ({}, "missing"),
-        ({**headers, TIMESTAMP_HEADER: "12a"}, "malformed X-Kvfsm-Timestamp"),
-        ({**headers, SIGNATURE_HEADER: "zz"}, "malformed X-Kvfsm-Signature"),
-        ({**headers, TIMESTAMP_HEADER: str(int(now) + 1)}, "bad signature"),
-    ]
-    for bad, words in refusals:
-        with pytest.raises(AuthError, match=words):
-            check_request(SECRET, "PUT", "/v1/ranks", b"{}", bad, now=now)
-    with pytest.raises(AuthError, match="stale"):
-        check_request(SECRET, "PUT", "/v1/ranks", b"{}", headers, now=now + 61)
-    with pytest.raises(AuthError, match="stale"):
-        check_request(SECRET, "PUT", "/v1/ranks", b"{}", headers, now=now - 61)
-    with pytest.raises(AuthError, match="bad signature"):
-        check_request(SECRET, "PUT", "/v1/ranks", b"{ }", headers, now=now)
-    with pytest.raises(AuthError, match="bad signature"):
-        check_request(SECRET, "DELETE", "/v1/ranks", b"{}", headers, now=now)
 
 
 # -- over HTTP -------------------------------------------------------------------------------------
