@@ -696,10 +696,16 @@ class ControlPlane:
             assert self._decode is not None
             self._do(self._decode.link_opened(link.generation, peer_id, theirs.rank, now))
         assert self._tg is not None
-        if early and not self._take(link, early):
-            self._lose(link, f"connection to {link.peer_id} closed: fatal frame after Hello")
-            await stream.aclose()
-            return link
+        if early:
+            try:
+                taken = self._take(link, early)
+            except Exception as exc:  # as in _read: a bug costs this link, and closes it
+                self._unexpected(f"in frames from {link.peer_id} after its Hello", exc)
+                taken = False
+            if not taken:
+                self._lose(link, f"connection to {link.peer_id} closed: fatal frame after Hello")
+                await stream.aclose()
+                return link
         self._tg.start_soon(self._read, link, stream, reader)
         self._tg.start_soon(self._write, link, stream)
         return link

@@ -252,30 +252,43 @@ def test_a_room_frame_in_the_same_segment_as_the_hello_is_not_lost(live: LivePre
         wait_for(lambda: sender.settled, timeout=10)
 
 
+@pytest.mark.parametrize("when", ["in the handshake's segment", "on the running link"])
 def test_a_bug_reached_through_one_link_costs_that_link_only(
-    live: LivePrefill, monkeypatch: pytest.MonkeyPatch
+    live: LivePrefill, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
     """What the fuzzing above counts can be counted: a frame that hits a bug in the control
     plane (here a KeyError planted in its frame handler) is an unexpected error, logged and
-    counted; its link is dropped; the control plane keeps running and serves the next rank."""
+    counted; its connection is closed; the control plane keeps running and serves the next
+    rank. Both places frames are handled: those that came with the handshake, and the link's
+    reader."""
     handle = live.control._on_frame
+    poison = RoomAbort(4343, 1, "hits the bug")
 
     def buggy(link: Any, frame: Any) -> None:
-        if isinstance(frame, RoomAbort) and frame.room == 4343:
+        if frame == poison:
             raise KeyError("a planted bug")
         handle(link, frame)
 
     monkeypatch.setattr(live.control, "_on_frame", buggy)
-    before = live.control.stats["unexpected_errors"]
-    lost = live.control.stats["links_lost"]
+    stats = live.control.stats
+    before, opened = stats["unexpected_errors"], stats["links_opened"]
     with socket.create_connection(("127.0.0.1", live.control.port), timeout=5) as sock:
-        sealer = live.handshake(sock, confirm=True)
-        wait_for(lambda: live.control.stats["links_opened"] > 0)
-        sock.sendall(sealer.encode(RoomAbort(4343, 1, "hits the bug")))
-        wait_for(lambda: live.control.stats["unexpected_errors"] == before + 1)
-        wait_for(lambda: live.control.stats["links_lost"] > lost)
-        # And it was this link that went: prefill closes the connection (after whatever
-        # heartbeats and lease requests it had sent on it).
+        if when == "in the handshake's segment":
+            if live.secret is None:
+                sock.sendall(live.hello() + live.codec.encode(poison))
+            else:
+                nonce = secrets.token_bytes(NONCE_BYTES)
+                sock.sendall(live.hello(nonce))
+                theirs = read_frame(sock, FrameReader(live.codec))
+                assert isinstance(theirs, Hello)
+                session = live.codec.session("decode", nonce, theirs.nonce)
+                sock.sendall(session.encode(Heartbeat(0)) + session.encode(poison))
+        else:
+            sealer = live.handshake(sock, confirm=True)
+            wait_for(lambda: stats["links_opened"] > opened)  # its reader runs from here
+            sock.sendall(sealer.encode(poison))
+        wait_for(lambda: stats["unexpected_errors"] == before + 1)
+        # Prefill closes this connection (after whatever it had sent on it).
         sock.settimeout(10)
         while sock.recv(1 << 16):
             pass
