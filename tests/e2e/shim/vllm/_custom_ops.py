@@ -26,7 +26,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -
 
 
 def _apply(
-    x: torch.Tensor, head_size: int, rotary_dim: int, cos: torch.Tensor, sin: torch.Tensor, neox: bool
+    x: torch.Tensor,
+    *,
+    head_size: int,
+    rotary_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
 ) -> None:
     heads = x.view(x.shape[0], -1, head_size)
     rot = heads[..., :rotary_dim]
@@ -35,7 +41,7 @@ def _apply(
     rot.copy_(_rotate(rot, cos.to(x.dtype), sin.to(x.dtype), neox))
 
 
-def rotary_embedding(
+def rotary_embedding(  # noqa: PLR0917 - vLLM's positional signature is the contract
     positions: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor | None,
@@ -47,6 +53,6 @@ def rotary_embedding(
     cos_sin = cos_sin_cache.index_select(0, positions.flatten().long())
     cos, sin = cos_sin.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    _apply(query, head_size, rotary_dim, cos, sin, is_neox)
-    if key is not None:
-        _apply(key, head_size, rotary_dim, cos, sin, is_neox)
+    for x in (query, key):
+        if x is not None:
+            _apply(x, head_size=head_size, rotary_dim=rotary_dim, cos=cos, sin=sin, neox=is_neox)
