@@ -192,11 +192,12 @@ def layout_from_kv_args(args: Any, sglang_device: str | None = None) -> Layout:
     """The rank's layout: KV buffers (per layer, K and V apart, draft buffers included), aux
     rows (SGLang's metadata buffers, host memory) and the state buffers of one state type.
 
-    KV memory kind: DRAM when SGLang runs on ``sglang_device="cpu"`` (``--device cpu``), whose pool is host memory
-    whatever the scheduler labels it (SGLang 0.5.23's decode sets ``kv_data_mem_kinds`` to VRAM
-    for every NIXL rank, and prefill sets nothing, which means VRAM: registered as VRAM, a host
-    pool fails NIXL registration). Otherwise ``kv_data_mem_kinds`` when the scheduler sets it,
-    else VRAM on ``gpu_id``, which is where SGLang keeps the pool. State lives with the pool;
+    KV memory kind: DRAM when SGLang runs on ``sglang_device="cpu"`` (``--device cpu``),
+    whose pool is host memory whatever the scheduler labels it (SGLang 0.5.23's decode sets
+    ``kv_data_mem_kinds`` to VRAM for every NIXL rank, and prefill sets nothing, which means
+    VRAM; registered as VRAM, a host pool fails NIXL registration). Otherwise
+    ``kv_data_mem_kinds`` when the scheduler sets it, else VRAM on ``gpu_id``, which is where
+    SGLang keeps the pool. State lives with the pool;
     aux rows are host memory.
     """
     if getattr(args, "host_kv_data_ptrs", None):
