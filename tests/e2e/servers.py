@@ -292,6 +292,11 @@ def router(log_dir: Path, prefill: Server, bootstrap_port: int, decode: Server) 
         "--decode", decode.url,
         "--host", "127.0.0.1",
         "--port", str(port),
+        # The suite aborts and kills requests on purpose: a router that retried them would
+        # send new rooms behind the test's back, and one that opened its circuit to a worker
+        # after those failures would refuse the checks that follow. Neither is kvfsm's.
+        "--disable-retries",
+        "--disable-circuit-breaker",
     ]  # fmt: skip
     return Server("router", argv, port, log_dir, ready_path="/health")
 
