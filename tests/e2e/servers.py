@@ -69,6 +69,19 @@ COMMON_FLAGS = [
     "--host", "127.0.0.1",
 ]  # fmt: skip
 
+#: kvfsm's liveness bound in these servers: heartbeat 1 s x 10. kvfsm's default (2 s) takes a
+#: peer whose loop thread went unscheduled for 2 s for dead, which happens here: three CPU-bound
+#: servers (and whatever else runs) share two cores, and the prefill scheduler's forward passes
+#: hold the GIL. Leases as long, for the same reason.
+HEARTBEAT_S, LIVENESS_FACTOR = 1.0, 10.0
+LIVENESS_S = HEARTBEAT_S * LIVENESS_FACTOR
+KVFSM_ENV = {
+    "KVFSM_SGLANG": "1",
+    "KVFSM_HEARTBEAT_S": str(HEARTBEAT_S),
+    "KVFSM_LIVENESS_FACTOR": str(LIVENESS_FACTOR),
+    "KVFSM_LEASE_S": str(LIVENESS_S),
+}
+
 #: How long one server may take to come up on a loaded 2-core machine (~30 s when idle).
 START_TIMEOUT_S = 300.0
 
@@ -253,7 +266,7 @@ def sglang_server(
     status = free_port() if kvfsm else None
     server_env = dict(env or {})
     if kvfsm:
-        server_env["KVFSM_SGLANG"] = "1"
+        server_env.update(KVFSM_ENV)
         server_env["KVFSM_STATUS_PORT"] = str(status)
     else:
         server_env["KVFSM_SGLANG"] = "0"

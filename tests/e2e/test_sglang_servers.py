@@ -32,6 +32,7 @@ import pytest
 from tests.e2e.servers import (
     DECODE_FLAGS,
     FAILED,
+    LIVENESS_S,
     Server,
     free_port,
     get_json,
@@ -360,15 +361,17 @@ def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serve
             await asyncio.to_thread(wait_until, "prefill rooms under load", busy, 120, 0.1)
             rig.decode.kill()
             killed = time.monotonic()
-            await asyncio.to_thread(
-                wait_until, "prefill's rooms to end", lambda: live_rooms(rig.prefill) == 0, 120, 0.1
-            )
+            # Well under every state deadline (>= 120 s): rooms that waited for a deadline
+            # would time this wait out.
+            idle = lambda: live_rooms(rig.prefill) == 0  # noqa: E731
+            await asyncio.to_thread(wait_until, "prefill's rooms to end", idle, 6 * LIVENESS_S, 0.1)
             ended = time.monotonic() - killed
             results = await asyncio.gather(*tasks, return_exceptions=True)
         return results, ended
 
     results, ended = asyncio.run(load_then_kill())
     FIGURES["prefill_rooms_ended_after_decode_kill_s"] = round(ended, 2)
+    FIGURES["liveness_bound_s"] = LIVENESS_S
     after = kvfsm_stats(rig.prefill)["rooms"]
     assert after["failed"] > before["failed"], "no prefill room was in flight at the kill"
     # They ended on peer loss (the liveness bound), not by waiting out a state deadline.
