@@ -310,6 +310,10 @@ def router(log_dir: Path, prefill: Server, bootstrap_port: int, decode: Server) 
         # after those failures would refuse the checks that follow. Neither is kvfsm's.
         "--disable-retries",
         "--disable-circuit-breaker",
+        # Health checks every 5 s (default 60 s), so a restarted decode is routed to again
+        # within seconds; a long timeout, as a loaded CPU server answers /health slowly.
+        "--health-check-interval-secs", "5",
+        "--health-check-timeout-secs", "60",
     ]  # fmt: skip
     return Server("router", argv, port, log_dir, ready_path="/health")
 

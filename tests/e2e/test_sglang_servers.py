@@ -230,9 +230,10 @@ def test_sglang_transfer_metrics_are_non_zero_with_kvfsm(rig: Rig) -> None:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def corrupting_prefill(rig: Rig) -> Iterator[tuple[Server, int]]:
-    """A second prefill instance whose first KV transfer is corrupted at the source."""
+    """A second prefill instance whose first KV transfer is corrupted at the source (stopped
+    after its test: its scheduler would take CPU from the rest of the module)."""
     bootstrap = free_port()
     server = sglang_server(
         "prefill-corrupt",
