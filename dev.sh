@@ -22,16 +22,19 @@ setup() {
     . "$VENV/bin/activate"
     local stamp="$VENV/.kvfsm-installed"
     local sglang_reqs=tests/sglang/requirements-cpu.txt
-    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$sglang_reqs" -nt "$stamp" ]; then
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$sglang_reqs" -nt "$stamp" ] \
+        || [ "$0" -nt "$stamp" ]; then
         python -m pip install --quiet --upgrade pip
-        # torch 2.13.0 is the CPU build (a local wheel on these machines); pyproject's range
-        # admits it, so the editable install below adds nothing heavier.
-        python -m pip install --quiet "torch==2.13.0"
+        # SGLang 0.5.23's own torch pins (local wheels on these machines; pip is capped at
+        # torch<=2.14.1 here). The CUDA build imports and runs on a CPU-only machine, which is
+        # what lets tests/e2e run real SGLang servers (docs/sglang-import.md). First, so the
+        # editable install below finds its torch requirement met.
+        python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
         python -m pip install --quiet -e '.[dev]'
-        # SGLang 0.5.23 itself, for tests/sglang (the adapter against SGLang's real base classes
-        # and plugin loader). Without its dependencies: they pin a CUDA torch, flashinfer and
-        # more; the few its disaggregation base module needs on a CPU are in $sglang_reqs
-        # (docs/sglang-import.md). pip's resolver warnings about them are expected.
+        # SGLang 0.5.23 and its serving stack, for tests/sglang and tests/e2e: the packages a
+        # CPU machine needs, pinned in $sglang_reqs, then SGLang itself without its
+        # dependencies (they also pin flashinfer, CUDA kernels and more, unusable on a CPU).
+        # pip's resolver warnings about those are expected.
         python -m pip install --quiet -r "$sglang_reqs"
         python -m pip install --quiet --no-deps "sglang==0.5.23"
         touch "$stamp"

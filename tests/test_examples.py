@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,21 @@ def test_example_runs(script: str, key_lines: list[str]) -> None:
         assert line in done.stdout, done.stdout[-4000:]
     assert "MISMATCH" not in done.stdout
     assert "PROBLEM" not in done.stdout
+
+
+@pytest.mark.timeout(600)
+def test_sglang_cpu_pd_example_runs() -> None:
+    """Real SGLang prefill, decode and router on the CPU, one request through them."""
+    done = subprocess.run(
+        ["bash", str(EXAMPLES / "sglang_cpu_pd.sh")],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        cwd=EXAMPLES.parent,
+        env={**os.environ, "PYTHON": sys.executable},
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "[prefill] ready" in done.stdout
+    assert "[router] 8 prompt tokens -> output ids [" in done.stdout
+    assert done.stdout.rstrip().endswith("sglang_cpu_pd: OK")

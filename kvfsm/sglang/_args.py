@@ -1,5 +1,14 @@
-"""From what SGLang hands a backend (``KVArgs``, ``ServerArgs``) to what kvfsm needs: a
+"""From what SGLang hands a backend (``KVArgs``, its configuration) to what kvfsm needs: a
 :class:`~kvfsm.transport.Layout`, the rank's place in the topology, and addresses.
+
+SGLang 0.5.23 resolves its configuration once per process and publishes it in its runtime
+context (``sglang.srt.runtime_context``: ``get_disagg()``, ``get_parallel()``, ...); its own
+backends read it there, not from the ``ServerArgs`` object they are handed, whose attributes can
+be raw or stale (SGLang's resolution hooks rewrite published leaves such as the bootstrap port,
+and its test fixture ``override_server_args`` publishes a configuration the ``server_args``
+argument knows nothing of). :class:`ServerConfig` reads the same leaves the same way, and falls
+back to ``ServerArgs`` attributes only where no configuration is published (SGLang absent, or
+kvfsm's own harnesses).
 
 Everything here is a pure function of its arguments and raises :class:`UnsupportedError` (a
 ``ValueError``) naming the SGLang feature when a deployment asks for something kvfsm does not do
@@ -8,6 +17,7 @@ yet, so the scheduler fails at start-up with a clear message instead of moving w
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import operator
 import socket
@@ -18,6 +28,7 @@ from typing import Any
 from kvfsm.transport import Layout, LayoutError, MemKind
 
 __all__ = [
+    "ServerConfig",
     "Topology",
     "UnsupportedError",
     "advertised_host",
@@ -42,6 +53,65 @@ def mode_name(mode: Any) -> str:
     if value not in ("prefill", "decode"):
         raise UnsupportedError(f"kvfsm serves disaggregation mode prefill or decode, not {mode!r}")
     return str(value)
+
+
+#: The runtime-context getter of each leaf kvfsm reads: the ones SGLang's own backends use
+#: (disaggregation/common/conn.py, nixl/conn.py).
+_GETTERS: dict[str, str] = {
+    "host": "get_serving",
+    "disaggregation_bootstrap_port": "get_disagg",
+    "dist_init_addr": "get_parallel",
+    "tp_size": "get_parallel",
+    "dp_size": "get_parallel",
+    "pp_size": "get_parallel",
+    "enable_dp_attention": "get_parallel",
+    "device": "get_device",
+}
+
+
+def _published(getter: str, name: str) -> tuple[bool, object]:
+    """``(True, value)`` of a leaf of SGLang's published configuration, or ``(False, None)``
+    when SGLang is not importable or has published nothing in this process."""
+    try:
+        from sglang.srt import runtime_context  # noqa: PLC0415 - SGLang is optional
+    except ImportError:
+        return False, None
+    try:
+        bag = getattr(runtime_context, getter)()
+        return True, getattr(bag, name)
+    except (ValueError, RuntimeError, AttributeError):
+        # ValueError: "config namespace ... not published"; RuntimeError: a parallel width
+        # not written in this process; AttributeError: a release without this leaf.
+        return False, None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The SGLang configuration kvfsm reads, resolved as SGLang's own backends see it."""
+
+    host: str | None = "127.0.0.1"
+    disaggregation_bootstrap_port: int = 8998
+    dist_init_addr: str | None = None
+    tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    enable_dp_attention: bool = False
+    #: SGLang's ``--device`` (``cuda``, ``cpu``, ...), None when unknown.
+    device: str | None = None
+
+    @classmethod
+    def read(cls, server_args: Any) -> ServerConfig:
+        """Each leaf from SGLang's runtime context when published, else the ``server_args``
+        attribute, else SGLang's default."""
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            found, value = _published(_GETTERS[field.name], field.name)
+            if not found:
+                value = getattr(server_args, field.name, field.default)
+            values[field.name] = value
+        if values["device"] is not None:
+            values["device"] = str(values["device"])
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,19 +188,28 @@ def single_state_type(args: Any) -> int | None:
     return used[0] if used else None
 
 
-def layout_from_kv_args(args: Any) -> Layout:
+def layout_from_kv_args(args: Any, sglang_device: str | None = None) -> Layout:
     """The rank's layout: KV buffers (per layer, K and V apart, draft buffers included), aux
     rows (SGLang's metadata buffers, host memory) and the state buffers of one state type.
 
-    KV memory kind: ``kv_data_mem_kinds`` when the scheduler sets it (SGLang does so for NIXL
-    decode ranks), else VRAM on ``gpu_id``, which is where SGLang keeps the pool. State lives
-    with the pool; aux rows are host memory.
+    KV memory kind: DRAM when SGLang runs on ``sglang_device="cpu"`` (``--device cpu``),
+    whose pool is host memory whatever the scheduler labels it (SGLang 0.5.23's decode sets
+    ``kv_data_mem_kinds`` to VRAM for every NIXL rank, and prefill sets nothing, which means
+    VRAM; registered as VRAM, a host pool fails NIXL registration). Otherwise
+    ``kv_data_mem_kinds`` when the scheduler sets it, else VRAM on ``gpu_id``, which is where
+    SGLang keeps the pool. State lives with the pool;
+    aux rows are host memory.
     """
     if getattr(args, "host_kv_data_ptrs", None):
         raise UnsupportedError("host KV destinations (decode host receive) are not supported")
-    kind = _uniform_kind(
-        "kv_data_mem_kinds", list(getattr(args, "kv_data_mem_kinds", None) or []), MemKind.VRAM
-    )
+    if sglang_device == "cpu":
+        kind = MemKind.DRAM
+    else:
+        kind = _uniform_kind(
+            "kv_data_mem_kinds",
+            list(getattr(args, "kv_data_mem_kinds", None) or []),
+            MemKind.VRAM,
+        )
     device = int(getattr(args, "gpu_id", 0) or 0) if kind is MemKind.VRAM else 0
     state_ptrs: Sequence[int] = ()
     state_lens: Sequence[int] = ()

@@ -134,13 +134,14 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         self._num_pages = 0
         self._sent_pages = 0
         self._chunks = 0
-        self._started = 0.0
+        #: When the first bytes were handed over (SGLang's own senders time "first enqueue
+        #: -> Success": the prefill forward before it is not transfer time).
+        self._started: float | None = None
         self._finished: float | None = None
         self._room = self._sender = mgr.new_sender(bootstrap_room)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
-        self._started = time.monotonic()
         self._sender.init(self._num_pages, -1 if aux_index is None else int(aux_index))
 
     def send(
@@ -163,6 +164,8 @@ class KvfsmKVSender(_Conn, BaseKVSender):
                     "earlier send without them)"
                 )
             return
+        if self._started is None and (len(kv_indices) or rows or not self._num_pages):
+            self._started = time.monotonic()
         self._sent_pages += len(kv_indices)
         self._chunks += 1
         self._sender.send(kv_indices, rows)
@@ -182,7 +185,9 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         total = self._sent_pages * layout.page_bytes() + (
             layout.aux_row_bytes() if layout.aux else 0
         )
-        latency = None if self._finished is None else self._finished - self._started
+        latency = None
+        if self._finished is not None and self._started is not None:
+            latency = self._finished - self._started
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=total)
 
 

@@ -26,6 +26,7 @@ from kvfsm.bootstrap import BootstrapClient, ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.sglang._args import (
     ENGINE,
+    ServerConfig,
     Topology,
     advertised_host,
     bootstrap_url,
@@ -77,10 +78,12 @@ class KvfsmKVManager(BaseKVManager):
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
         self.mode = mode_name(disaggregation_mode)
-        self.topology = Topology.of(args, server_args)
-        self.layout = layout_from_kv_args(args)
+        #: SGLang's configuration as its own backends read it (runtime context first).
+        self.server_config = ServerConfig.read(server_args)
+        self.topology = Topology.of(args, self.server_config)
+        self.layout = layout_from_kv_args(args, self.server_config.device)
         self.state_type = single_state_type(args)
-        self.bootstrap_url = bootstrap_url(server_args)
+        self.bootstrap_url = bootstrap_url(self.server_config)
         #: Prefill: rooms with transfer state on this rank. kvfsm keeps that state in the rooms
         #: themselves; SGLang reads this only for staging prefetch, which kvfsm does not do.
         self.transfer_infos: dict[int, Any] = {}
@@ -128,7 +131,7 @@ class KvfsmKVManager(BaseKVManager):
 
     def _config(self) -> ManagerConfig:
         config = manager_config()
-        host = os.environ.get("KVFSM_HOST") or str(getattr(self.server_args, "host", "") or "")
+        host = os.environ.get("KVFSM_HOST") or str(self.server_config.host or "")
         if host and config.channel.host == ChannelConfig().host:
             channel = dataclasses.replace(config.channel, host=host)
             config = dataclasses.replace(config, channel=channel)

@@ -10,16 +10,25 @@ be passed to them; these are read when a manager or bootstrap server is built.
                        a wildcard (0.0.0.0) is advertised as the address routing to the registry.
 ``KVFSM_STATUS_PORT``  serve ``/rooms``, ``/stats``, ``/metrics`` per rank from this port
                        upwards (port + registry rank); unset: no status server.
+``KVFSM_HEARTBEAT_S``  control-channel heartbeat period (default 1 s).
+``KVFSM_LIVENESS_FACTOR``  a peer silent for this many heartbeats is lost (default 2). Their
+                       product is the liveness bound: how fast a dead peer's rooms fail, and
+                       how long a live peer's loop thread may go unscheduled before it is taken
+                       for dead (raise it on oversubscribed hosts, e.g. several CPU servers on
+                       two cores).
+``KVFSM_LEASE_S``      decode's write-lease length (default 2 s; renewed every quarter).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
+from kvfsm.bootstrap import ChannelConfig
 from kvfsm.manager import ManagerConfig
 
-__all__ = ["configure", "manager_config", "secret"]
+__all__ = ["channel_config", "configure", "manager_config", "secret"]
 
 _lock = threading.Lock()
 _configured: ManagerConfig | None = None
@@ -44,4 +53,32 @@ def manager_config() -> ManagerConfig:
             return _configured
     # SGLang's bootstrap server is started after the scheduler ranks: let the first
     # registration wait for it, as SGLang's own backends retry theirs.
-    return ManagerConfig(secret=secret(), register_wait_s=120.0)
+    return ManagerConfig(secret=secret(), register_wait_s=120.0, channel=channel_config())
+
+
+def _positive(variable: str, default: float) -> float:
+    raw = os.environ.get(variable)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{variable}={raw!r}: expected a positive number")
+    return value
+
+
+def channel_config() -> ChannelConfig:
+    """kvfsm's control-channel defaults with the variables above applied; a value that is not
+    a positive number is refused at start-up, naming the variable."""
+    base = ChannelConfig()
+    try:
+        return dataclasses.replace(
+            base,
+            heartbeat_s=_positive("KVFSM_HEARTBEAT_S", base.heartbeat_s),
+            liveness_factor=_positive("KVFSM_LIVENESS_FACTOR", base.liveness_factor),
+            lease_s=_positive("KVFSM_LEASE_S", base.lease_s),
+        )
+    except ValueError as exc:
+        raise ValueError(f"kvfsm channel settings from the environment: {exc}") from None

@@ -191,6 +191,16 @@ def test_bad_sizes_give_a_layout_error_saying_so(
     assert why in message
 
 
+def test_sglangs_cpu_device_registers_dram_whatever_the_labels_say() -> None:
+    # SGLang 0.5.23 labels a CPU pool VRAM (decode) or nothing (prefill: VRAM by default).
+    for kinds in (["VRAM"] * (2 * LAYERS), None):
+        layout = layout_from_kv_args(kv_args(kv_data_mem_kinds=kinds, gpu_id=2), "cpu")
+        assert {r.kind for r in layout.kv} == {MemKind.DRAM}
+        assert {r.device for r in layout.kv} == {0}
+    cuda = layout_from_kv_args(kv_args(kv_data_mem_kinds=None, gpu_id=2), "cuda")
+    assert {(r.kind, r.device) for r in cuda.kv} == {(MemKind.VRAM, 2)}
+
+
 # -- Topology -----------------------------------------------------------------------------------
 
 

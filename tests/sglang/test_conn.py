@@ -459,6 +459,22 @@ def test_transfer_metric(pair: Pair) -> None:
     sender.clear()
 
 
+def test_transfer_latency_starts_at_the_first_send_not_at_init(pair: Pair) -> None:
+    # SGLang's senders time "first enqueue -> Success"; the prefill forward between init() and
+    # the first send() is not transfer time (it made kv_transfer_speed_gb_s read ~0 on CPU).
+    sender, receiver, src, _dst = pair.handshake(pages=2)
+    initialised = time.monotonic()
+    sender.init(2, 5)
+    time.sleep(0.5)  # the "forward pass"
+    sender.send(src, [[6]])
+    assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success
+    latency = sender.get_transfer_metric().transfer_latency_s
+    assert latency is not None
+    assert 0 <= latency <= time.monotonic() - initialised - 0.5
+    receiver.clear()
+    sender.clear()
+
+
 # -- decode: conclude_state, abort notification, deferred release ----------------------------------
 
 

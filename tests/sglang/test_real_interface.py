@@ -8,9 +8,8 @@
 * SGLang's real plugin loader finds kvfsm's entry point and, with ``KVFSM_SGLANG=1``, its real
   ``HookRegistry`` routes ``get_kv_class`` for ``nixl`` to kvfsm.
 
-SGLang's ``disaggregation/utils.py`` (home of ``get_kv_class``) cannot be imported on a CPU-only
-machine (it pulls the model stack and an ABI-matched torchvision: docs/sglang-import.md §5), so the
-plugin test stands in that one module with the same names and values; everything else is SGLang's.
+The plugin test runs SGLang's own ``get_kv_class`` (``disaggregation/utils.py``, which imports
+here with SGLang's torch 2.14.1 pin: docs/sglang-import.md), as its schedulers call it.
 Without SGLang these tests fail and say how to install it; ``KVFSM_NO_SGLANG=1`` skips them.
 """
 
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -139,41 +139,35 @@ def test_kvfsm_is_in_sglangs_plugin_group() -> None:
     assert ep.value == "kvfsm.sglang._plugin:register"
 
 
-# Run in a fresh interpreter: load_plugins() runs once per process and patches modules.
+# Run in a fresh interpreter: load_plugins() runs once per process and patches modules. Everything
+# here is SGLang's own: its plugin loader, its HookRegistry, and the get_kv_class of
+# sglang.srt.disaggregation.utils, as its prefill and decode schedulers call it (the module
+# imports on this CPU machine with SGLang's torch 2.14.1: docs/sglang-import.md).
 PLUGIN_PROBE = textwrap.dedent(
     """
-    import enum, json, sys, types
-
-    # Stand-in for sglang.srt.disaggregation.utils (not importable on CPU), same names/values.
-    utils = types.ModuleType("sglang.srt.disaggregation.utils")
-    class TransferBackend(enum.Enum):
-        MOONCAKE = "mooncake"; MORI = "mori"; NIXL = "nixl"; ASCEND = "ascend"; FAKE = "fake"
-    class KVClassType(enum.Enum):
-        KVARGS = "kvargs"; MANAGER = "manager"; SENDER = "sender"; RECEIVER = "receiver"
-        BOOTSTRAP_SERVER = "bootstrap_server"
-    def get_kv_class(transfer_backend, class_type):
-        return ("sglang's own", transfer_backend.value, class_type.value)
-    utils.TransferBackend, utils.KVClassType, utils.get_kv_class = (
-        TransferBackend, KVClassType, get_kv_class)
-    import sglang.srt.disaggregation as dis
-    sys.modules[utils.__name__] = utils
-    dis.utils = utils
+    import json, warnings
+    warnings.simplefilter("ignore")  # SGLang's model stack warns that AWQ/GGUF need CUDA
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
     load_plugins()
+    from sglang.srt.disaggregation import prefill, decode
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     hooks = [(t, ht.value, getattr(h, "__qualname__", "")) for t, hs in HookRegistry._hooks.items()
              for ht, h, _ in hs]
-    routed = {c.name: repr(utils.get_kv_class(TransferBackend.NIXL, c)) for c in KVClassType}
-    fake = repr(utils.get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER))
-    print(json.dumps({"hooks": hooks, "routed": routed, "fake": fake}))
+    def name(cls):
+        return None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    routed = {c.name: name(get_kv_class(TransferBackend.NIXL, c)) for c in KVClassType}
+    fake = name(get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER))
+    # The schedulers' own references: prefill.py and decode.py import get_kv_class by name.
+    schedulers = [name(m.get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER))
+                  for m in (prefill, decode)]
+    print(json.dumps({"hooks": hooks, "routed": routed, "fake": fake, "schedulers": schedulers}))
     """
 )
 
 
 def probe_plugins(switch: str | None) -> dict[str, Any]:
-    import json
-
     env = {k: v for k, v in os.environ.items() if k not in ("KVFSM_SGLANG", "SGLANG_PLUGINS")}
     if switch is not None:
         env["KVFSM_SGLANG"] = switch
@@ -190,21 +184,28 @@ def probe_plugins(switch: str | None) -> dict[str, Any]:
     return result
 
 
+def qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def test_sglangs_plugin_loader_routes_nixl_to_kvfsm_when_switched_on() -> None:
     result = probe_plugins("1")
     assert result["hooks"] == [
         ["sglang.srt.disaggregation.utils.get_kv_class", "around", "route_get_kv_class"]
     ]
     routed = result["routed"]
-    assert routed["MANAGER"] == repr(KvfsmKVManager)
-    assert routed["SENDER"] == repr(KvfsmKVSender)
-    assert routed["RECEIVER"] == repr(KvfsmKVReceiver)
-    assert routed["BOOTSTRAP_SERVER"] == repr(KvfsmKVBootstrapServer)
-    assert "sglang's own" in routed["KVARGS"]  # KVArgs stays SGLang's
-    assert "sglang's own" in result["fake"]  # warmup's fake backend stays SGLang's
+    assert routed["MANAGER"] == qualified(KvfsmKVManager)
+    assert routed["SENDER"] == qualified(KvfsmKVSender)
+    assert routed["RECEIVER"] == qualified(KvfsmKVReceiver)
+    assert routed["BOOTSTRAP_SERVER"] == qualified(KvfsmKVBootstrapServer)
+    assert routed["KVARGS"] == qualified(real.KVArgs)  # KVArgs stays SGLang's
+    assert result["fake"] == "sglang.srt.disaggregation.fake.conn.FakeKVManager"
+    assert result["schedulers"] == [qualified(KvfsmKVManager)] * 2
 
 
 def test_an_installed_kvfsm_changes_nothing_until_switched_on() -> None:
     result = probe_plugins(None)
     assert result["hooks"] == []
-    assert all("sglang's own" in r for r in result["routed"].values())
+    assert result["routed"]["MANAGER"] == "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+    assert result["routed"]["BOOTSTRAP_SERVER"].startswith("sglang.srt.disaggregation.")
+    assert "kvfsm" not in json.dumps(result)

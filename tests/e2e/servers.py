@@ -1,0 +1,323 @@
+"""Real SGLang 0.5.23 servers for the e2e suite: a process-group per server, its log in a file,
+a readiness wait that fails fast (with the log's tail) when the server dies, and a cleanup that
+always runs (fixture teardown, ``atexit``, and the kernel's parent-death signal).
+
+Everything runs on this CPU machine: a 2-layer Llama config with no weights
+(``--load-format dummy``: deterministic weights), SGLang's CPU device and torch attention, and
+``tests/e2e/shim`` on ``PYTHONPATH`` for the one vLLM op SGLang reaches off-CUDA.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Set on a module's node when one of its tests failed: its servers' logs are then kept.
+FAILED = pytest.StashKey[bool]()
+
+SHIM = Path(__file__).resolve().parent / "shim"
+BIN = Path(sys.executable).parent
+
+#: The model: small enough that a server starts in ~30 s and serves 200 requests on 2 cores.
+MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+#: Every server: CPU device, no CUDA graphs, a small pool, no radix cache (decode-side prefix
+#: reuse is not supported by kvfsm, and a prefill prefix hit would make the comparison depend
+#: on arrival order).
+COMMON_FLAGS = [
+    "--load-format", "dummy",
+    "--skip-tokenizer-init",
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--mem-fraction-static", "0.05",
+    "--max-total-tokens", "8192",
+    "--disable-radix-cache",
+    "--host", "127.0.0.1",
+]  # fmt: skip
+
+#: kvfsm's liveness bound in these servers: heartbeat 1 s x 10. kvfsm's default (2 s) takes a
+#: peer whose loop thread went unscheduled for 2 s for dead, which happens here: three CPU-bound
+#: servers (and whatever else runs) share two cores, and the prefill scheduler's forward passes
+#: hold the GIL. Leases as long, for the same reason.
+HEARTBEAT_S, LIVENESS_FACTOR = 1.0, 10.0
+LIVENESS_S = HEARTBEAT_S * LIVENESS_FACTOR
+KVFSM_ENV = {
+    "KVFSM_SGLANG": "1",
+    "KVFSM_HEARTBEAT_S": str(HEARTBEAT_S),
+    "KVFSM_LIVENESS_FACTOR": str(LIVENESS_FACTOR),
+    "KVFSM_LEASE_S": str(LIVENESS_S),
+}
+
+#: How long one server may take to come up on a loaded 2-core machine (~30 s when idle).
+START_TIMEOUT_S = 300.0
+
+_LIVE: set[Server] = set()
+
+
+def write_model(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # The server's launcher dies with the test process even when that one is killed hard;
+    # SGLang's own children watch the launcher and end with it.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not come up; the message has its log's tail."""
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def get_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
+@dataclass(eq=False)
+class Server:
+    """One server process (and its process group)."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    #: kvfsm's status server of rank 0 (``KVFSM_STATUS_PORT``), for kvfsm servers.
+    status_port: int | None = None
+    ready_path: str = "/health"
+    proc: subprocess.Popen[bytes] | None = None
+    #: Seconds from launch to ready, per start.
+    startup_s: list[float] = field(default_factory=list)
+    _launched: float = 0.0
+    _starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def status_url(self) -> str:
+        assert self.status_port is not None
+        return f"http://127.0.0.1:{self.status_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.{self._starts}.log"
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} is running"
+        self._starts += 1
+        env = {**os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p
+        )
+        env["PATH"] = os.pathsep.join((str(BIN), os.environ.get("PATH", "")))
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: killed as one
+                # Only prctl() runs between fork and exec: safe with the test's threads.
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
+            )
+        self._launched = time.monotonic()
+        _LIVE.add(self)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until ``ready_path`` answers 200; raises ``ServerStartError`` at once if the process
+        exits, or when ``timeout`` passes (the server is then stopped)."""
+        assert self.proc is not None
+        deadline = self._launched + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"{self.name} exited with {code} before it was ready; log "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=10) as resp:
+                    if resp.status == 200:
+                        self.startup_s.append(time.monotonic() - self._launched)
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(
+                    f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, as a crash would."""
+        self._signal(signal.SIGKILL)
+        self._reap(10.0)
+
+    def stop(self) -> None:
+        """SIGTERM the group, SIGKILL what is left after a grace period. Idempotent."""
+        if self.proc is None:
+            return
+        self._signal(signal.SIGTERM)
+        if not self._reap(15.0):
+            self._signal(signal.SIGKILL)
+            self._reap(10.0)
+        # Children that outlived their launcher (same group) go too.
+        self._signal(signal.SIGKILL)
+        _LIVE.discard(self)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def _reap(self, timeout: float) -> bool:
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop()
+
+
+def sglang_server(
+    name: str,
+    model: Path,
+    log_dir: Path,
+    *extra: str,
+    kvfsm: bool = False,
+    env: dict[str, str] | None = None,
+) -> Server:
+    port = free_port()
+    status = free_port() if kvfsm else None
+    server_env = dict(env or {})
+    if kvfsm:
+        server_env.update(KVFSM_ENV)
+        server_env["KVFSM_STATUS_PORT"] = str(status)
+    else:
+        server_env["KVFSM_SGLANG"] = "0"
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model),
+        "--port", str(port),
+        *COMMON_FLAGS,
+        *extra,
+    ]  # fmt: skip
+    return Server(name, argv, port, log_dir, server_env, status)
+
+
+def prefill_flags(bootstrap_port: int) -> list[str]:
+    return [
+        "--disaggregation-mode", "prefill",
+        "--disaggregation-transfer-backend", "nixl",
+        "--disaggregation-bootstrap-port", str(bootstrap_port),
+    ]  # fmt: skip
+
+
+#: The default decode host pool pins memory through CUDA: no retraction backup on a CPU.
+DECODE_FLAGS = [
+    "--disaggregation-mode", "decode",
+    "--disaggregation-transfer-backend", "nixl",
+    "--disaggregation-decode-retraction-backup", "none",
+]  # fmt: skip
+
+
+def router(log_dir: Path, prefill: Server, bootstrap_port: int, decode: Server) -> Server:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--prefill", prefill.url, str(bootstrap_port),
+        "--decode", decode.url,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        # The suite aborts and kills requests on purpose: a router that retried them would
+        # send new rooms behind the test's back, and one that opened its circuit to a worker
+        # after those failures would refuse the checks that follow. Neither is kvfsm's.
+        "--disable-retries",
+        "--disable-circuit-breaker",
+        # Health checks every 5 s (default 60 s), so a restarted decode is routed to again
+        # within seconds; a long timeout, as a loaded CPU server answers /health slowly.
+        "--health-check-interval-secs", "5",
+        "--health-check-timeout-secs", "60",
+    ]  # fmt: skip
+    return Server("router", argv, port, log_dir, ready_path="/health")
+
+
+def kvfsm_stats(server: Server) -> dict[str, Any]:
+    stats: dict[str, Any] = get_json(server.status_url + "/stats")
+    return stats

@@ -1,0 +1,407 @@
+"""Real SGLang 0.5.23 servers on this CPU machine, with kvfsm as their KV transfer backend.
+
+Started once for the module (``servers.py``): a prefill server and a decode server
+(``KVFSM_SGLANG=1``: SGLang's ``nixl`` backend is served by kvfsm), SGLang's router in PD mode in
+front of them, and one non-disaggregated reference server with the same dummy weights. Checks:
+
+* greedy output ids through the PD pair equal the reference server's, for every one of 200
+  concurrent requests of random prompt lengths;
+* the comparison can fail: a second prefill whose first transfer is corrupted at the source
+  (kvfsm's own NIXL interposition hook, ``shim/kvfsm_e2e_corrupt.py``) gives different output;
+* client disconnects and SGLang's ``/abort_request`` leave no kvfsm room on either server;
+* SGLang's transfer metrics are non-zero with kvfsm;
+* decode killed under load: prefill's rooms all end by peer loss (not by a deadline), and a
+  restarted decode serves again through the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.e2e.servers import (
+    DECODE_FLAGS,
+    FAILED,
+    LIVENESS_S,
+    Server,
+    free_port,
+    get_json,
+    get_text,
+    kvfsm_stats,
+    post_json,
+    prefill_flags,
+    router,
+    sglang_server,
+    write_model,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+VOCAB = 512
+MAX_NEW = 8
+REQUESTS = 200
+SEED = 13
+
+FIGURES: dict[str, Any] = {}
+
+
+def prompt(rng: random.Random, low: int = 4, high: int = 300) -> list[int]:
+    # Token 0-2 are pad/bos/eos in the config: keep prompts to ordinary ids.
+    return [rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))]
+
+
+def body(ids: list[int], max_new: int = MAX_NEW, **extra: Any) -> dict[str, Any]:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+        **extra,
+    }
+
+
+async def generate(
+    session: aiohttp.ClientSession, url: str, ids: list[int], max_new: int = MAX_NEW
+) -> list[int]:
+    async with session.post(url + "/generate", json=body(ids, max_new)) as resp:
+        text = await resp.text()
+        assert resp.status == 200, f"{url}: {resp.status} {text[:500]}"
+        out: list[int] = (await resp.json())["output_ids"]
+        return out
+
+
+def session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)
+    )
+
+
+async def generate_all(url: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[Any]:
+    async with session() as s:
+        return await asyncio.gather(*(generate(s, url, p, max_new) for p in prompts))
+
+
+def wait_until(what: str, predicate: Any, timeout: float, interval: float = 0.5) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def live_rooms(server: Server) -> int:
+    rooms: dict[str, int] = kvfsm_stats(server)["rooms"]
+    return rooms["live"]
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    log_dir: Path
+    model: Path
+    reference: Server
+    prefill: Server
+    decode: Server
+    router: Server
+    bootstrap_port: int
+    started: list[Server] = field(default_factory=list)
+
+    def start_all(self, servers: list[Server]) -> None:
+        # Launched together (each takes ~30 s, mostly imports), then waited for in turn: the
+        # first that dies fails the module at once with its log.
+        for server in servers:
+            server.start()
+            self.started.append(server)
+        for server in servers:
+            server.wait_ready()
+
+    def reference_outputs(self, prompts: list[list[int]]) -> list[list[int]]:
+        return asyncio.run(generate_all(self.reference.url, prompts))
+
+
+def _router_serves(rig: Rig) -> bool:
+    try:
+        out = post_json(rig.router.url + "/generate", body([5, 6, 7, 8], 2), timeout=60)
+    except OSError:
+        return False
+    return isinstance(out, dict) and len(out.get("output_ids", [])) == 2
+
+
+@pytest.fixture(scope="module")
+def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    log_dir = tmp_path_factory.mktemp("sglang-e2e")
+    model = write_model(log_dir / "model")
+    bootstrap = free_port()
+    reference = sglang_server("reference", model, log_dir)
+    prefill = sglang_server(
+        "prefill", model, log_dir, *prefill_flags(bootstrap), "--enable-metrics", kvfsm=True
+    )
+    decode = sglang_server("decode", model, log_dir, *DECODE_FLAGS, kvfsm=True)
+    front = router(log_dir, prefill, bootstrap, decode)
+    rig = Rig(log_dir, model, reference, prefill, decode, front, bootstrap)
+    began = time.monotonic()
+    try:
+        rig.start_all([reference, prefill, decode])
+        rig.start_all([front])
+        wait_until("the router to route to the pair", lambda: _router_serves(rig), 120, 1.0)
+        FIGURES["startup_s"] = {s.name: round(s.startup_s[0], 1) for s in rig.started}
+        FIGURES["rig_ready_s"] = round(time.monotonic() - began, 1)
+        yield rig
+    finally:
+        for server in reversed(rig.started):
+            server.stop()
+        FIGURES["module_s"] = round(time.monotonic() - began, 1)
+        failed = request.node.stash.get(FAILED, False)
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\nsglang e2e figures: {FIGURES}")
+            if failed:
+                reporter.write_line(f"sglang e2e logs kept in {log_dir}")
+        if not failed:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+
+def test_pd_output_equals_the_reference_server_for_every_request(rig: Rig) -> None:
+    rng = random.Random(SEED)
+    prompts = [prompt(rng) for _ in range(REQUESTS)]
+    before = kvfsm_stats(rig.prefill)["rooms"]
+
+    async def both() -> tuple[list[Any], list[Any]]:
+        ref, pd = await asyncio.gather(
+            generate_all(rig.reference.url, prompts), generate_all(rig.router.url, prompts)
+        )
+        return ref, pd
+
+    began = time.monotonic()
+    ref, pd = asyncio.run(both())
+    FIGURES["requests"] = len(prompts)
+    FIGURES["equal_outputs"] = sum(a == b for a, b in zip(ref, pd, strict=True))
+    FIGURES["requests_wall_s"] = round(time.monotonic() - began, 1)
+    assert all(len(out) == MAX_NEW for out in pd)
+    mismatched = [i for i, (a, b) in enumerate(zip(ref, pd, strict=True)) if a != b]
+    assert not mismatched, (
+        f"{len(mismatched)} of {len(prompts)} differ, first: prompt length "
+        f"{len(prompts[mismatched[0]])}, reference {ref[mismatched[0]]}, PD {pd[mismatched[0]]}"
+    )
+    # Every request moved its KV through kvfsm (not SGLang's fake warm-up backend).
+    after = kvfsm_stats(rig.prefill)["rooms"]
+    assert after["succeeded"] - before["succeeded"] >= REQUESTS
+    assert after["failed"] == before["failed"]
+    assert len({tuple(o) for o in ref}) > 1, "outputs do not depend on the prompt"
+
+
+def _metric(text: str, name: str) -> float:
+    """Sum of the samples of ``name`` (all label sets) in a Prometheus exposition."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if match:
+            found = True
+            total += float(match.group(2))
+    assert found, f"{name} is not on /metrics"
+    return total
+
+
+def test_sglang_transfer_metrics_are_non_zero_with_kvfsm(rig: Rig) -> None:
+    rng = random.Random(SEED + 1)
+    asyncio.run(generate_all(rig.router.url, [prompt(rng, 64, 256) for _ in range(8)]))
+    text = get_text(rig.prefill.url + "/metrics")
+    for name in ("sglang:kv_transfer_speed_gb_s", "sglang:kv_transfer_latency_ms"):
+        assert _metric(text, name + "_count") > 0, name
+        assert _metric(text, name + "_sum") > 0, name
+    FIGURES["kv_transfer_speed_gb_s_mean"] = round(
+        _metric(text, "sglang:kv_transfer_speed_gb_s_sum")
+        / _metric(text, "sglang:kv_transfer_speed_gb_s_count"),
+        4,
+    )
+
+
+@pytest.fixture
+def corrupting_prefill(rig: Rig) -> Iterator[tuple[Server, int]]:
+    """A second prefill instance whose first KV transfer is corrupted at the source (stopped
+    after its test: its scheduler would take CPU from the rest of the module)."""
+    bootstrap = free_port()
+    server = sglang_server(
+        "prefill-corrupt",
+        rig.model,
+        rig.log_dir,
+        *prefill_flags(bootstrap),
+        kvfsm=True,
+        env={"KVFSM_E2E_CORRUPT_FIRST": "1"},
+    )
+    try:
+        rig.start_all([server])
+        yield server, bootstrap
+    finally:
+        server.stop()
+
+
+async def _pd_direct(prefill: Server, bootstrap: int, decode: Server, ids: list[int]) -> Any:
+    """One request to a PD pair without the router, as the router sends it: the same body,
+    with the prefill's bootstrap address and a room id, to both servers at once."""
+    room = random.getrandbits(62)
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
+    async with session() as s:
+
+        async def post(server: Server) -> Any:
+            async with s.post(server.url + "/generate", json=body(ids, **extra)) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        _, out = await asyncio.gather(post(prefill), post(decode))
+        return out["output_ids"]
+
+
+def test_negative_control_a_corrupted_transfer_changes_the_output(
+    rig: Rig, corrupting_prefill: tuple[Server, int]
+) -> None:
+    server, bootstrap = corrupting_prefill
+    rng = random.Random(SEED + 2)
+    first, second = prompt(rng, 200, 250), prompt(rng, 200, 250)
+    ref_first, ref_second = rig.reference_outputs([first, second])
+    got_first = asyncio.run(_pd_direct(server, bootstrap, rig.decode, first))
+    assert "kvfsm-e2e: corrupted" in server.log_path.read_text(errors="replace")
+    assert got_first != ref_first, "corrupted KV gave the reference output: the check is blind"
+    # Only the first transfer was corrupted: the same pair is otherwise exact.
+    got_second = asyncio.run(_pd_direct(server, bootstrap, rig.decode, second))
+    assert got_second == ref_second
+
+
+def _drained(servers: list[Server], polls: int = 3) -> bool:
+    """No live room on any server, on ``polls`` consecutive reads a second apart (requests
+    still on their way would show up as new rooms in between)."""
+    for i in range(polls):
+        if any(live_rooms(s) for s in servers):
+            return False
+        if i + 1 < polls:
+            time.sleep(1.0)
+    return True
+
+
+def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
+    rng = random.Random(SEED + 3)
+    pair = [rig.prefill, rig.decode]
+    failed_before = kvfsm_stats(rig.decode)["rooms"]["failed"]
+
+    async def disconnects() -> None:
+        # The client gives up after a short, varied time: the router sees the connection go.
+        async def one(i: int) -> None:
+            timeout = aiohttp.ClientTimeout(total=0.05 + 0.1 * (i % 10))
+            async with aiohttp.ClientSession(timeout=timeout) as s:
+                try:
+                    async with s.post(
+                        rig.router.url + "/generate", json=body(prompt(rng, 100, 300), 100)
+                    ) as resp:
+                        await resp.read()
+                except TimeoutError:
+                    pass
+
+        await asyncio.gather(*(one(i) for i in range(20)))
+
+    async def aborts() -> int:
+        rids = [f"kvfsm-e2e-abort-{i}" for i in range(16)]
+        async with session() as s:
+
+            async def one(rid: str) -> Any:
+                payload = body(prompt(rng, 100, 300), 100, rid=rid)
+                async with s.post(rig.router.url + "/generate", json=payload) as resp:
+                    return resp.status, await resp.read()
+
+            tasks = [asyncio.ensure_future(one(rid)) for rid in rids]
+            for i, rid in enumerate(rids):
+                # Aborts land at different stages: queued, bootstrapping, in transfer, decoding.
+                await asyncio.sleep(0.03 * i)
+                for server in pair:
+                    async with s.post(server.url + "/abort_request", json={"rid": rid}) as resp:
+                        assert resp.status == 200, await resp.text()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        return sum(1 for r in results if isinstance(r, tuple) and r[0] == 200)
+
+    asyncio.run(disconnects())
+    asyncio.run(aborts())
+    wait_until("both servers to drain", lambda: _drained(pair), 300, 1.0)
+    for server in pair:
+        stats = kvfsm_stats(server)["rooms"]
+        assert stats["live"] == 0, (server.name, stats)
+        assert stats["held_pages"] == 0, (server.name, stats)
+    # Some rooms did end as aborted, so the check above saw aborts, not only completions.
+    aborted = kvfsm_stats(rig.decode)["rooms"]["failed"] - failed_before
+    FIGURES["decode_rooms_aborted"] = aborted
+    assert aborted > 0
+    # And the pair still serves exactly.
+    wait_until("the router to route to the pair", lambda: _router_serves(rig), 120, 1.0)
+    check = [prompt(rng) for _ in range(4)]
+    assert asyncio.run(generate_all(rig.router.url, check)) == rig.reference_outputs(check)
+
+
+def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serves(
+    rig: Rig,
+) -> None:
+    rng = random.Random(SEED + 4)
+    before = kvfsm_stats(rig.prefill)["rooms"]
+
+    def claimed_load() -> bool:
+        """Prefill holds live rooms, and decode has claimed every one of them (its receiver
+        named the prefill rank: a decode room past Bootstrapping). An unclaimed prefill room
+        cannot know which decode it waits for, so only its deadline can end it (by design);
+        the liveness bound is about rooms whose peer is known."""
+        done = {"Success", "Failed"}
+        rows = get_json(rig.prefill.status_url + "/rooms")
+        live = {r["room"] for r in rows if r["state"] not in done}
+        claimed = {
+            r["room"]
+            for r in get_json(rig.decode.status_url + "/rooms")
+            if r["state"] not in done and r["state"] != "Bootstrapping"
+        }
+        return bool(live) and live <= claimed
+
+    async def load_then_kill() -> tuple[list[Any], float]:
+        async with session() as s:
+            # 12 requests fit decode's pool at once (12 x 500 tokens < 8192), so decode claims
+            # them all on arrival; long prompts keep prefill busy for a while.
+            tasks = [
+                asyncio.ensure_future(generate(s, rig.router.url, prompt(rng, 250, 300), 200))
+                for _ in range(12)
+            ]
+            await asyncio.to_thread(wait_until, "claimed prefill rooms", claimed_load, 120, 0.05)
+            rig.decode.kill()
+            killed = time.monotonic()
+            # Well under every state deadline (>= 120 s): rooms that waited for a deadline
+            # would time this wait out.
+            idle = lambda: live_rooms(rig.prefill) == 0  # noqa: E731
+            await asyncio.to_thread(wait_until, "prefill's rooms to end", idle, 6 * LIVENESS_S, 0.1)
+            ended = time.monotonic() - killed
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, ended
+
+    results, ended = asyncio.run(load_then_kill())
+    FIGURES["prefill_rooms_ended_after_decode_kill_s"] = round(ended, 2)
+    FIGURES["liveness_bound_s"] = LIVENESS_S
+    after = kvfsm_stats(rig.prefill)["rooms"]
+    assert after["failed"] > before["failed"], "no prefill room was in flight at the kill"
+    # They ended on peer loss (the liveness bound), not by waiting out a state deadline.
+    assert after["deadline_expiries"] == before["deadline_expiries"], after
+    # The load's requests failed or finished; none is left hanging (gather returned).
+    assert len(results) == 12
+
+    rig.decode.start()
+    rig.decode.wait_ready()
+    FIGURES["decode_restart_s"] = round(rig.decode.startup_s[-1], 1)
+    wait_until("the router to route to the restarted decode", lambda: _router_serves(rig), 180, 1)
+    check = [prompt(rng) for _ in range(20)]
+    assert asyncio.run(generate_all(rig.router.url, check)) == rig.reference_outputs(check)
+    assert get_json(rig.decode.status_url + "/stats")["rooms"]["succeeded"] >= len(check)
