@@ -108,7 +108,7 @@ class WorkloadOptions:
         return Fingerprint(
             layers=self.layers,
             kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
+            head_bytes=self.head_dim * DTYPES.get(self.dtype, 0),
             dtype=self.dtype,
             page_tokens=self.page_tokens,
         )

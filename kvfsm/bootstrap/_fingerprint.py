@@ -12,11 +12,11 @@ for that rank fail at once with it (never a deadline, never wrong bytes).
 Rules
 -----
 
-1. **Layout fields must be equal** (:data:`MUST_MATCH`): layers, KV heads of the whole model,
-   head size, dtype, page size in tokens, MLA or not, and the state types. A field left at its
-   default (0 or empty: "not declared") is compared like any other value, so a side that
-   declares nothing pairs only with a side that declares nothing; the layout check of the data
-   path (item sizes, ``Layout.compatible_with``) still applies to those.
+1. **Layout fields must be equal** (:data:`MUST_MATCH`): layers, KV heads of the whole
+   model, head size in bytes, dtype, page size in tokens, MLA or not, and the state types. A
+   field left at its default (0 or empty: "not declared") is compared like any other value, so
+   a side that declares nothing pairs only with a side that declares nothing; the layout check
+   of the data path (item sizes, ``Layout.compatible_with``) still applies to those.
 2. **Parallel shapes must be a pair the data path supports** (:data:`SHAPE_RULES`): today equal
    attention TP and no pipeline parallelism on either side.
 3. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
@@ -45,8 +45,9 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layers: _Small = 0
     #: KV heads of the whole model (not per rank); 1 for MLA's latent cache.
     kv_heads: _Small = 0
-    #: Elements per head (MLA: the latent width, rope part included).
-    head_dim: _Small = 0
+    #: Bytes of one head of one token in one K or V buffer (MLA: of the latent row, rope part
+    #: included): the head size times the dtype's size, which both sides can compute.
+    head_bytes: _Small = 0
     #: The KV cache dtype, as torch names it ("bfloat16", "float8_e4m3fn", ...).
     dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
     #: Tokens per KV page.
@@ -64,7 +65,7 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 MUST_MATCH: Final[tuple[tuple[str, str], ...]] = (
     ("layers", "layers"),
     ("kv_heads", "KV heads"),
-    ("head_dim", "head size"),
+    ("head_bytes", "head size in bytes"),
     ("dtype", "KV dtype"),
     ("page_tokens", "page size (tokens)"),
     ("mla", "MLA"),

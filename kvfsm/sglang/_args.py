@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvfsm.bootstrap import Fingerprint
 from kvfsm.transport import Layout, LayoutError, MemKind
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "UnsupportedError",
     "advertised_host",
     "bootstrap_url",
+    "fingerprint_from_kv_args",
     "layout_from_kv_args",
     "mode_name",
     "single_state_type",
@@ -186,6 +188,36 @@ def single_state_type(args: Any) -> int | None:
             f"{len(used)} hybrid state types ({', '.join(names)}); kvfsm moves one state type"
         )
     return used[0] if used else None
+
+
+def fingerprint_from_kv_args(
+    args: Any, *, is_mla: bool, attn_tp_size: int, pp_size: int
+) -> Fingerprint:
+    """What this rank declares in its handshakes, from what SGLang's scheduler put in
+    ``KVArgs`` *before* it built the manager: a peer whose pool has other layers, dtype, page
+    size, MLA-ness, state types or parallel shape is refused at the handshake, naming the field,
+    instead of landing wrong bytes.
+
+    Head counts are not declared (0 on both sides): SGLang 0.5.23's decode sets
+    ``kv_head_num``/``total_kv_head_num`` only after the manager exists (and only with
+    heterogeneous-TP staging), while prefill sets them before, so declaring them would refuse
+    every real pair. What they would catch is caught at the same handshake anyway: prefill's
+    data path refuses a layout whose per-buffer page bytes differ (``Layout.compatible_with``)
+    and says so to decode in an ``Error`` frame. MHA pools hold a K and a V buffer per layer,
+    MLA pools one latent buffer per layer."""
+    item_lens = list(getattr(args, "kv_item_lens", None) or [])
+    which = single_state_type(args)
+    types = getattr(args, "state_types", None) or []
+    state = () if which is None else (str(getattr(types[which], "value", types[which])),)
+    return Fingerprint(
+        layers=len(item_lens) // (1 if is_mla else 2),
+        dtype=str(getattr(args, "kv_cache_dtype_str", "") or ""),
+        page_tokens=int(getattr(args, "page_size", 0) or 0),
+        mla=is_mla,
+        state_types=state,
+        attn_tp=attn_tp_size,
+        pp=pp_size,
+    )
 
 
 def layout_from_kv_args(args: Any, sglang_device: str | None = None) -> Layout:

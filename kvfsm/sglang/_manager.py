@@ -30,6 +30,7 @@ from kvfsm.sglang._args import (
     Topology,
     advertised_host,
     bootstrap_url,
+    fingerprint_from_kv_args,
     layout_from_kv_args,
     mode_name,
     single_state_type,
@@ -138,6 +139,14 @@ class KvfsmKVManager(BaseKVManager):
         status = os.environ.get("KVFSM_STATUS_PORT")
         if status and config.status_port is None:
             config = dataclasses.replace(config, status_port=int(status) + self.topology.rank)
+        if config.fingerprint is None:
+            fingerprint = fingerprint_from_kv_args(
+                self.kv_args,
+                is_mla=self.is_mla_backend,
+                attn_tp_size=self.topology.attn_tp_size,
+                pp_size=self.server_config.pp_size,
+            )
+            config = dataclasses.replace(config, fingerprint=fingerprint)
         return config
 
     def _prefill(self) -> PrefillManager:

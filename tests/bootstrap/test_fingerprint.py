@@ -21,14 +21,14 @@ from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.registry import running_registry
 
 LLAMA = Fingerprint(
-    layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", page_tokens=16, attn_tp=2
+    layers=32, kv_heads=8, head_bytes=256, dtype="bfloat16", page_tokens=16, attn_tp=2
 )
 
 #: For each field that must match, a value other than LLAMA's.
 OTHER = {
     "layers": 40,
     "kv_heads": 4,
-    "head_dim": 64,
+    "head_bytes": 128,
     "dtype": "float8_e4m3fn",
     "page_tokens": 32,
     "mla": True,

@@ -11,11 +11,14 @@ from typing import Any
 
 import pytest
 
+from kvfsm.bootstrap import Fingerprint
+from kvfsm.bootstrap._fingerprint import mismatch
 from kvfsm.sglang._args import (
     Topology,
     UnsupportedError,
     advertised_host,
     bootstrap_url,
+    fingerprint_from_kv_args,
     layout_from_kv_args,
     mode_name,
     single_state_type,
@@ -64,6 +67,50 @@ def kv_args(*, state_types: int = 1, **overrides: Any) -> KVArgs:
     for name, value in overrides.items():
         setattr(args, name, value)
     return args
+
+
+# -- fingerprint_from_kv_args ---------------------------------------------------------------------
+
+
+def test_the_fingerprint_declares_what_both_schedulers_set_before_the_manager() -> None:
+    args = kv_args(kv_cache_dtype_str="bfloat16")
+    got = fingerprint_from_kv_args(args, is_mla=False, attn_tp_size=2, pp_size=1)
+    assert got == Fingerprint(
+        layers=LAYERS,
+        dtype="bfloat16",
+        page_tokens=16,
+        mla=False,
+        state_types=("mamba",),
+        attn_tp=2,
+        pp=1,
+    )
+    # Head counts are not declared: SGLang's decode sets them only after building the manager
+    # (and prefill before), so a prefill rank with them and a decode rank without still pair.
+    prefill = kv_args(kv_cache_dtype_str="bfloat16", kv_head_num=4, total_kv_head_num=8)
+    assert (
+        mismatch(fingerprint_from_kv_args(prefill, is_mla=False, attn_tp_size=2, pp_size=1), got)
+        is None
+    )
+
+
+def test_the_fingerprint_tells_mla_and_mha_and_dtypes_apart() -> None:
+    mha = fingerprint_from_kv_args(
+        kv_args(kv_cache_dtype_str="bfloat16"), is_mla=False, attn_tp_size=1, pp_size=1
+    )
+    # An MLA pool of as many buffers has twice the layers (one latent buffer per layer).
+    mla = fingerprint_from_kv_args(
+        kv_args(kv_cache_dtype_str="bfloat16"), is_mla=True, attn_tp_size=1, pp_size=1
+    )
+    assert mla.layers == 2 * mha.layers
+    assert (
+        mismatch(mha, mla) == "fingerprint mismatch: layers (layers): prefill has 3, decode has 6"
+    )
+    fp8 = fingerprint_from_kv_args(
+        kv_args(kv_cache_dtype_str="fp8_e4m3"), is_mla=False, attn_tp_size=1, pp_size=1
+    )
+    assert mismatch(mha, fp8) == (
+        "fingerprint mismatch: KV dtype (dtype): prefill has 'bfloat16', decode has 'fp8_e4m3'"
+    )
 
 
 # -- layout_from_kv_args --------------------------------------------------------------------------
