@@ -348,6 +348,11 @@ def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
     assert asyncio.run(generate_all(rig.router.url, check)) == rig.reference_outputs(check)
 
 
+#: Requests in flight when decode is killed: they fit decode's pool at once (12 x 500 tokens <
+#: 8192), so decode claims them all on arrival.
+LOAD = 12
+
+
 def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serves(
     rig: Rig,
 ) -> None:
@@ -355,10 +360,15 @@ def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serve
     before = kvfsm_stats(rig.prefill)["rooms"]
 
     def claimed_load() -> bool:
-        """Prefill holds live rooms, and decode has claimed every one of them (its receiver
-        named the prefill rank: a decode room past Bootstrapping). An unclaimed prefill room
-        cannot know which decode it waits for, so only its deadline can end it (by design);
-        the liveness bound is about rooms whose peer is known."""
+        """Every request of the load has its prefill room, some are live, and decode has
+        claimed every live one (its receiver named the prefill rank: a decode room past
+        Bootstrapping). An unclaimed prefill room cannot know which decode it waits for, so
+        only its deadline can end it (by design); the liveness bound is about rooms whose peer
+        is known. A request whose prefill room did not exist yet at the kill would be such a
+        room (a run here killed decode with 2 of the 12 rooms made, and the other 10 waited
+        out their 300 s deadline)."""
+        if kvfsm_stats(rig.prefill)["rooms"]["spawned"] < before["spawned"] + LOAD:
+            return False
         done = {"Success", "Failed"}
         rows = get_json(rig.prefill.status_url + "/rooms")
         live = {r["room"] for r in rows if r["state"] not in done}
@@ -371,11 +381,10 @@ def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serve
 
     async def load_then_kill() -> tuple[list[Any], float]:
         async with session() as s:
-            # 12 requests fit decode's pool at once (12 x 500 tokens < 8192), so decode claims
-            # them all on arrival; long prompts keep prefill busy for a while.
+            # Long prompts keep prefill busy for a while.
             tasks = [
                 asyncio.ensure_future(generate(s, rig.router.url, prompt(rng, 250, 300), 200))
-                for _ in range(12)
+                for _ in range(LOAD)
             ]
             await asyncio.to_thread(wait_until, "claimed prefill rooms", claimed_load, 120, 0.05)
             rig.decode.kill()
@@ -396,7 +405,7 @@ def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serve
     # They ended on peer loss (the liveness bound), not by waiting out a state deadline.
     assert after["deadline_expiries"] == before["deadline_expiries"], after
     # The load's requests failed or finished; none is left hanging (gather returned).
-    assert len(results) == 12
+    assert len(results) == LOAD
 
     rig.decode.start()
     rig.decode.wait_ready()
