@@ -1,8 +1,11 @@
 """The sans-IO core of a room: one event in, commands out.
 
-``RoomCore.handle(event)`` is the only place a room's state changes, and it changes it only by
-firing the event on the role's ``transitions`` machine (built from the tables in
-:mod:`kvfsm.states`). Around that it keeps the room's bookkeeping:
+``RoomCore.handle(event)`` is the only place a room's state changes, and it changes it only
+along an edge of the role's ``transitions`` machine (built from the tables in
+:mod:`kvfsm.states`), read from that machine's compiled dispatch
+(:func:`kvfsm.rooms._machine.compile_dispatch`: the built machine's edges as a lookup, proven
+equal to firing the machine by ``tests/rooms/test_machine.py``). Around that it keeps the room's
+bookkeeping:
 
 * the **ledger** (physical): which chunks are in flight (sender) or whether the receiver's pages
   are exposed to the sender's writes. Settlement events update it in every state, terminal ones
@@ -19,11 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeAlias
 
-from kvfsm.rooms._machine import MACHINES, trigger_name
+from kvfsm.rooms._machine import DISPATCH
 from kvfsm.rooms._stats import RoomStats
 from kvfsm.states import (
     FAILURE_EVENTS,
-    TABLES,
     TERMINAL,
     AbortRequested,
     ChunkDone,
@@ -93,8 +95,7 @@ class RoomCore:
         "role",
         "state",
         "reason",
-        "_table",
-        "_events",
+        "_dispatch",
         "_checks",
         "_actions",
         "_stats",
@@ -131,8 +132,7 @@ class RoomCore:
         self.state: KVPoll = KVPoll.Bootstrapping
         #: Why the room failed; empty until it does.
         self.reason = ""
-        self._table = TABLES[role]
-        self._events = MACHINES[role].events
+        self._dispatch = DISPATCH[role]
         self._checks = _CHECKS[role]
         self._actions = _ACTIONS[role]
         self._stats = stats if stats is not None else RoomStats()
@@ -186,7 +186,7 @@ class RoomCore:
                 # deadline. Nothing was ever posted to them, so they are settled too.
                 return (ReportOutcome(KVPoll.Failed, self.reason), ReportSettled())
             return settled_now
-        dest = self._table[self.state].get(type(event))
+        dest = self._dispatch[self.state].get(type(event))
         if dest is None:
             return self._reject(f"{type(event).__name__} in {self.state.name}")
         check = self._checks.get(type(event))
@@ -215,13 +215,10 @@ class RoomCore:
     # -- steps ---------------------------------------------------------------------------------
 
     def _fire(self, event: Event, dest: KVPoll) -> None:
-        """Change state through the role's ``transitions`` machine: one machine per role, this
-        room as the model. An edge back to the same state changes nothing, so it is not fired:
-        the table lookup above already validated it against the data the machine was built
-        from (a test proves the built edges equal the table), and skipping it saves a trigger
-        per ``init`` and per chunk."""
-        if dest is not self.state:
-            self._events[trigger_name(type(event))].trigger(self)
+        """Take an edge of the built machine, ``dest`` as its dispatch gave it for ``event`` in
+        the current state (``handle`` and ``_fail`` look it up). The one assignment of a room's
+        state."""
+        self.state = dest
 
     def _settle(self, event: Event) -> tuple[Command, ...]:
         """Ledger first, whatever the state: physical facts are never dropped.
@@ -256,8 +253,11 @@ class RoomCore:
     def _fail(self, event: Event) -> tuple[Command, ...]:
         if isinstance(event, DeadlineExpired):
             self._stats.deadline_expiries += 1
+        dest = self._dispatch[self.state].get(type(event))
+        if dest is not KVPoll.Failed:  # every non-terminal state has its failure edges: a bug
+            raise RuntimeError(f"no edge {type(event).__name__} -> Failed from {self.state.name}")
         self.reason = failure_reason(event)
-        self._fire(event, KVPoll.Failed)
+        self._fire(event, dest)
         commands: list[Command] = []
         if self._in_flight:
             commands.append(ReleaseHandles())
