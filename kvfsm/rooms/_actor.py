@@ -119,6 +119,7 @@ class Room:
         "_registry",
         "_sink",
         "_deadlines",
+        "_seconds",
         "_mailbox",
         "_bound",
         "_waiter",
@@ -156,6 +157,8 @@ class Room:
         self._registry = registry
         self._sink = registry.sink
         self._deadlines = deadlines
+        #: Each non-terminal state's deadline in seconds (the registry's table for this role).
+        self._seconds = registry.deadline_seconds(role, deadlines)
         self._mailbox: deque[Event] = deque()
         #: An abort (or a rejection) is queued: the room is as good as Failed, and a new room
         #: may reuse its id at once (the caller's abort() already reads Failed).
@@ -204,7 +207,7 @@ class Room:
                     self._apply(mailbox.popleft())
                 if self._overflowed and not core.terminal:
                     self._execute(core.state, core.fail(f"mailbox overflow (> {self._bound})"))
-                if core.settled:
+                if core.state in TERMINAL and core.settled:
                     break
                 if core.terminal and self._settle_expired:
                     self._registry.stats.settle_timeouts += 1
@@ -272,7 +275,7 @@ class Room:
         state = core.state
         if state is not before:
             self._entered(before, state)
-        if core.settled and not self.publication.settled:
+        if state in TERMINAL and not self.publication.settled and core.settled:
             self.publication.settled = True
         sink = self._sink
         key = self.key
@@ -373,7 +376,7 @@ class Room:
                 self._due = self._loop.time() + self._registry.config.settle_timeout_s
                 self._timer = self._loop.call_at(self._due, self._on_timer)
             return
-        self._due = self._loop.time() + deadline_of(self.role, state, self._deadlines)
+        self._due = self._loop.time() + self._seconds[state]
         timer = self._timer
         if timer is not None and timer.when() <= self._due:
             return

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kvfsm.rooms._actor import CommandSink, Publication, Room, RoomKey
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._stats import RoomStats
-from kvfsm.states import TERMINAL, AbortRequested, Event, KVPoll, Role
+from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
 
@@ -64,6 +64,9 @@ class Registry:
         self._rooms: dict[RoomKey, Room] = {}
         self._current: dict[tuple[Role, int], RoomKey] = {}
         self._closing = False
+        self._seconds: dict[
+            tuple[Role, int], tuple[Mapping[KVPoll, float] | None, Mapping[KVPoll, float]]
+        ] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         hook = getattr(sink, "room_spawned", None)
@@ -71,6 +74,18 @@ class Registry:
         hook = getattr(sink, "room_reaped", None)
         self._on_reap: Callable[[RoomKey, Role], None] | None = hook if callable(hook) else None
         sink.attach(self)
+
+    def deadline_seconds(
+        self, role: Role, overrides: Mapping[KVPoll, float] | None
+    ) -> Mapping[KVPoll, float]:
+        """Each non-terminal state's deadline for ``role`` rooms, computed once per role and
+        overrides (a room re-arms its deadline on every state change)."""
+        cache_key = (role, id(overrides))
+        cached = self._seconds.get(cache_key)
+        if cached is None or cached[0] is not overrides:
+            table = {state: deadline_of(role, state, overrides) for state in NON_TERMINAL}
+            cached = self._seconds[cache_key] = (overrides, table)
+        return cached[1]
 
     # -- spawning ------------------------------------------------------------------------------
 

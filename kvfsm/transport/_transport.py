@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -62,6 +63,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.rooms._actor import CommandSink, Inbox, RoomKey
+from kvfsm.rooms._runtime import name_this_thread
 from kvfsm.states import (
     ChunkDone,
     ChunkFailed,
@@ -222,7 +224,9 @@ class NixlTransport:
         # Peer set-up (milliseconds per add_remote_agent) and chunk posting (copies on shared
         # memory) are both blocking; each gets its own thread so a connecting peer never delays
         # another peer's chunks.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-nixl-peers")
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvfsm-peers", initializer=_name_worker
+        )
         self._poster: Poster[_Xfer] = Poster(self._post_blocking, self._posted)
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
@@ -694,6 +698,10 @@ def _backoff(idle_rounds: int) -> float:
         return 0.0
     doublings = min(idle_rounds - _BUSY_ROUNDS, 5)
     return min(_MAX_BACKOFF_S, 50e-6 * float(1 << doublings))
+
+
+def _name_worker() -> None:
+    name_this_thread(threading.current_thread().name)
 
 
 def _pump_ended(task: asyncio.Task[None]) -> None:
