@@ -292,6 +292,7 @@ class Bench:
     peer: Peer
     src: npt.NDArray[np.uint8]  # the source buffer: every 8-byte word distinct
     repeat: int
+    caller_idle_s: float = 0.0
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _resources: dict[str, Any] = field(default_factory=dict)
     _expected: dict[str, int] = field(default_factory=dict)
@@ -336,9 +337,10 @@ def measure(
     samples: list[float] = []
     for rep in range(bench.repeat):
         reset()
-        cpu0, t0 = time.thread_time(), time.perf_counter()
+        pcpu0, cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
         counters = go()
-        t1, cpu1 = time.perf_counter(), time.thread_time()
+        t1, cpu1, pcpu1 = time.perf_counter(), time.thread_time(), time.process_time()
+        counters["process_cpu_s"] = pcpu1 - pcpu0
         got = checksum()
         if got != expected:
             raise BenchError(
@@ -496,11 +498,15 @@ class RawNixl:
         in_flight: list[tuple[nixl_xfer_handle, int]] = []
         next_room = active = done_at_post = polls = rounds = 0
         started = time.perf_counter()
+        clock = time.perf_counter
+        posted_at = [0.0] * len(rooms)
+        latency: list[float] = []
         try:
             while True:
                 while active < window and next_room < len(rooms):
                     i = next_room
                     next_room += 1
+                    posted_at[i] = clock()
                     for src, dst in rooms[i]:
                         if dst.size > 1:  # sort by destination: contiguous runs become merged
                             order = np.argsort(dst, kind="stable")
@@ -516,6 +522,8 @@ class RawNixl:
                             in_flight.append((handle, i))
                     if left[i]:
                         active += 1
+                    else:
+                        latency.append(clock() - posted_at[i])
                 if not in_flight:
                     if next_room >= len(rooms):
                         break
@@ -529,6 +537,7 @@ class RawNixl:
                         left[i] -= 1
                         if not left[i]:
                             active -= 1
+                            latency.append(clock() - posted_at[i])
                     else:
                         still.append((handle, i))
                 in_flight = still
@@ -543,6 +552,7 @@ class RawNixl:
             "done_at_post_pct": 100.0 * done_at_post / chunks,
             "polls_per_chunk": polls / chunks,
             "poll_rounds": float(rounds),
+            **_latency(latency),
         }
 
 
@@ -560,16 +570,23 @@ class Kvfsm:
     a scheduler would: create, receive decode's pages, ``init``, one ``send`` per chunk, poll.
     (Decode's page list is posted straight into the room: the control plane is not measured.)"""
 
-    def __init__(self, bench: Bench, page_bytes: int, pages: int) -> None:
+    def __init__(
+        self, bench: Bench, page_bytes: int, pages: int, *, spin: bool = False, name: str = "kvfsm"
+    ) -> None:
         from kvfsm.rooms import RoomEngine
         from kvfsm.transport import Agent, Layout, LayoutSummary, NixlTransport, Region
+        from kvfsm.transport._transport import TransferConfig
 
         self.bench = bench
+        self.name = name
         peer = bench.peer
         source = Region("kv0", bench.src.ctypes.data, pages * page_bytes, page_bytes)
         self.layout = Layout(kv=(source,))
-        self.agent = Agent(f"bench-kvfsm-{os.getpid()}-{page_bytes}", self.layout)
-        self.transport = NixlTransport(self.agent)
+        self.agent = Agent(f"bench-{name}-{os.getpid()}-{page_bytes}", self.layout)
+        # spin: the pump polls every loop iteration (pacing off), the baseline for what the
+        # bounded adaptive polling saves and costs.
+        config = TransferConfig(poll_max_wait_s=0.0) if spin else TransferConfig()
+        self.transport = NixlTransport(self.agent, config=config)
         self.engine = RoomEngine(self.transport).start()
         remote = LayoutSummary(kv=((peer.base, pages * page_bytes, page_bytes, 0),))
         self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote))
@@ -588,7 +605,7 @@ class Kvfsm:
 
     def run(self, case: Case) -> Result:
         return measure(
-            "kvfsm",
+            self.name,
             case,
             self.bench,
             reset=self.bench.peer.clear,
@@ -604,8 +621,11 @@ class Kvfsm:
         stats0 = self.transport.snapshot()
         cpu0 = self._loop_cpu()
         rooms, window = case.rooms, case.window
-        live: list[tuple[Any, Room, bool]] = []  # (sender, its chunks, chunks handed over)
+        live: list[tuple[Any, Room, float]] = []  # (sender, its chunks, handed over at or 0)
         next_room = 0
+        clock = time.perf_counter
+        latency: list[float] = []
+        idle_s = self.bench.caller_idle_s
         while next_room < len(rooms) or live:
             while len(live) < window and next_room < len(rooms):
                 room = rooms[next_room]
@@ -614,27 +634,32 @@ class Kvfsm:
                 sender = engine.sender(self._rooms)
                 dst = np.concatenate([d for _, d in room]).astype(np.int32).tobytes()
                 engine.post(sender.key, DestinationReceived(dst, 0, peer="decode"))
-                live.append((sender, room, False))
+                live.append((sender, room, 0.0))
             moved = False
             keep = []
             for sender, room, handed in live:
                 status = sender.poll()
                 sent = handed
                 if not sent and status is KVPoll.WaitingForInput:
+                    sent = clock()
                     sender.init(sum(int(src.size) for src, _ in room), -1)
                     for src, _ in room:
                         sender.send(src)
-                    sent = moved = True
+                    moved = True
                 if status in TERMINAL:
                     if status is not KVPoll.Success:
                         raise BenchError(f"kvfsm room failed: {sender.reason}")
+                    latency.append(clock() - sent)
                     sender.clear()
                     moved = True
                     continue
                 keep.append((sender, room, sent))
             live = keep
             if not moved:
-                time.sleep(0)
+                # Nothing to do this iteration: sleep(0) is a spinning scheduler (it keeps the
+                # GIL nearly all the time); --caller-idle-us N one that waits N us, as a
+                # scheduler does for its next batch.
+                time.sleep(idle_s)
         cpu = self._loop_cpu() - cpu0
         stats = self.transport.snapshot()
         chunks = stats["chunks_posted"] - stats0["chunks_posted"]
@@ -644,6 +669,8 @@ class Kvfsm:
             * (stats["done_at_post"] - stats0["done_at_post"])
             / max(chunks, 1),
             "pump_rounds": float(stats["pump_rounds"] - stats0["pump_rounds"]),
+            "pump_sleeps": float(stats["pump_sleeps"] - stats0["pump_sleeps"]),
+            **_latency(latency),
         }
 
 
@@ -652,8 +679,26 @@ def run_kvfsm(case: Case, bench: Bench) -> Result:
         f"kvfsm-{case.page_bytes}-{case.pages}",
         lambda: Kvfsm(bench, case.page_bytes, case.pages),
     )
-    runner.bench_ref = bench
     return runner.run(case)
+
+
+def run_kvfsm_spin(case: Case, bench: Bench) -> Result:
+    runner = bench.resource(
+        f"kvfsm_spin-{case.page_bytes}-{case.pages}",
+        lambda: Kvfsm(bench, case.page_bytes, case.pages, spin=True, name="kvfsm_spin"),
+    )
+    return runner.run(case)
+
+
+def _latency(seconds: list[float]) -> dict[str, float]:
+    """Per-room latency (first post to the room seen done), p50 and p99, microseconds."""
+    if not seconds:
+        return {}
+    us = np.asarray(seconds) * 1e6
+    return {
+        "room_p50_us": float(np.percentile(us, 50)),
+        "room_p99_us": float(np.percentile(us, 99)),
+    }
 
 
 Runner = Callable[[Case, Bench], Result]
@@ -663,11 +708,15 @@ RUNNERS: dict[str, Runner] = {
     "copy": run_copy,
     "raw_nixl": run_raw_nixl,
     "kvfsm": run_kvfsm,
+    # Not run by default: kvfsm with pacing off (--runners ...,kvfsm_spin).
+    "kvfsm_spin": run_kvfsm_spin,
 }
+DEFAULT_RUNNERS: Final = ("copy", "raw_nixl", "kvfsm")
 
 # (numerator, denominator): printed whenever a case has both rows.
 RATIOS: tuple[tuple[str, str], ...] = (
     ("kvfsm", "raw_nixl"),
+    ("kvfsm", "kvfsm_spin"),
     ("raw_nixl", "copy"),
     ("kvfsm", "copy"),
 )
@@ -726,7 +775,9 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
     peer = Peer(nbytes, f"bench-decode-{os.getpid()}")
     results: list[Result] = []
     try:
-        bench = Bench(peer=peer, src=src, repeat=args.repeat)
+        bench = Bench(
+            peer=peer, src=src, repeat=args.repeat, caller_idle_s=args.caller_idle_us * 1e-6
+        )
         with bench.stack:
             for case in cases:
                 for name in runners:
@@ -783,6 +834,10 @@ def _row(r: Result) -> str:
         if "pump_rounds" in r.extra:
             note += f", {r.extra['pump_rounds']:.0f} pump rounds"
         notes.append(note)
+    if "room_p50_us" in r.extra:
+        notes.append(f"room p50/p99 {r.extra['room_p50_us']:,.0f}/{r.extra['room_p99_us']:,.0f} us")
+    if "process_cpu_s" in r.extra:
+        notes.append(f"process CPU {r.extra['process_cpu_s'] * 1e3:,.1f} ms")
     notes.append("verified" if r.verified else "NOT VERIFIED")
     return (
         f"{r.case:<14} {r.runner:<9} {r.bytes / 2**20:>5.0f} {r.chunks:>6} {r.window:>4} "
@@ -818,7 +873,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
     parser.add_argument(
-        "--runners", default=",".join(RUNNERS), help=f"comma-separated, of {','.join(RUNNERS)}"
+        "--runners",
+        default=",".join(DEFAULT_RUNNERS),
+        help=f"comma-separated, of {','.join(RUNNERS)}",
+    )
+    parser.add_argument(
+        "--caller-idle-us",
+        type=float,
+        default=0.0,
+        help="kvfsm's caller sleeps this long when an iteration moved nothing (0: sleep(0))",
     )
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the best is reported")
     parser.add_argument("--pages", type=int, default=4096, help="64 KiB pages per 64 KiB case")
