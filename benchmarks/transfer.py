@@ -91,7 +91,6 @@ Room = tuple[Chunk, ...]
 T = TypeVar("T")
 
 KIB: Final = 1024
-MEM: Final = "DRAM"
 STALL_S: Final = 30.0  # a chunk still PROC after this long aborts the run (NIXL has no timeout)
 PEER_TIMEOUT_S: Final = 120.0
 ROOMS_PREFIX: Final = "rooms_"
@@ -207,12 +206,12 @@ def build_cases(args: argparse.Namespace) -> dict[str, Case]:
 class Peer:
     """The shared "decode" process (``_nixl_peer.serve``): a NIXL agent and a registered buffer."""
 
-    def __init__(self, nbytes: int, name: str) -> None:
+    def __init__(self, nbytes: int, name: str, mem: str = "DRAM") -> None:
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=serve, args=(child, nbytes, name), name="nixl-peer", daemon=True
+            target=serve, args=(child, nbytes, name, mem), name="nixl-peer", daemon=True
         )
         self.process.start()
         child.close()
@@ -292,6 +291,10 @@ class Bench:
     peer: Peer
     src: npt.NDArray[np.uint8]  # the source buffer: every 8-byte word distinct
     repeat: int
+    #: "DRAM", or "VRAM": then ``src_addr`` is a copy of ``src`` on CUDA device 0 (torch).
+    mem: str = "DRAM"
+    src_addr: int = 0
+    gpu_src: Any = None
     caller_idle_s: float = 0.0
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _resources: dict[str, Any] = field(default_factory=dict)
@@ -383,6 +386,8 @@ def _run(idx: Indices) -> slice | None:
 
 
 def run_copy(case: Case, bench: Bench) -> Result:
+    if bench.mem != "DRAM":
+        raise BenchError("the copy runner is host memory only: pass --runners raw_nixl,kvfsm")
     dst_buf = bench.resource("copy.dst", lambda: _prefaulted(bench.src.nbytes))
     src = bench.source(case)
     dst = dst_buf[: case.region_bytes].reshape(case.pages, case.page_bytes)
@@ -430,7 +435,7 @@ class RawNixl:
     the peer added once. Built on first use through ``bench.resource``; ``close()`` undoes it."""
 
     def __init__(self, bench: Bench) -> None:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from kvfsm.transport._nixl import nixl_agent, nixl_agent_config
 
         self.bench = bench
         self.agent: nixl_agent = nixl_agent(
@@ -438,7 +443,7 @@ class RawNixl:
             nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
         )
         src = bench.src
-        self._reg = self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], MEM)
+        self._reg = self.agent.register_memory([(bench.src_addr, src.nbytes, 0, "")], bench.mem)
         self.remote: str | None = None
         t0 = time.perf_counter()
         self.remote = self.agent.add_remote_agent(bench.peer.metadata)
@@ -457,12 +462,13 @@ class RawNixl:
         agent, peer = self.agent, self.bench.peer
         assert self.remote is not None
         t0 = time.perf_counter()
+        mem = self.bench.mem
         local = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _descs(self.bench.src.ctypes.data, case.pages, case.page_bytes), MEM
+            "NIXL_INIT_AGENT", _descs(self.bench.src_addr, case.pages, case.page_bytes), mem
         )
         try:
             remote = agent.prep_xfer_dlist(
-                self.remote, _descs(peer.base, case.pages, case.page_bytes), MEM
+                self.remote, _descs(peer.base, case.pages, case.page_bytes), mem
             )
             prep_s = time.perf_counter() - t0
             try:
@@ -575,12 +581,14 @@ class Kvfsm:
     ) -> None:
         from kvfsm.rooms import RoomEngine
         from kvfsm.transport import Agent, Layout, LayoutSummary, NixlTransport, Region
+        from kvfsm.transport._layout import MemKind
         from kvfsm.transport._transport import TransferConfig
 
         self.bench = bench
         self.name = name
         peer = bench.peer
-        source = Region("kv0", bench.src.ctypes.data, pages * page_bytes, page_bytes)
+        kind: MemKind = MemKind(bench.mem)
+        source = Region("kv0", bench.src_addr, pages * page_bytes, page_bytes, kind=kind)
         self.layout = Layout(kv=(source,))
         self.agent = Agent(f"bench-{name}-{os.getpid()}-{page_bytes}", self.layout)
         # spin: the pump polls every loop iteration (pacing off), the baseline for what the
@@ -588,7 +596,7 @@ class Kvfsm:
         config = TransferConfig(poll_max_wait_s=0.0) if spin else TransferConfig()
         self.transport = NixlTransport(self.agent, config=config)
         self.engine = RoomEngine(self.transport).start()
-        remote = LayoutSummary(kv=((peer.base, pages * page_bytes, page_bytes, 0),))
+        remote = LayoutSummary(kv=((peer.base, pages * page_bytes, page_bytes, 0),), kv_kind=kind)
         self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote))
         self._rooms = 0
 
@@ -741,6 +749,13 @@ def _source(nbytes: int) -> npt.NDArray[np.uint8]:
     return src
 
 
+def _nixl_version() -> str:
+    for dist in ("nixl-cu12", "nixl-cu13", "nixl"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    return "unknown"
+
+
 def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
     by_case: dict[str, dict[str, Result]] = {}
     for r in results:
@@ -772,11 +787,26 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
     load0 = os.getloadavg()
     nbytes = max(case.region_bytes for case in cases)
     src = _source(nbytes)
-    peer = Peer(nbytes, f"bench-decode-{os.getpid()}")
+    mem = args.mem.upper()
+    gpu_src: Any = None
+    src_addr = src.ctypes.data
+    if mem == "VRAM":
+        import torch
+
+        gpu_src = torch.from_numpy(src).to("cuda:0")
+        torch.cuda.synchronize()
+        src_addr = int(gpu_src.data_ptr())
+    peer = Peer(nbytes, f"bench-decode-{os.getpid()}", mem)
     results: list[Result] = []
     try:
         bench = Bench(
-            peer=peer, src=src, repeat=args.repeat, caller_idle_s=args.caller_idle_us * 1e-6
+            peer=peer,
+            src=src,
+            repeat=args.repeat,
+            caller_idle_s=args.caller_idle_us * 1e-6,
+            mem=mem,
+            src_addr=src_addr,
+            gpu_src=gpu_src,
         )
         with bench.stack:
             for case in cases:
@@ -790,12 +820,13 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
     return {
         "python": sys.version.split()[0],
         "numpy": np.__version__,
-        "nixl": importlib.metadata.version("nixl-cu12"),
+        "nixl": _nixl_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "loadavg_start": load0[0],
         "loadavg_end": os.getloadavg()[0],
         "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
+        "mem": mem,
         "repeat": args.repeat,
         "seed": args.seed,
         "cases": {
@@ -895,6 +926,9 @@ def main(argv: list[str] | None = None) -> int:
         "--windows", type=_ints, default=[1, 16, 256], help="rooms in flight, one case each"
     )
     parser.add_argument("--seed", type=int, default=20261129)
+    parser.add_argument(
+        "--mem", choices=("dram", "vram"), default="dram", help="vram: CUDA device 0 (torch)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     # NIXL's Python logger prints INFO lines to stdout, which would break --json; the peer
