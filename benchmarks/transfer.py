@@ -663,11 +663,15 @@ class Kvfsm:
                     continue
                 keep.append((sender, room, sent))
             live = keep
-            if not moved:
-                # Nothing to do this iteration: sleep(0) is a spinning scheduler (it keeps the
-                # GIL nearly all the time); --caller-idle-us N one that waits N us, as a
-                # scheduler does for its next batch.
+            if idle_s:
+                # --caller-step-us N: every iteration ends in an N us wait that releases the
+                # GIL, as a scheduler's forward pass does (CUDA synchronisation).
                 time.sleep(idle_s)
+            elif not moved:
+                # The default: a scheduler that spins, yielding with sleep(0) only when an
+                # iteration moved nothing. It holds the GIL nearly all the time, so each
+                # hand-off to kvfsm's threads waits for CPython's forced switch (5 ms).
+                time.sleep(0)
         cpu = self._loop_cpu() - cpu0
         stats = self.transport.snapshot()
         chunks = stats["chunks_posted"] - stats0["chunks_posted"]
@@ -803,7 +807,7 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
             peer=peer,
             src=src,
             repeat=args.repeat,
-            caller_idle_s=args.caller_idle_us * 1e-6,
+            caller_idle_s=args.caller_step_us * 1e-6,
             mem=mem,
             src_addr=src_addr,
             gpu_src=gpu_src,
@@ -909,10 +913,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, of {','.join(RUNNERS)}",
     )
     parser.add_argument(
-        "--caller-idle-us",
+        "--caller-step-us",
         type=float,
         default=0.0,
-        help="kvfsm's caller sleeps this long when an iteration moved nothing (0: sleep(0))",
+        help="kvfsm's caller waits this long (GIL released) every iteration, like a forward "
+        "pass; 0: it spins, with sleep(0) when an iteration moved nothing",
     )
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the best is reported")
     parser.add_argument("--pages", type=int, default=4096, help="64 KiB pages per 64 KiB case")

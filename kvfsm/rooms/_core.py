@@ -20,7 +20,7 @@ No clocks, no IO, no threads: the actor around it owns those.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, cast
 
 from kvfsm.rooms._machine import DISPATCH
 from kvfsm.rooms._stats import RoomStats
@@ -173,42 +173,44 @@ class RoomCore:
 
     def handle(self, event: Event) -> tuple[Command, ...]:
         """Apply ``event``; return the commands the owner must execute, in order."""
+        kind = type(event)
+        state = self.state
         # (Only settlement events touch the ledger; the test keeps a call off every other one.)
-        settled_now = self._settle(event) if type(event) in SETTLEMENT_EVENTS else _NO_COMMANDS
-        if type(event) is DeadlineExpired and event.state is not self.state:
+        settled_now = self._settle(event) if kind in SETTLEMENT_EVENTS else _NO_COMMANDS
+        if kind is DeadlineExpired and cast("DeadlineExpired", event).state is not state:
             # A timer armed for a state the room has left since; its cancel lost the race.
             self._stats.late_events += 1
             return settled_now
-        if self.state in TERMINAL:
+        if state in TERMINAL:
             # Late or duplicate: a chunk finishing after an abort, a peer's abort after Success.
             self._stats.late_events += 1
-            if type(event) is DestinationReceived and self.state is KVPoll.Failed:
+            if kind is DestinationReceived and state is KVPoll.Failed:
                 # The receiver reserved pages for a sender that already failed (say, aborted
                 # while bootstrapping, before it knew its peer): answer, or they wait for a
                 # deadline. Nothing was ever posted to them, so they are settled too.
                 return (ReportOutcome(KVPoll.Failed, self.reason), ReportSettled())
             return settled_now
-        dest = self._dispatch[self.state].get(type(event))
+        dest = self._dispatch[state].get(kind)
         if dest is None:
-            return self._reject(f"{type(event).__name__} in {self.state.name}")
-        check = self._checks.get(type(event))
+            return self._reject(f"{kind.__name__} in {state.name}")
+        check = self._checks.get(kind)
         if check is not None:
             problem = check(self, event)
             if problem is not None:
                 return self._reject(problem)
-        if self._claim is not None and type(event) is MetadataSubmitted:
+        if kind is MetadataSubmitted and self._claim is not None:
             # Last, so that only metadata this room is about to apply takes its destinations,
             # and before the transition, so that SendMetadata never names pages another room
             # holds. A refusal is not an illegal event (strict cores do not raise): it is the
             # caller's double booking, and it fails this room only.
-            problem = self._claim(event)
+            problem = self._claim(cast("MetadataSubmitted", event))
             if problem is not None:
                 self._stats.destinations_refused += 1
                 return self._fail(EventRejected(problem))
-        if type(event) in FAILURE_EVENTS:
+        if kind in FAILURE_EVENTS:
             return self._fail(event)
         self._fire(event, dest)
-        action = self._actions.get(type(event))
+        action = self._actions.get(kind)
         commands = action(self, event) if action is not None else _NO_COMMANDS
         if self.state is KVPoll.Transferring and self._complete():
             return commands + self.handle(TransferCompleted())

@@ -16,6 +16,8 @@ from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
 
 _log = logging.getLogger("kvfsm.rooms")
+#: ``Role.value`` is a slow descriptor on 3.11; task names are built once per room.
+_ROLE_NAMES: dict[Role, str] = {role: role.value for role in Role}
 
 
 class Observer(Protocol):
@@ -64,6 +66,8 @@ class Registry:
         self._rooms: dict[RoomKey, Room] = {}
         self._current: dict[tuple[Role, int], RoomKey] = {}
         self._closing = False
+        #: The loop this registry lives on (rooms take it from here).
+        self.loop = asyncio.get_running_loop()
         self._seconds: dict[
             tuple[Role, int], tuple[Mapping[KVPoll, float] | None, Mapping[KVPoll, float]]
         ] = {}
@@ -125,8 +129,8 @@ class Registry:
                 self.observer.spawned(role)
             except Exception as exc:  # a metric must not leave a room without its task
                 self.record_error(key, exc)
-        room.task = asyncio.get_running_loop().create_task(
-            room.run(), name=f"kvfsm-{role.value}-{key.room}-{key.generation}"
+        room.task = self.loop.create_task(
+            room.run(), name=f"kvfsm-{_ROLE_NAMES[role]}-{key.room}-{key.generation}"
         )
         if self._on_spawn is not None:
             # The control plane may hold a message that arrived before this room existed.
