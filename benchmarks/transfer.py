@@ -18,6 +18,19 @@ benchmark's source buffer to a destination buffer:
              from its worker thread and the pump polling. ``cpu_us_per_chunk`` is the *loop
              thread's* CPU (the thread that shares the GIL with a scheduler), per chunk.
              Whenever a case has both a kvfsm and a raw_nixl row the report prints the ratios.
+             Its caller spins (``sleep(0)`` when an iteration moved nothing) unless
+             ``--caller-step-us N``: then every iteration ends in an N us GIL-free wait, like a
+             scheduler's forward pass.
+* kvfsm_spin - kvfsm with the pump's pacing off (``TransferConfig(poll_max_wait_s=0)``: it
+             polls every loop iteration while chunks are in flight): the baseline for what
+             bounded adaptive polling saves in CPU and costs in latency. Not run by default.
+
+Every row also reports its process CPU over the best repetition (all threads of this process;
+the peer's are not counted) and, for rooms, the per-room latency p50/p99 (first post to done
+seen). For kvfsm against raw NIXL the ratios add ``non_copy_cpu_ms_per_room``: kvfsm's process
+CPU minus raw NIXL's for the same rooms (which is the copies on the CMA path, plus its minimal
+loop), per room. ``--mem vram`` puts both sides' buffers on CUDA device 0 (torch; the copy
+runner is host only): what ``benchmarks/gpu/run.sh`` runs.
 
 Cases (sizes are options; the defaults run everything in well under two minutes on 2 vCPUs):
 
@@ -276,6 +289,7 @@ class Result:
     bytes: int
     chunks: int
     window: int
+    rooms: int
     seconds: float  # best repetition
     gbps: float
     samples: list[float]
@@ -363,6 +377,7 @@ def measure(
         bytes=case.nbytes,
         chunks=case.chunks,
         window=case.window,
+        rooms=len(case.rooms),
         seconds=seconds,
         gbps=case.nbytes / seconds / 1e9,
         samples=samples,
@@ -774,15 +789,19 @@ def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
                     if a.cpu_us_per_chunk is not None and b.cpu_us_per_chunk
                     else None
                 )
-                out.append(
-                    {
-                        "case": case,
-                        "ratio": f"{num}/{den}",
-                        "time": a.seconds / b.seconds,
-                        "bandwidth": a.gbps / b.gbps,
-                        "cpu_per_chunk": cpu,
-                    }
-                )
+                row: dict[str, Any] = {
+                    "case": case,
+                    "ratio": f"{num}/{den}",
+                    "time": a.seconds / b.seconds,
+                    "bandwidth": a.gbps / b.gbps,
+                    "cpu_per_chunk": cpu,
+                }
+                if den == "raw_nixl" and "process_cpu_s" in a.extra:
+                    # Process CPU beyond what the same rooms cost through raw NIXL (whose CPU
+                    # is the copies, on this CMA path, plus its minimal loop), per room.
+                    extra = a.extra["process_cpu_s"] - b.extra["process_cpu_s"]
+                    row["non_copy_cpu_ms_per_room"] = extra / a.rooms * 1e3
+                out.append(row)
     return out
 
 
@@ -886,7 +905,13 @@ def print_summary(report: dict[str, Any]) -> None:
         cpu = ratio["cpu_per_chunk"]
         print(
             f"{ratio['case']:<14} {ratio['ratio']:<16} time {ratio['time']:.2f}x  "
-            f"bandwidth {ratio['bandwidth']:.2f}x" + (f"  CPU/chunk {cpu:.2f}x" if cpu else "")
+            f"bandwidth {ratio['bandwidth']:.2f}x"
+            + (f"  CPU/chunk {cpu:.2f}x" if cpu else "")
+            + (
+                f"  non-copy CPU {ratio['non_copy_cpu_ms_per_room']:.3f} ms/room"
+                if "non_copy_cpu_ms_per_room" in ratio
+                else ""
+            )
         )
     adds = {
         r["extra"]["add_remote_agent_ms"] for r in report["results"] if r["runner"] == "raw_nixl"
