@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     peer = Peer(nbytes, f"gil-decode-{os.getpid()}")
     rounds: list[dict[str, Any]] = []
     try:
-        bench = Bench(peer=peer, src=_source(nbytes), repeat=1)
+        src = _source(nbytes)
+        bench = Bench(peer=peer, src=src, repeat=1, src_addr=src.ctypes.data)
         with bench.stack:
             runner = bench.resource("kvfsm", lambda: Kvfsm(bench, PAGE, args.pages))
             shape = {"window": args.window, "room_pages": args.room_pages}

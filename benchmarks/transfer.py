@@ -314,6 +314,10 @@ class Bench:
     _resources: dict[str, Any] = field(default_factory=dict)
     _expected: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.src_addr:  # host memory: the numpy buffer itself
+            self.src_addr = self.src.ctypes.data
+
     def resource(self, key: str, factory: Callable[[], T]) -> T:
         """``factory()`` once per run; closed (if it has ``close()``) when the run ends."""
         if key not in self._resources:
