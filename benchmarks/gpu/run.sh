@@ -9,7 +9,10 @@
 #   bash benchmarks/gpu/run.sh            # or: REPEAT=5 CASES=rooms_16 bash benchmarks/gpu/run.sh
 #
 # Environment: VENV (default .venv-gpu), PYTHON (python3.11 if present, else python3),
-# REPEAT (3), CASES (all), TIMEOUT_S (480: the benchmark itself).
+# REPEAT (3), CASES (all), TIMEOUT_S (480: the benchmark itself), WHEELHOUSE (a folder of
+# wheels for a machine without a package index: pip then installs from it only; fill it
+# beforehand with `pip download -d wheels torch nixl-cu13 nixl aiohttp anyio transitions
+# msgspec numpy uvloop` on a machine of the same platform and Python).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -29,7 +32,11 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 log "installing (pip, quiet)"
-python -m pip install --quiet --upgrade pip
+if [ -n "${WHEELHOUSE:-}" ]; then
+    export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELHOUSE"
+else
+    python -m pip install --quiet --upgrade pip
+fi
 # torch's default Linux wheel is a CUDA build; it only allocates and copies the buffers here.
 python -m pip install --quiet "torch<=2.14.1"
 # NIXL for CUDA 13: the nixl-cu13 wheel (module nixl_cu13) and the nixl meta package (module
