@@ -53,30 +53,45 @@ def checksum_pages(buffer: npt.NDArray[np.uint8], page_bytes: int, pages: npt.Ar
     return crc
 
 
-def _handle(command: tuple[Any, ...], buffer: npt.NDArray[np.uint8]) -> object:
+def _handle(command: tuple[Any, ...], buffer: npt.NDArray[np.uint8], gpu: Any) -> object:
     match command:
         case ("checksum", int(page_bytes), bytes(packed)):
+            if gpu is not None:  # VRAM: hash a host copy (untimed)
+                buffer = gpu.cpu().numpy()
             return checksum_pages(buffer, page_bytes, np.frombuffer(packed, dtype=np.int32))
         case ("clear",):
+            if gpu is not None:
+                gpu.zero_()
+                return None
             buffer.fill(0)
             return None
         case _:
             raise ValueError(f"unknown command {command!r:.80}")
 
 
-def serve(conn: Connection, nbytes: int, name: str) -> None:
-    """Process entry point (see the module docstring)."""
+def serve(conn: Connection, nbytes: int, name: str, mem: str = "DRAM") -> None:
+    """Process entry point (see the module docstring). ``mem="VRAM"``: the buffer is on CUDA
+    device 0 (torch), registered as VRAM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines go to stdout
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    from kvfsm.transport._nixl import nixl_agent, nixl_agent_config
 
     parent = os.getppid()
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    buffer = np.empty(nbytes, dtype=np.uint8)
-    buffer.fill(0)  # fault every page in now, not during the first timed transfer
-    reg = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
+    gpu: Any = None
+    if mem == "VRAM":
+        import torch
+
+        gpu = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+        buffer = np.empty(0, dtype=np.uint8)
+        base = int(gpu.data_ptr())
+    else:
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        buffer.fill(0)  # fault every page in now, not during the first timed transfer
+        base = buffer.ctypes.data
+    reg = agent.register_memory([(base, nbytes, 0, "")], mem)
     try:
-        conn.send(("ready", agent.get_agent_metadata(), buffer.ctypes.data, buffer.nbytes))
+        conn.send(("ready", agent.get_agent_metadata(), base, nbytes))
         progress = agent.get_new_notifs
         ticks = 0
         while True:
@@ -90,7 +105,7 @@ def serve(conn: Connection, nbytes: int, name: str) -> None:
                     conn.send(("ok", None))
                     return
                 try:
-                    reply: tuple[str, object] = ("ok", _handle(command, buffer))
+                    reply: tuple[str, object] = ("ok", _handle(command, buffer, gpu))
                 except Exception as exc:
                     reply = ("error", f"{type(exc).__name__}: {exc}")
                 conn.send(reply)

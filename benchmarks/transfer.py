@@ -18,6 +18,19 @@ benchmark's source buffer to a destination buffer:
              from its worker thread and the pump polling. ``cpu_us_per_chunk`` is the *loop
              thread's* CPU (the thread that shares the GIL with a scheduler), per chunk.
              Whenever a case has both a kvfsm and a raw_nixl row the report prints the ratios.
+             Its caller spins (``sleep(0)`` when an iteration moved nothing) unless
+             ``--caller-step-us N``: then every iteration ends in an N us GIL-free wait, like a
+             scheduler's forward pass.
+* kvfsm_spin - kvfsm with the pump's pacing off (``TransferConfig(poll_max_wait_s=0)``: it
+             polls every loop iteration while chunks are in flight): the baseline for what
+             bounded adaptive polling saves in CPU and costs in latency. Not run by default.
+
+Every row also reports its process CPU over the best repetition (all threads of this process;
+the peer's are not counted) and, for rooms, the per-room latency p50/p99 (first post to done
+seen). For kvfsm against raw NIXL the ratios add ``non_copy_cpu_ms_per_room``: kvfsm's process
+CPU minus raw NIXL's for the same rooms (which is the copies on the CMA path, plus its minimal
+loop), per room. ``--mem vram`` puts both sides' buffers on CUDA device 0 (torch; the copy
+runner is host only): what ``benchmarks/gpu/run.sh`` runs.
 
 Cases (sizes are options; the defaults run everything in well under two minutes on 2 vCPUs):
 
@@ -91,7 +104,6 @@ Room = tuple[Chunk, ...]
 T = TypeVar("T")
 
 KIB: Final = 1024
-MEM: Final = "DRAM"
 STALL_S: Final = 30.0  # a chunk still PROC after this long aborts the run (NIXL has no timeout)
 PEER_TIMEOUT_S: Final = 120.0
 ROOMS_PREFIX: Final = "rooms_"
@@ -207,12 +219,12 @@ def build_cases(args: argparse.Namespace) -> dict[str, Case]:
 class Peer:
     """The shared "decode" process (``_nixl_peer.serve``): a NIXL agent and a registered buffer."""
 
-    def __init__(self, nbytes: int, name: str) -> None:
+    def __init__(self, nbytes: int, name: str, mem: str = "DRAM") -> None:
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=serve, args=(child, nbytes, name), name="nixl-peer", daemon=True
+            target=serve, args=(child, nbytes, name, mem), name="nixl-peer", daemon=True
         )
         self.process.start()
         child.close()
@@ -277,6 +289,7 @@ class Result:
     bytes: int
     chunks: int
     window: int
+    rooms: int
     seconds: float  # best repetition
     gbps: float
     samples: list[float]
@@ -292,9 +305,18 @@ class Bench:
     peer: Peer
     src: npt.NDArray[np.uint8]  # the source buffer: every 8-byte word distinct
     repeat: int
+    #: "DRAM", or "VRAM": then ``src_addr`` is a copy of ``src`` on CUDA device 0 (torch).
+    mem: str = "DRAM"
+    src_addr: int = 0
+    gpu_src: Any = None
+    caller_idle_s: float = 0.0
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _resources: dict[str, Any] = field(default_factory=dict)
     _expected: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.src_addr:  # host memory: the numpy buffer itself
+            self.src_addr = self.src.ctypes.data
 
     def resource(self, key: str, factory: Callable[[], T]) -> T:
         """``factory()`` once per run; closed (if it has ``close()``) when the run ends."""
@@ -336,9 +358,10 @@ def measure(
     samples: list[float] = []
     for rep in range(bench.repeat):
         reset()
-        cpu0, t0 = time.thread_time(), time.perf_counter()
+        pcpu0, cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
         counters = go()
-        t1, cpu1 = time.perf_counter(), time.thread_time()
+        t1, cpu1, pcpu1 = time.perf_counter(), time.thread_time(), time.process_time()
+        counters["process_cpu_s"] = pcpu1 - pcpu0
         got = checksum()
         if got != expected:
             raise BenchError(
@@ -358,6 +381,7 @@ def measure(
         bytes=case.nbytes,
         chunks=case.chunks,
         window=case.window,
+        rooms=len(case.rooms),
         seconds=seconds,
         gbps=case.nbytes / seconds / 1e9,
         samples=samples,
@@ -381,6 +405,8 @@ def _run(idx: Indices) -> slice | None:
 
 
 def run_copy(case: Case, bench: Bench) -> Result:
+    if bench.mem != "DRAM":
+        raise BenchError("the copy runner is host memory only: pass --runners raw_nixl,kvfsm")
     dst_buf = bench.resource("copy.dst", lambda: _prefaulted(bench.src.nbytes))
     src = bench.source(case)
     dst = dst_buf[: case.region_bytes].reshape(case.pages, case.page_bytes)
@@ -428,7 +454,7 @@ class RawNixl:
     the peer added once. Built on first use through ``bench.resource``; ``close()`` undoes it."""
 
     def __init__(self, bench: Bench) -> None:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from kvfsm.transport._nixl import nixl_agent, nixl_agent_config
 
         self.bench = bench
         self.agent: nixl_agent = nixl_agent(
@@ -436,7 +462,7 @@ class RawNixl:
             nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
         )
         src = bench.src
-        self._reg = self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], MEM)
+        self._reg = self.agent.register_memory([(bench.src_addr, src.nbytes, 0, "")], bench.mem)
         self.remote: str | None = None
         t0 = time.perf_counter()
         self.remote = self.agent.add_remote_agent(bench.peer.metadata)
@@ -455,12 +481,13 @@ class RawNixl:
         agent, peer = self.agent, self.bench.peer
         assert self.remote is not None
         t0 = time.perf_counter()
+        mem = self.bench.mem
         local = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _descs(self.bench.src.ctypes.data, case.pages, case.page_bytes), MEM
+            "NIXL_INIT_AGENT", _descs(self.bench.src_addr, case.pages, case.page_bytes), mem
         )
         try:
             remote = agent.prep_xfer_dlist(
-                self.remote, _descs(peer.base, case.pages, case.page_bytes), MEM
+                self.remote, _descs(peer.base, case.pages, case.page_bytes), mem
             )
             prep_s = time.perf_counter() - t0
             try:
@@ -496,11 +523,15 @@ class RawNixl:
         in_flight: list[tuple[nixl_xfer_handle, int]] = []
         next_room = active = done_at_post = polls = rounds = 0
         started = time.perf_counter()
+        clock = time.perf_counter
+        posted_at = [0.0] * len(rooms)
+        latency: list[float] = []
         try:
             while True:
                 while active < window and next_room < len(rooms):
                     i = next_room
                     next_room += 1
+                    posted_at[i] = clock()
                     for src, dst in rooms[i]:
                         if dst.size > 1:  # sort by destination: contiguous runs become merged
                             order = np.argsort(dst, kind="stable")
@@ -516,6 +547,8 @@ class RawNixl:
                             in_flight.append((handle, i))
                     if left[i]:
                         active += 1
+                    else:
+                        latency.append(clock() - posted_at[i])
                 if not in_flight:
                     if next_room >= len(rooms):
                         break
@@ -529,6 +562,7 @@ class RawNixl:
                         left[i] -= 1
                         if not left[i]:
                             active -= 1
+                            latency.append(clock() - posted_at[i])
                     else:
                         still.append((handle, i))
                 in_flight = still
@@ -543,6 +577,7 @@ class RawNixl:
             "done_at_post_pct": 100.0 * done_at_post / chunks,
             "polls_per_chunk": polls / chunks,
             "poll_rounds": float(rounds),
+            **_latency(latency),
         }
 
 
@@ -560,18 +595,27 @@ class Kvfsm:
     a scheduler would: create, receive decode's pages, ``init``, one ``send`` per chunk, poll.
     (Decode's page list is posted straight into the room: the control plane is not measured.)"""
 
-    def __init__(self, bench: Bench, page_bytes: int, pages: int) -> None:
+    def __init__(
+        self, bench: Bench, page_bytes: int, pages: int, *, spin: bool = False, name: str = "kvfsm"
+    ) -> None:
         from kvfsm.rooms import RoomEngine
         from kvfsm.transport import Agent, Layout, LayoutSummary, NixlTransport, Region
+        from kvfsm.transport._layout import MemKind
+        from kvfsm.transport._transport import TransferConfig
 
         self.bench = bench
+        self.name = name
         peer = bench.peer
-        source = Region("kv0", bench.src.ctypes.data, pages * page_bytes, page_bytes)
+        kind: MemKind = MemKind(bench.mem)
+        source = Region("kv0", bench.src_addr, pages * page_bytes, page_bytes, kind=kind)
         self.layout = Layout(kv=(source,))
-        self.agent = Agent(f"bench-kvfsm-{os.getpid()}-{page_bytes}", self.layout)
-        self.transport = NixlTransport(self.agent)
+        self.agent = Agent(f"bench-{name}-{os.getpid()}-{page_bytes}", self.layout)
+        # spin: the pump polls every loop iteration (pacing off), the baseline for what the
+        # bounded adaptive polling saves and costs.
+        config = TransferConfig(poll_max_wait_s=0.0) if spin else TransferConfig()
+        self.transport = NixlTransport(self.agent, config=config)
         self.engine = RoomEngine(self.transport).start()
-        remote = LayoutSummary(kv=((peer.base, pages * page_bytes, page_bytes, 0),))
+        remote = LayoutSummary(kv=((peer.base, pages * page_bytes, page_bytes, 0),), kv_kind=kind)
         self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote))
         self._rooms = 0
 
@@ -588,7 +632,7 @@ class Kvfsm:
 
     def run(self, case: Case) -> Result:
         return measure(
-            "kvfsm",
+            self.name,
             case,
             self.bench,
             reset=self.bench.peer.clear,
@@ -604,8 +648,11 @@ class Kvfsm:
         stats0 = self.transport.snapshot()
         cpu0 = self._loop_cpu()
         rooms, window = case.rooms, case.window
-        live: list[tuple[Any, Room, bool]] = []  # (sender, its chunks, chunks handed over)
+        live: list[tuple[Any, Room, float]] = []  # (sender, its chunks, handed over at or 0)
         next_room = 0
+        clock = time.perf_counter
+        latency: list[float] = []
+        idle_s = self.bench.caller_idle_s
         while next_room < len(rooms) or live:
             while len(live) < window and next_room < len(rooms):
                 room = rooms[next_room]
@@ -614,26 +661,35 @@ class Kvfsm:
                 sender = engine.sender(self._rooms)
                 dst = np.concatenate([d for _, d in room]).astype(np.int32).tobytes()
                 engine.post(sender.key, DestinationReceived(dst, 0, peer="decode"))
-                live.append((sender, room, False))
+                live.append((sender, room, 0.0))
             moved = False
             keep = []
             for sender, room, handed in live:
                 status = sender.poll()
                 sent = handed
                 if not sent and status is KVPoll.WaitingForInput:
+                    sent = clock()
                     sender.init(sum(int(src.size) for src, _ in room), -1)
                     for src, _ in room:
                         sender.send(src)
-                    sent = moved = True
+                    moved = True
                 if status in TERMINAL:
                     if status is not KVPoll.Success:
                         raise BenchError(f"kvfsm room failed: {sender.reason}")
+                    latency.append(clock() - sent)
                     sender.clear()
                     moved = True
                     continue
                 keep.append((sender, room, sent))
             live = keep
-            if not moved:
+            if idle_s:
+                # --caller-step-us N: every iteration ends in an N us wait that releases the
+                # GIL, as a scheduler's forward pass does (CUDA synchronisation).
+                time.sleep(idle_s)
+            elif not moved:
+                # The default: a scheduler that spins, yielding with sleep(0) only when an
+                # iteration moved nothing. It holds the GIL nearly all the time, so each
+                # hand-off to kvfsm's threads waits for CPython's forced switch (5 ms).
                 time.sleep(0)
         cpu = self._loop_cpu() - cpu0
         stats = self.transport.snapshot()
@@ -644,6 +700,8 @@ class Kvfsm:
             * (stats["done_at_post"] - stats0["done_at_post"])
             / max(chunks, 1),
             "pump_rounds": float(stats["pump_rounds"] - stats0["pump_rounds"]),
+            "pump_sleeps": float(stats["pump_sleeps"] - stats0["pump_sleeps"]),
+            **_latency(latency),
         }
 
 
@@ -652,8 +710,26 @@ def run_kvfsm(case: Case, bench: Bench) -> Result:
         f"kvfsm-{case.page_bytes}-{case.pages}",
         lambda: Kvfsm(bench, case.page_bytes, case.pages),
     )
-    runner.bench_ref = bench
     return runner.run(case)
+
+
+def run_kvfsm_spin(case: Case, bench: Bench) -> Result:
+    runner = bench.resource(
+        f"kvfsm_spin-{case.page_bytes}-{case.pages}",
+        lambda: Kvfsm(bench, case.page_bytes, case.pages, spin=True, name="kvfsm_spin"),
+    )
+    return runner.run(case)
+
+
+def _latency(seconds: list[float]) -> dict[str, float]:
+    """Per-room latency (first post to the room seen done), p50 and p99, microseconds."""
+    if not seconds:
+        return {}
+    us = np.asarray(seconds) * 1e6
+    return {
+        "room_p50_us": float(np.percentile(us, 50)),
+        "room_p99_us": float(np.percentile(us, 99)),
+    }
 
 
 Runner = Callable[[Case, Bench], Result]
@@ -663,11 +739,15 @@ RUNNERS: dict[str, Runner] = {
     "copy": run_copy,
     "raw_nixl": run_raw_nixl,
     "kvfsm": run_kvfsm,
+    # Not run by default: kvfsm with pacing off (--runners ...,kvfsm_spin).
+    "kvfsm_spin": run_kvfsm_spin,
 }
+DEFAULT_RUNNERS: Final = ("copy", "raw_nixl", "kvfsm")
 
 # (numerator, denominator): printed whenever a case has both rows.
 RATIOS: tuple[tuple[str, str], ...] = (
     ("kvfsm", "raw_nixl"),
+    ("kvfsm", "kvfsm_spin"),
     ("raw_nixl", "copy"),
     ("kvfsm", "copy"),
 )
@@ -692,6 +772,13 @@ def _source(nbytes: int) -> npt.NDArray[np.uint8]:
     return src
 
 
+def _nixl_version() -> str:
+    for dist in ("nixl-cu12", "nixl-cu13", "nixl"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    return "unknown"
+
+
 def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
     by_case: dict[str, dict[str, Result]] = {}
     for r in results:
@@ -706,15 +793,19 @@ def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
                     if a.cpu_us_per_chunk is not None and b.cpu_us_per_chunk
                     else None
                 )
-                out.append(
-                    {
-                        "case": case,
-                        "ratio": f"{num}/{den}",
-                        "time": a.seconds / b.seconds,
-                        "bandwidth": a.gbps / b.gbps,
-                        "cpu_per_chunk": cpu,
-                    }
-                )
+                row: dict[str, Any] = {
+                    "case": case,
+                    "ratio": f"{num}/{den}",
+                    "time": a.seconds / b.seconds,
+                    "bandwidth": a.gbps / b.gbps,
+                    "cpu_per_chunk": cpu,
+                }
+                if den == "raw_nixl" and "process_cpu_s" in a.extra:
+                    # Process CPU beyond what the same rooms cost through raw NIXL (whose CPU
+                    # is the copies, on this CMA path, plus its minimal loop), per room.
+                    extra = a.extra["process_cpu_s"] - b.extra["process_cpu_s"]
+                    row["non_copy_cpu_ms_per_room"] = extra / a.rooms * 1e3
+                out.append(row)
     return out
 
 
@@ -723,10 +814,27 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
     load0 = os.getloadavg()
     nbytes = max(case.region_bytes for case in cases)
     src = _source(nbytes)
-    peer = Peer(nbytes, f"bench-decode-{os.getpid()}")
+    mem = args.mem.upper()
+    gpu_src: Any = None
+    src_addr = src.ctypes.data
+    if mem == "VRAM":
+        import torch
+
+        gpu_src = torch.from_numpy(src).to("cuda:0")
+        torch.cuda.synchronize()
+        src_addr = int(gpu_src.data_ptr())
+    peer = Peer(nbytes, f"bench-decode-{os.getpid()}", mem)
     results: list[Result] = []
     try:
-        bench = Bench(peer=peer, src=src, repeat=args.repeat)
+        bench = Bench(
+            peer=peer,
+            src=src,
+            repeat=args.repeat,
+            caller_idle_s=args.caller_step_us * 1e-6,
+            mem=mem,
+            src_addr=src_addr,
+            gpu_src=gpu_src,
+        )
         with bench.stack:
             for case in cases:
                 for name in runners:
@@ -739,12 +847,13 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
     return {
         "python": sys.version.split()[0],
         "numpy": np.__version__,
-        "nixl": importlib.metadata.version("nixl-cu12"),
+        "nixl": _nixl_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "loadavg_start": load0[0],
         "loadavg_end": os.getloadavg()[0],
         "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
+        "mem": mem,
         "repeat": args.repeat,
         "seed": args.seed,
         "cases": {
@@ -783,6 +892,10 @@ def _row(r: Result) -> str:
         if "pump_rounds" in r.extra:
             note += f", {r.extra['pump_rounds']:.0f} pump rounds"
         notes.append(note)
+    if "room_p50_us" in r.extra:
+        notes.append(f"room p50/p99 {r.extra['room_p50_us']:,.0f}/{r.extra['room_p99_us']:,.0f} us")
+    if "process_cpu_s" in r.extra:
+        notes.append(f"process CPU {r.extra['process_cpu_s'] * 1e3:,.1f} ms")
     notes.append("verified" if r.verified else "NOT VERIFIED")
     return (
         f"{r.case:<14} {r.runner:<9} {r.bytes / 2**20:>5.0f} {r.chunks:>6} {r.window:>4} "
@@ -796,7 +909,13 @@ def print_summary(report: dict[str, Any]) -> None:
         cpu = ratio["cpu_per_chunk"]
         print(
             f"{ratio['case']:<14} {ratio['ratio']:<16} time {ratio['time']:.2f}x  "
-            f"bandwidth {ratio['bandwidth']:.2f}x" + (f"  CPU/chunk {cpu:.2f}x" if cpu else "")
+            f"bandwidth {ratio['bandwidth']:.2f}x"
+            + (f"  CPU/chunk {cpu:.2f}x" if cpu else "")
+            + (
+                f"  non-copy CPU {ratio['non_copy_cpu_ms_per_room']:.3f} ms/room"
+                if "non_copy_cpu_ms_per_room" in ratio
+                else ""
+            )
         )
     adds = {
         r["extra"]["add_remote_agent_ms"] for r in report["results"] if r["runner"] == "raw_nixl"
@@ -818,7 +937,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
     parser.add_argument(
-        "--runners", default=",".join(RUNNERS), help=f"comma-separated, of {','.join(RUNNERS)}"
+        "--runners",
+        default=",".join(DEFAULT_RUNNERS),
+        help=f"comma-separated, of {','.join(RUNNERS)}",
+    )
+    parser.add_argument(
+        "--caller-step-us",
+        type=float,
+        default=0.0,
+        help="kvfsm's caller waits this long (GIL released) every iteration, like a forward "
+        "pass; 0: it spins, with sleep(0) when an iteration moved nothing",
     )
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the best is reported")
     parser.add_argument("--pages", type=int, default=4096, help="64 KiB pages per 64 KiB case")
@@ -832,6 +960,9 @@ def main(argv: list[str] | None = None) -> int:
         "--windows", type=_ints, default=[1, 16, 256], help="rooms in flight, one case each"
     )
     parser.add_argument("--seed", type=int, default=20261129)
+    parser.add_argument(
+        "--mem", choices=("dram", "vram"), default="dram", help="vram: CUDA device 0 (torch)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     # NIXL's Python logger prints INFO lines to stdout, which would break --json; the peer

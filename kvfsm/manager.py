@@ -146,7 +146,8 @@ class _Manager:
             control,
             self.config.rooms,
             use_uvloop=self.config.use_uvloop,
-            name=f"kvfsm-{control.role}-{self.rank}",
+            # Short: the OS keeps 15 bytes of a thread's name (top -H, py-spy).
+            name=f"kvfsm-loop-{control.role[0]}{self.rank}",
             observer=self.metrics,
         ).start()
         self.engine.call(control.started())

@@ -4,7 +4,8 @@
 
 * ``GET /rooms``: every room that still has a task: role, state, age, deadline remaining, chunks
   in flight, settled, reason (what ``kvfsm rooms --url`` prints);
-* ``GET /stats``: the engine's counters (and the control channel's, if any);
+* ``GET /stats``: the engine's counters (and the control channel's, if any), and kvfsm's
+  threads (name as ``top -H`` shows it, OS thread id, CPU seconds);
 * ``GET /metrics``: Prometheus text, when metrics are enabled.
 
 It binds to 127.0.0.1 by default; it is read-only, but room ids and reasons are not for the
@@ -19,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfsm.rooms import RoomEngine
+from kvfsm.rooms._runtime import thread_table
 
 __all__ = ["StatusServer"]
 
@@ -71,7 +73,8 @@ class StatusServer:
         return web.json_response(rows, dumps=json.dumps)
 
     async def _stats(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = {"rooms": self.engine.stats()}
+        # kvfsm's threads by name with their OS ids and CPU: what top -H / py-spy show.
+        body: dict[str, Any] = {"rooms": self.engine.stats(), "threads": thread_table()}
         if self.extra_stats is not None:
             body.update(self.extra_stats())
         return web.json_response(body)

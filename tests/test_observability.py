@@ -86,6 +86,14 @@ def test_live_rooms_metrics_and_the_rooms_command(
     stats = json.loads(get(prefill.status.url + "/stats"))
     assert stats["rooms"]["succeeded"] >= 1
     assert "control" in stats
+    # Every kvfsm thread is named, in the OS too (what top -H and py-spy show).
+    threads = {row["name"]: row for row in stats["threads"]}
+    assert any(name.startswith("kvfsm-loop-p") for name in threads), threads
+    assert any(name.startswith("kvfsm-loop-d") for name in threads), threads
+    assert "kvfsm-poster" in threads
+    for name, row in threads.items():
+        with open(f"/proc/self/task/{row['native_id']}/comm") as comm:
+            assert comm.read().strip() == name[:15]
 
     record = next(r for r in caplog.records if getattr(r, "room", None) == 3)
     assert record.to_state == "Failed"

@@ -119,6 +119,8 @@ class Room:
         "_registry",
         "_sink",
         "_deadlines",
+        "_seconds",
+        "_shortest",
         "_mailbox",
         "_bound",
         "_waiter",
@@ -156,6 +158,9 @@ class Room:
         self._registry = registry
         self._sink = registry.sink
         self._deadlines = deadlines
+        #: Each non-terminal state's deadline in seconds (the registry's table for this role).
+        self._seconds = registry.deadline_seconds(role, deadlines)
+        self._shortest = min(self._seconds.values())
         self._mailbox: deque[Event] = deque()
         #: An abort (or a rejection) is queued: the room is as good as Failed, and a new room
         #: may reuse its id at once (the caller's abort() already reads Failed).
@@ -167,7 +172,7 @@ class Room:
 
         self._overflowed = False
         self._settle_expired = False
-        self._loop = asyncio.get_running_loop()
+        self._loop = registry.loop
         self.born = self._loop.time()
         self.task: asyncio.Task[None] | None = None
 
@@ -176,16 +181,18 @@ class Room:
     def deliver(self, event: Event) -> None:
         """Queue ``event``. Never blocks, never raises. A full mailbox fails the room instead
         of growing, except for settlement events, which are always kept (law 4)."""
-        if len(self._mailbox) >= self._bound and type(event) not in SETTLEMENT_EVENTS:
+        mailbox, kind = self._mailbox, type(event)
+        if len(mailbox) >= self._bound and kind not in SETTLEMENT_EVENTS:
             if not self._overflowed:
                 self._overflowed = True
                 self._registry.stats.mailbox_overflows += 1
-            self._wake()
-            return
-        self._mailbox.append(event)
-        if type(event) is AbortRequested or type(event) is EventRejected:
-            self.ending = True
-        self._wake()
+        else:
+            mailbox.append(event)
+            if kind is AbortRequested or kind is EventRejected:
+                self.ending = True
+        waiter = self._waiter  # _wake, inlined: one call less per event
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -204,7 +211,7 @@ class Room:
                     self._apply(mailbox.popleft())
                 if self._overflowed and not core.terminal:
                     self._execute(core.state, core.fail(f"mailbox overflow (> {self._bound})"))
-                if core.settled:
+                if core.state in TERMINAL and core.settled:
                     break
                 if core.terminal and self._settle_expired:
                     self._registry.stats.settle_timeouts += 1
@@ -259,20 +266,24 @@ class Room:
             )
 
     def _apply(self, event: Event) -> None:
-        before = self.core.state
+        core = self.core
+        before = core.state
         try:
-            commands = self.core.handle(event)
+            commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only
             self._registry.record_error(self.key, exc)
-            commands = self.core.fail(f"internal error on {type(event).__name__}: {exc}")
-        self._execute(before, commands)
+            commands = core.fail(f"internal error on {type(event).__name__}: {exc}")
+        # _execute has nothing to do for an event that neither changed the state nor commanded
+        # anything, unless the room is terminal: it may just have settled (published there).
+        if commands or core.state is not before or before in TERMINAL:
+            self._execute(before, commands)
 
     def _execute(self, before: KVPoll, commands: tuple[Command, ...]) -> None:
         core = self.core
         state = core.state
         if state is not before:
             self._entered(before, state)
-        if core.settled and not self.publication.settled:
+        if state in TERMINAL and not self.publication.settled and core.settled:
             self.publication.settled = True
         sink = self._sink
         key = self.key
@@ -362,7 +373,10 @@ class Room:
     # milliseconds, so nearly every timer is cancelled unfired. Entering a state only records
     # when its deadline falls due (``_due``); the armed timer is replaced only if it would fire
     # *later* than that. A timer that fires early re-arms itself for the remainder. This saves a
-    # cancel and a new timer per state change without ever firing late.
+    # cancel and a new timer per state change without ever firing late. A new timer is armed
+    # no later than the shortest deadline of the role's states from now, so that a later state
+    # with a shorter deadline (a sender's Transferring, 120 s after WaitingForInput's 300 s)
+    # still finds it early enough: one timer per room, armed once, cancelled once.
 
     def _arm_deadline(self, state: KVPoll) -> None:
         if state in TERMINAL:
@@ -373,13 +387,14 @@ class Room:
                 self._due = self._loop.time() + self._registry.config.settle_timeout_s
                 self._timer = self._loop.call_at(self._due, self._on_timer)
             return
-        self._due = self._loop.time() + deadline_of(self.role, state, self._deadlines)
+        now = self._loop.time()
+        self._due = due = now + self._seconds[state]
         timer = self._timer
-        if timer is not None and timer.when() <= self._due:
+        if timer is not None and timer.when() <= due:
             return
         if timer is not None:
             timer.cancel()
-        self._timer = self._loop.call_at(self._due, self._on_timer)
+        self._timer = self._loop.call_at(min(due, now + self._shortest), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -1,8 +1,11 @@
 """The sans-IO core of a room: one event in, commands out.
 
-``RoomCore.handle(event)`` is the only place a room's state changes, and it changes it only by
-firing the event on the role's ``transitions`` machine (built from the tables in
-:mod:`kvfsm.states`). Around that it keeps the room's bookkeeping:
+``RoomCore.handle(event)`` is the only place a room's state changes, and it changes it only
+along an edge of the role's ``transitions`` machine (built from the tables in
+:mod:`kvfsm.states`), read from that machine's compiled dispatch
+(:func:`kvfsm.rooms._machine.compile_dispatch`: the built machine's edges as a lookup, proven
+equal to firing the machine by ``tests/rooms/test_machine.py``). Around that it keeps the room's
+bookkeeping:
 
 * the **ledger** (physical): which chunks are in flight (sender) or whether the receiver's pages
   are exposed to the sender's writes. Settlement events update it in every state, terminal ones
@@ -17,13 +20,13 @@ No clocks, no IO, no threads: the actor around it owns those.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, cast
 
-from kvfsm.rooms._machine import MACHINES, trigger_name
+from kvfsm.rooms._machine import DISPATCH
 from kvfsm.rooms._stats import RoomStats
 from kvfsm.states import (
     FAILURE_EVENTS,
-    TABLES,
+    SETTLEMENT_EVENTS,
     TERMINAL,
     AbortRequested,
     ChunkDone,
@@ -93,8 +96,7 @@ class RoomCore:
         "role",
         "state",
         "reason",
-        "_table",
-        "_events",
+        "_dispatch",
         "_checks",
         "_actions",
         "_stats",
@@ -131,8 +133,7 @@ class RoomCore:
         self.state: KVPoll = KVPoll.Bootstrapping
         #: Why the room failed; empty until it does.
         self.reason = ""
-        self._table = TABLES[role]
-        self._events = MACHINES[role].events
+        self._dispatch = DISPATCH[role]
         self._checks = _CHECKS[role]
         self._actions = _ACTIONS[role]
         self._stats = stats if stats is not None else RoomStats()
@@ -172,56 +173,56 @@ class RoomCore:
 
     def handle(self, event: Event) -> tuple[Command, ...]:
         """Apply ``event``; return the commands the owner must execute, in order."""
-        settled_now = self._settle(event)
-        if type(event) is DeadlineExpired and event.state is not self.state:
+        kind = type(event)
+        state = self.state
+        # (Only settlement events touch the ledger; the test keeps a call off every other one.)
+        settled_now = self._settle(event) if kind in SETTLEMENT_EVENTS else _NO_COMMANDS
+        if kind is DeadlineExpired and cast("DeadlineExpired", event).state is not state:
             # A timer armed for a state the room has left since; its cancel lost the race.
             self._stats.late_events += 1
             return settled_now
-        if self.state in TERMINAL:
+        if state in TERMINAL:
             # Late or duplicate: a chunk finishing after an abort, a peer's abort after Success.
             self._stats.late_events += 1
-            if type(event) is DestinationReceived and self.state is KVPoll.Failed:
+            if kind is DestinationReceived and state is KVPoll.Failed:
                 # The receiver reserved pages for a sender that already failed (say, aborted
                 # while bootstrapping, before it knew its peer): answer, or they wait for a
                 # deadline. Nothing was ever posted to them, so they are settled too.
                 return (ReportOutcome(KVPoll.Failed, self.reason), ReportSettled())
             return settled_now
-        dest = self._table[self.state].get(type(event))
+        dest = self._dispatch[state].get(kind)
         if dest is None:
-            return self._reject(f"{type(event).__name__} in {self.state.name}")
-        check = self._checks.get(type(event))
+            return self._reject(f"{kind.__name__} in {state.name}")
+        check = self._checks.get(kind)
         if check is not None:
             problem = check(self, event)
             if problem is not None:
                 return self._reject(problem)
-        if self._claim is not None and type(event) is MetadataSubmitted:
+        if kind is MetadataSubmitted and self._claim is not None:
             # Last, so that only metadata this room is about to apply takes its destinations,
             # and before the transition, so that SendMetadata never names pages another room
             # holds. A refusal is not an illegal event (strict cores do not raise): it is the
             # caller's double booking, and it fails this room only.
-            problem = self._claim(event)
+            problem = self._claim(cast("MetadataSubmitted", event))
             if problem is not None:
                 self._stats.destinations_refused += 1
                 return self._fail(EventRejected(problem))
-        if type(event) in FAILURE_EVENTS:
+        if kind in FAILURE_EVENTS:
             return self._fail(event)
         self._fire(event, dest)
-        action = self._actions.get(type(event))
+        action = self._actions.get(kind)
         commands = action(self, event) if action is not None else _NO_COMMANDS
-        if self._complete():
+        if self.state is KVPoll.Transferring and self._complete():
             return commands + self.handle(TransferCompleted())
         return commands
 
     # -- steps ---------------------------------------------------------------------------------
 
     def _fire(self, event: Event, dest: KVPoll) -> None:
-        """Change state through the role's ``transitions`` machine: one machine per role, this
-        room as the model. An edge back to the same state changes nothing, so it is not fired:
-        the table lookup above already validated it against the data the machine was built
-        from (a test proves the built edges equal the table), and skipping it saves a trigger
-        per ``init`` and per chunk."""
-        if dest is not self.state:
-            self._events[trigger_name(type(event))].trigger(self)
+        """Take an edge of the built machine, ``dest`` as its dispatch gave it for ``event`` in
+        the current state (``handle`` and ``_fail`` look it up). The one assignment of a room's
+        state."""
+        self.state = dest
 
     def _settle(self, event: Event) -> tuple[Command, ...]:
         """Ledger first, whatever the state: physical facts are never dropped.
@@ -256,8 +257,11 @@ class RoomCore:
     def _fail(self, event: Event) -> tuple[Command, ...]:
         if isinstance(event, DeadlineExpired):
             self._stats.deadline_expiries += 1
+        dest = self._dispatch[self.state].get(type(event))
+        if dest is not KVPoll.Failed:  # every non-terminal state has its failure edges: a bug
+            raise RuntimeError(f"no edge {type(event).__name__} -> Failed from {self.state.name}")
         self.reason = failure_reason(event)
-        self._fire(event, KVPoll.Failed)
+        self._fire(event, dest)
         commands: list[Command] = []
         if self._in_flight:
             commands.append(ReleaseHandles())

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kvfsm.rooms._actor import CommandSink, Publication, Room, RoomKey
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._stats import RoomStats
-from kvfsm.states import TERMINAL, AbortRequested, Event, KVPoll, Role
+from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
 
 _log = logging.getLogger("kvfsm.rooms")
+#: ``Role.value`` is a slow descriptor on 3.11; task names are built once per room.
+_ROLE_NAMES: dict[Role, str] = {role: role.value for role in Role}
 
 
 class Observer(Protocol):
@@ -64,6 +66,11 @@ class Registry:
         self._rooms: dict[RoomKey, Room] = {}
         self._current: dict[tuple[Role, int], RoomKey] = {}
         self._closing = False
+        #: The loop this registry lives on (rooms take it from here).
+        self.loop = asyncio.get_running_loop()
+        self._seconds: dict[
+            tuple[Role, int], tuple[Mapping[KVPoll, float] | None, Mapping[KVPoll, float]]
+        ] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         hook = getattr(sink, "room_spawned", None)
@@ -71,6 +78,18 @@ class Registry:
         hook = getattr(sink, "room_reaped", None)
         self._on_reap: Callable[[RoomKey, Role], None] | None = hook if callable(hook) else None
         sink.attach(self)
+
+    def deadline_seconds(
+        self, role: Role, overrides: Mapping[KVPoll, float] | None
+    ) -> Mapping[KVPoll, float]:
+        """Each non-terminal state's deadline for ``role`` rooms, computed once per role and
+        overrides (a room re-arms its deadline on every state change)."""
+        cache_key = (role, id(overrides))
+        cached = self._seconds.get(cache_key)
+        if cached is None or cached[0] is not overrides:
+            table = {state: deadline_of(role, state, overrides) for state in NON_TERMINAL}
+            cached = self._seconds[cache_key] = (overrides, table)
+        return cached[1]
 
     # -- spawning ------------------------------------------------------------------------------
 
@@ -110,8 +129,8 @@ class Registry:
                 self.observer.spawned(role)
             except Exception as exc:  # a metric must not leave a room without its task
                 self.record_error(key, exc)
-        room.task = asyncio.get_running_loop().create_task(
-            room.run(), name=f"kvfsm-{role.value}-{key.room}-{key.generation}"
+        room.task = self.loop.create_task(
+            room.run(), name=f"kvfsm-{_ROLE_NAMES[role]}-{key.room}-{key.generation}"
         )
         if self._on_spawn is not None:
             # The control plane may hold a message that arrived before this room existed.

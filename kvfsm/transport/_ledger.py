@@ -57,7 +57,7 @@ while the record stays in progress.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
@@ -330,6 +330,10 @@ class ChunkLedger:
             # failed to post; any, once its peer is lost): the error does not end that WRITE.
             return self._hold(record, f"{reason}; released", now)
         return [self._finish(record, ChunkFailed(record.chunk, reason))]
+
+    def pending(self) -> Sequence[Record]:
+        """The records the next pump round will poll (a view: do not keep it)."""
+        return self._active
 
     def take_active(self) -> list[Record]:
         """The pump's batch for one round; each one that is still ACTIVE goes to ``polled``."""

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from kvfsm.rooms._runtime import name_this_thread
+
 __all__ = ["Poster"]
 
 _log = logging.getLogger("kvfsm.transport")
@@ -34,7 +36,7 @@ class Poster(Generic[T]):
         post: Callable[[T], None],
         done: Callable[[list[tuple[T, BaseException | None]]], None],
         *,
-        name: str = "kvfsm-nixl-post",
+        name: str = "kvfsm-poster",
     ) -> None:
         self._post = post
         self._done = done
@@ -59,6 +61,7 @@ class Poster(Generic[T]):
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        name_this_thread(self._thread.name)
         while True:
             batch = [self._queue.get()]
             with contextlib.suppress(queue.Empty):

@@ -10,8 +10,10 @@ calls, timers, deliveries) and owns the threads:
 
 * the **loop thread** validates each chunk (page indices against both layouts: an out-of-range
   index fails that chunk with a reason and never reaches NIXL), hands it to the ledger, and
-  runs the **pump**: one coroutine that polls every in-flight handle, busy while anything is in
-  flight and parked on an event when nothing is. The pump also progresses the agent
+  runs the **pump**: one coroutine that polls every in-flight handle while anything is in
+  flight, paced by :class:`~kvfsm.transport._pacer.PollPacer` (it polls without sleeping only
+  around a chunk's expected completion, for a bounded stretch, and sleeps ``poll_max_wait_s``
+  otherwise), and parked on an event when nothing is. The pump also progresses the agent
   (``get_new_notifs``): with progress threads off, nobody else answers a peer's handshakes.
 * the **poster thread** (:mod:`kvfsm.transport._poster`) makes and posts the transfers
   (``make_prepped_xfer`` + lease check + ``transfer`` + one check), and a **peer thread**
@@ -53,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -62,6 +65,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.rooms._actor import CommandSink, Inbox, RoomKey
+from kvfsm.rooms._runtime import name_this_thread
 from kvfsm.states import (
     ChunkDone,
     ChunkFailed,
@@ -86,15 +90,13 @@ from kvfsm.transport._ledger import (
     StartQuarantine,
 )
 from kvfsm.transport._nixl import describe, is_remote_disconnect
+from kvfsm.transport._pacer import PollPacer
 from kvfsm.transport._poster import Poster
 
 __all__ = ["ChunkObserver", "NixlTransport", "TransferConfig", "TransportStats"]
 
 _log = logging.getLogger("kvfsm.transport")
 Indices = npt.NDArray[np.int32]
-#: Pump rounds without any completion before it starts sleeping between rounds.
-_BUSY_ROUNDS = 64
-_MAX_BACKOFF_S = 0.001
 
 
 class ChunkObserver(Protocol):
@@ -122,6 +124,13 @@ class TransferConfig:
     #: interval (120 s) nothing is left to move.
     linger_s: float = 130.0
     linger_interval_s: float = 0.02
+    #: Bounded adaptive polling while chunks are in flight (:mod:`kvfsm.transport._pacer`):
+    #: the pump polls without sleeping only within ``poll_spin_s`` of a chunk's expected
+    #: completion (and never longer than that at a stretch), and otherwise sleeps
+    #: ``poll_max_wait_s`` between rounds: the most a completion is found late.
+    #: ``poll_max_wait_s = 0`` polls every loop iteration (a spinning pump).
+    poll_spin_s: float = 0.0005
+    poll_max_wait_s: float = 0.001
 
     def __post_init__(self) -> None:
         if not (self.deadline_base_s > 0 and self.floor_bandwidth_bps > 0):
@@ -130,6 +139,8 @@ class TransferConfig:
             raise ValueError("quarantine_s, reconnect_interval_s and linger_s must be >= 0")
         if not self.linger_interval_s > 0:
             raise ValueError("linger_interval_s must be > 0")
+        if self.poll_spin_s < 0 or self.poll_max_wait_s < 0:
+            raise ValueError("poll_spin_s and poll_max_wait_s must be >= 0")
 
     def deadline_s(self, nbytes: int) -> float:
         return self.deadline_base_s + nbytes / self.floor_bandwidth_bps
@@ -145,6 +156,8 @@ class TransportStats(LedgerStats):
     handles_released_at_post: int = 0  # poster thread: done inside transfer()
     chunks_posted: int = 0
     pump_rounds: int = 0
+    #: Pump rounds after which it slept (``poll_max_wait_s``) instead of yielding only.
+    pump_sleeps: int = 0
     #: Progresses of the agent by an idle pump after a hold (``TransferConfig.linger_s``).
     linger_progresses: int = 0
     peers_lost: int = 0
@@ -222,7 +235,9 @@ class NixlTransport:
         # Peer set-up (milliseconds per add_remote_agent) and chunk posting (copies on shared
         # memory) are both blocking; each gets its own thread so a connecting peer never delays
         # another peer's chunks.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-nixl-peers")
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvfsm-peers", initializer=_name_worker
+        )
         self._poster: Poster[_Xfer] = Poster(self._post_blocking, self._posted)
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
@@ -519,8 +534,9 @@ class NixlTransport:
         nixl = self.agent.nixl
         check, progress = nixl.check_xfer_state, nixl.get_new_notifs
         clock = time.monotonic
-        idle_rounds = 0
         interval = self.config.linger_interval_s
+        pacer = PollPacer(self.config.poll_spin_s, self.config.poll_max_wait_s)
+        stats = self.stats
         while True:
             if not ledger.busy:
                 wake.clear()
@@ -538,7 +554,6 @@ class NixlTransport:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(min(interval, linger)):
                             await wake.wait()
-                idle_rounds = 0
                 continue
             if leases is not None:
                 # Before progressing: an in-flight chunk whose lease is gone is released now
@@ -552,7 +567,6 @@ class NixlTransport:
                 _log.exception("agent progress failed")
             batch = ledger.take_active()
             now = clock()
-            pending = len(batch)
             for record in batch:
                 if record.phase != ACTIVE:
                     continue  # held or over meanwhile (peer lost, lease gone)
@@ -562,14 +576,23 @@ class NixlTransport:
                     actions = self._errored(record, exc, now)
                 else:
                     actions = ledger.polled(record, states, now)
+                    if "PROC" not in states:
+                        pacer.finished(record.nbytes, now - record.t0)
                 if actions:
                     self._execute(actions)
-            self.stats.pump_rounds += 1
-            # Busy while transfers complete; when rounds keep finding nothing done (a slow or
-            # stalled peer), back off towards 1 ms so a stall does not spin the loop thread,
-            # whose CPU the scheduler thread pays for through the GIL.
-            idle_rounds = idle_rounds + 1 if ledger.active == pending else 0
-            await asyncio.sleep(_backoff(idle_rounds))
+            stats.pump_rounds += 1
+            # Poll where completions are due, sleep elsewhere (bounded: see _pacer): a pump
+            # that spins costs the scheduler thread its GIL. Held records (nothing expected)
+            # are progressed once per poll_max_wait_s. New chunks posted meanwhile wake it.
+            wait = pacer.wait(clock(), ledger.pending())
+            if wait <= 0:
+                await asyncio.sleep(0)
+                continue
+            stats.pump_sleeps += 1
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await wake.wait()
 
     # -- executing the ledger's actions (loop thread) ------------------------------------------
 
@@ -693,12 +716,8 @@ def _fenced_reason(leases: Leases, fence: int, part: int, parts: int) -> str:
     return f"write lease of fence {fence} {why} before part {part + 1} of {parts}"
 
 
-def _backoff(idle_rounds: int) -> float:
-    """0 for the first rounds without progress, then 50 us doubling up to 1 ms."""
-    if idle_rounds < _BUSY_ROUNDS:
-        return 0.0
-    doublings = min(idle_rounds - _BUSY_ROUNDS, 5)
-    return min(_MAX_BACKOFF_S, 50e-6 * float(1 << doublings))
+def _name_worker() -> None:
+    name_this_thread(threading.current_thread().name)
 
 
 def _pump_ended(task: asyncio.Task[None]) -> None:

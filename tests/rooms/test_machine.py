@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from transitions import MachineError
 
-from kvfsm.rooms import MACHINES, RoomCore, build_machine, machine_edges
-from kvfsm.states import EVENT_TYPES, TABLES, TERMINAL, KVPoll, Role
+from kvfsm.rooms import MACHINES, IllegalEventError, RoomCore, build_machine, machine_edges
+from kvfsm.rooms._machine import DISPATCH, compile_dispatch
+from kvfsm.states import EVENT_TYPES, TABLES, TERMINAL, AbortRequested, KVPoll, Role
 
 
 def table_edges(role: Role) -> set[tuple[str, str, str]]:
@@ -65,3 +66,72 @@ def test_building_from_a_table_with_an_edge_out_of_a_terminal_is_visible() -> No
     bad[KVPoll.Failed] = {EVENT_TYPES[0]: KVPoll.Transferring}
     machine = build_machine(bad)
     assert any(src == "Failed" for _, src, _ in machine_edges(machine))
+
+
+# -- the compiled dispatch RoomCore changes state by ----------------------------------------
+
+
+def dispatch_edges(role: Role) -> set[tuple[str, str, str]]:
+    return {
+        (et.__name__, state.name, dest.name)
+        for state, row in DISPATCH[role].items()
+        for et, dest in row.items()
+    }
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_compiled_dispatch_has_exactly_the_built_machine_edges(role: Role) -> None:
+    assert dispatch_edges(role) == machine_edges(MACHINES[role])
+    assert set(DISPATCH[role]) == set(KVPoll)
+
+
+class _Model:
+    def __init__(self, state: KVPoll) -> None:
+        self.state = state
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_compiled_dispatch_answers_what_firing_the_built_machine_does(role: Role) -> None:
+    # Every event in every state, fired on the real machine: the dispatch names the state the
+    # machine moves the model to, and has no entry exactly where trigger raises.
+    machine = MACHINES[role]
+    for state in KVPoll:
+        for event_type in EVENT_TYPES:
+            model = _Model(state)
+            expected = DISPATCH[role][state].get(event_type)
+            event = machine.events.get(event_type.__name__)
+            if event is None:
+                assert expected is None
+                continue
+            if expected is None:
+                with pytest.raises(MachineError):
+                    event.trigger(model)
+                assert model.state is state
+            else:
+                assert event.trigger(model) is True
+                assert model.state is expected, (state, event_type)
+
+
+def test_compile_refuses_a_machine_whose_firing_does_more_than_the_lookup() -> None:
+    with_callback = build_machine(TABLES[Role.SENDER])
+    with_callback.before_state_change = ["log_it"]
+    with pytest.raises(ValueError, match="before_state_change"):
+        compile_dispatch(with_callback)
+    conditional = build_machine(TABLES[Role.RECEIVER])
+    next(iter(conditional.events["PeerResolved"].transitions.values()))[0].conditions = [object()]
+    with pytest.raises(ValueError, match="conditions"):
+        compile_dispatch(conditional)
+    entering = build_machine(TABLES[Role.SENDER])
+    entering.get_state(KVPoll.Success).on_enter = ["celebrate"]
+    with pytest.raises(ValueError, match="on_enter"):
+        compile_dispatch(entering)
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_a_room_changes_state_only_along_dispatch_edges(role: Role) -> None:
+    # RoomCore reads the dispatch, not the tables: corrupting the dispatch it holds changes
+    # what the room does (so the dispatch is what is in force, and the tests above cover it).
+    core = RoomCore(role, strict=True)
+    core._dispatch = {state: {} for state in KVPoll}
+    with pytest.raises(IllegalEventError):
+        core.handle(AbortRequested())

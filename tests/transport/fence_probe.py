@@ -54,7 +54,7 @@ class TimedLeases(Leases):
 
     def valid(self, fence: int, now: float) -> bool:
         ok = super().valid(fence, now)
-        if threading.current_thread().name.startswith("kvfsm-nixl-post"):
+        if threading.current_thread().name.startswith("kvfsm-poster"):
             self.poster_checks.append(time.perf_counter_ns())
         return ok
 
