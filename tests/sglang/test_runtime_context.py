@@ -7,60 +7,50 @@ device it registered the pool as VRAM, as SGLang labels it, which NIXL refuses o
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from kvfsm.bootstrap import BootstrapClient
-from kvfsm.sglang import KvfsmKVBootstrapServer, KvfsmKVManager
-from kvfsm.sglang._args import ENGINE, ServerConfig
-from kvfsm.sglang._bases import DisaggregationMode
+from kvfsm.sglang import KvfsmKVBootstrapServer
+from kvfsm.sglang._args import ServerConfig
 from kvfsm.transport import MemKind
-from tests.sglang.scheduler import RankBuffers
 
 if os.environ.get("KVFSM_NO_SGLANG") == "1":
     pytest.skip("KVFSM_NO_SGLANG=1", allow_module_level=True)
 
-from sglang.srt.runtime_context import get_context
 
-# Publishing a configuration imports SGLang's quantization modules, which warn on a CPU
-# machine that AWQ and GGUF need CUDA: true, and beside the point here.
-pytestmark = pytest.mark.filterwarnings("ignore:Only CUDA:UserWarning")
-
-
-async def registered_port(url: str) -> int:
-    async with BootstrapClient(url) as client:
-        info = await client.rank(ENGINE, 0)
-    return info.port
+def _child(*argv: str) -> dict[str, Any]:
+    """Run ``runtime_context_child.py`` (see there why in a child) and read its report."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.sglang.runtime_context_child", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
 
 
 def test_under_override_server_args_the_manager_uses_the_published_configuration(
     bootstrap: KvfsmKVBootstrapServer,
 ) -> None:
-    buffers = RankBuffers.make(1)
-    args = buffers.kv_args(0)
-    # SGLang 0.5.23's decode labels every NIXL rank's pool VRAM, even on --device cpu.
-    args.kv_data_mem_kinds = ["VRAM"] * len(buffers.kv)
-    stale = SimpleNamespace()  # what a test hands the backend: nothing configured on it
-    overrides = {
-        "disaggregation_bootstrap_port": bootstrap.port,
-        "host": "127.0.0.1",
-        "device": "cpu",
-    }
-    with get_context().override_server_args(**overrides):
-        config = ServerConfig.read(stale)
-        manager = KvfsmKVManager(args, DisaggregationMode.PREFILL, stale, False)
-    try:
-        assert config.disaggregation_bootstrap_port == bootstrap.port
-        assert config.device == "cpu"
-        assert manager.bootstrap_url == f"http://127.0.0.1:{bootstrap.port}"
-        assert manager.layout.kv[0].kind is MemKind.DRAM
-        # It registered (NIXL took the pool as DRAM) in the configured bootstrap server.
-        assert asyncio.run(registered_port(bootstrap.url)) > 0
-    finally:
-        manager.close()
+    got = _child("manager", str(bootstrap.port))
+    assert got["port"] == bootstrap.port
+    assert got["device"] == "cpu"
+    assert got["url"] == f"http://127.0.0.1:{bootstrap.port}"
+    assert got["kind"] == MemKind.DRAM.value
+    # It registered (NIXL took the pool as DRAM) in the configured bootstrap server.
+    assert got["registered_port"] > 0
 
 
 def test_without_a_published_configuration_server_args_attributes_are_read() -> None:
@@ -72,9 +62,7 @@ def test_without_a_published_configuration_server_args_attributes_are_read() -> 
 
 
 def test_the_published_configuration_wins_over_server_args_attributes() -> None:
-    stale = SimpleNamespace(disaggregation_bootstrap_port=1, host="10.0.0.9", device="cuda")
-    with get_context().override_server_args(disaggregation_bootstrap_port=4567, device="cpu"):
-        seen = ServerConfig.read(stale)
-    assert seen.disaggregation_bootstrap_port == 4567
-    assert seen.device == "cpu"
-    assert seen.host == "127.0.0.1"  # SGLang's resolved default, not the stale attribute
+    seen = _child("published")
+    assert seen["port"] == 4567
+    assert seen["device"] == "cpu"
+    assert seen["host"] == "127.0.0.1"  # SGLang's resolved default, not the stale attribute
