@@ -36,6 +36,8 @@ from kvfsm.sglang._bases import DisaggregationMode, KVArgs, KVPoll
 
 # Shape of every rank's pools: small, so a scenario moves real bytes quickly on 2 vCPUs.
 LAYERS, PAGES, PAGE_BYTES, PAGE_TOKENS = 2, 96, 1024, 16
+#: Bytes of one head of one token: with one head per rank (the default), a page is PAGE_BYTES.
+HEAD_BYTES = PAGE_BYTES // PAGE_TOKENS
 AUX_ROWS, STATE_ROWS, STATE_ROW_BYTES = 24, 24, 256
 #: A scheduler-facing call that takes longer than this is reported (it would stall every
 #: request on the rank). Network-bound calls take tens of milliseconds at least; this is
@@ -50,33 +52,129 @@ TERMINAL = frozenset({KVPoll.Failed, KVPoll.Success})
 NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
 
 
+def rank_heads(rank: int, tp: int, total: int) -> list[int]:
+    """The global KV heads attention-TP rank ``rank`` of ``tp`` holds, split as SGLang splits
+    them: ``tp <= total`` (divisible), a contiguous block of ``total // tp``; ``tp > total``
+    (``tp % total == 0``), one head, replicated on ``tp // total`` consecutive ranks."""
+    if tp <= total:
+        assert total % tp == 0, (tp, total)
+        n = total // tp
+        return list(range(rank * n, (rank + 1) * n))
+    assert tp % total == 0, (tp, total)
+    return [rank // (tp // total)]
+
+
+def kv_source(rank: int, prefill_tp: int, decode_tp: int) -> int:
+    """The prefill rank whose aux row and state row decode rank ``rank`` receives: the
+    lowest-numbered prefill rank writing KV into it (``prefill_tp >= decode_tp``: the first of
+    its block of ``prefill_tp // decode_tp``; MLA: its only writer; equal TP: the same rank)."""
+    return rank * prefill_tp // decode_tp
+
+
+_MIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
+
+
+def _hash_bytes(*coords: np.ndarray) -> np.ndarray:
+    """A deterministic byte in 1..255 for every point of the broadcast ``coords`` (never 0, the
+    value of an unwritten decode byte; a splitmix-style mix, so no two neighbouring pages,
+    rows, heads or bytes are related)."""
+    v = np.zeros(np.broadcast_shapes(*(c.shape for c in coords)), np.uint64)
+    for k, c in enumerate(coords):
+        v = (v ^ c.astype(np.uint64)) * np.uint64(_MIX[k % 2])
+        v ^= v >> np.uint64(29)
+    v *= np.uint64(_MIX[1])
+    v ^= v >> np.uint64(32)
+    return (v % np.uint64(255) + np.uint64(1)).astype(np.uint8)
+
+
+def kv_bytes(
+    generation: int, buffer: int, pages: Sequence[int], heads: Sequence[int], head_bytes: int
+) -> np.ndarray:
+    """What every prefill replica of global heads ``heads`` holds in KV buffer ``buffer`` at
+    ``pages``: uint8 ``[pages, PAGE_TOKENS, heads, head_bytes]``, a function of (generation,
+    buffer, page, token row, global head, byte) only, so replicas agree and decode can say what
+    each of its head slices must hold."""
+    g = np.asarray(generation, np.uint64).reshape(1, 1, 1, 1)
+    b = np.asarray(buffer, np.uint64).reshape(1, 1, 1, 1)
+    p = np.asarray(pages, np.uint64).reshape(-1, 1, 1, 1)
+    t = np.arange(PAGE_TOKENS, dtype=np.uint64).reshape(1, -1, 1, 1)
+    h = np.asarray(heads, np.uint64).reshape(1, 1, -1, 1)
+    x = np.arange(head_bytes, dtype=np.uint64).reshape(1, 1, 1, -1)
+    return _hash_bytes(g, b, p, t, h, x)
+
+
 @dataclass
 class RankBuffers:
-    """One rank's memory, shaped like SGLang's: per-layer K and V pools, the metadata buffers
-    (first output token ids, and ``bootstrap_room``, which the decode metadata gate reads), and
-    one hybrid-state pool (one state type, as for Mamba)."""
+    """One rank's memory, shaped like SGLang's: per-layer K and V pools (MLA: one latent pool
+    per layer), the metadata buffers (first output token ids, and ``bootstrap_room``, which the
+    decode metadata gate reads), and one hybrid-state pool (one state type, as for Mamba).
+
+    KV pools are token-major: a page is ``PAGE_TOKENS`` rows, each row the rank's heads side
+    by side, ``head_bytes`` each (MLA: the whole latent row, as one "head" 0)."""
 
     kv: list[np.ndarray]
     output_ids: np.ndarray  # int32 [rows, 16]
     rooms: np.ndarray  # int64 [rows, 8]: column 0 is the request's bootstrap_room
     state: np.ndarray
+    #: The global KV heads this rank holds, in the order they sit in a row.
+    heads: list[int] = field(default_factory=lambda: [0])
+    total_heads: int = 1
+    head_bytes: int = HEAD_BYTES
+    mla: bool = False
 
     @classmethod
-    def make(cls, seed: int | None) -> RankBuffers:
-        """``seed``: fill with deterministic bytes (prefill); None: zeros (decode)."""
-        rng = np.random.default_rng(seed)
-
-        def pool(shape: tuple[int, int]) -> np.ndarray:
-            if seed is None:
-                return np.zeros(shape, np.uint8)
-            return rng.integers(1, 255, shape, dtype=np.uint8)
-
+    def make(
+        cls,
+        seed: int | None,
+        *,
+        rank: int = 0,
+        heads: Sequence[int] = (0,),
+        total_heads: int = 1,
+        head_bytes: int = HEAD_BYTES,
+        mla: bool = False,
+    ) -> RankBuffers:
+        """``seed``: the prefill fill's generation (KV bytes by :func:`kv_bytes`, the same on
+        every replica; state rows also by rank, so a rank mix-up shows); None: zeros
+        (decode)."""
+        n_kv = LAYERS if mla else 2 * LAYERS
+        row = PAGE_TOKENS * len(heads) * head_bytes
+        if seed is None:
+            kv = [np.zeros((PAGES, row), np.uint8) for _ in range(n_kv)]
+            state = np.zeros((STATE_ROWS, STATE_ROW_BYTES), np.uint8)
+        else:
+            kv = [
+                kv_bytes(seed, i, range(PAGES), heads, head_bytes).reshape(PAGES, row)
+                for i in range(n_kv)
+            ]
+            state = _hash_bytes(
+                np.asarray(seed, np.uint64).reshape(1, 1),
+                np.asarray(0xFFFF + rank, np.uint64).reshape(1, 1),
+                np.arange(STATE_ROWS, dtype=np.uint64).reshape(-1, 1),
+                np.arange(STATE_ROW_BYTES, dtype=np.uint64).reshape(1, -1),
+            )
         return cls(
-            kv=[pool((PAGES, PAGE_BYTES)) for _ in range(2 * LAYERS)],
+            kv=kv,
             output_ids=np.zeros((AUX_ROWS, 16), np.int32),
             rooms=np.zeros((AUX_ROWS, 8), np.int64),
-            state=pool((STATE_ROWS, STATE_ROW_BYTES)),
+            state=state,
+            heads=list(heads),
+            total_heads=total_heads,
+            head_bytes=head_bytes,
+            mla=mla,
         )
+
+    def head_view(self, buffer: int) -> np.ndarray:
+        """KV buffer ``buffer`` as ``[pages, PAGE_TOKENS, local heads, head_bytes]``."""
+        return self.kv[buffer].reshape(PAGES, PAGE_TOKENS, len(self.heads), self.head_bytes)
+
+    def page_bytes(self) -> int:
+        return sum(b.shape[1] for b in self.kv)
+
+    def aux_row_bytes(self) -> int:
+        return self.output_ids[0].nbytes + self.rooms[0].nbytes
+
+    def state_row_bytes(self) -> int:
+        return int(self.state.shape[1])
 
     def kv_args(self, engine_rank: int) -> KVArgs:
         """What SGLang's scheduler assigns to ``KVArgs`` (prefill.py:258-356, decode.py:609-764)."""
@@ -85,8 +183,13 @@ class RankBuffers:
         args.kv_data_ptrs = [b.ctypes.data for b in self.kv]
         args.kv_data_lens = [b.nbytes for b in self.kv]
         args.kv_item_lens = [b.shape[1] for b in self.kv]
-        args.kv_layer_ids = [i // 2 for i in range(len(self.kv))]
+        if self.mla:
+            args.kv_layer_ids = list(range(len(self.kv)))
+        else:
+            args.kv_layer_ids = [i // 2 for i in range(len(self.kv))]
         args.kv_data_mem_kinds = ["DRAM"] * len(self.kv)  # SGLang sets it on NIXL ranks
+        args.kv_head_num = len(self.heads)
+        args.total_kv_head_num = self.total_heads
         aux = (self.output_ids, self.rooms)
         args.aux_data_ptrs = [b.ctypes.data for b in aux]
         args.aux_data_lens = [b.nbytes for b in aux]
@@ -122,11 +225,40 @@ class Instance:
     mode: str
     buffers: list[RankBuffers]
     managers: list[KvfsmKVManager]
+    #: The model's KV heads (1 for MLA), bytes per head and token, MLA or not.
+    heads: int = 1
+    head_bytes: int = HEAD_BYTES
+    mla: bool = False
+    generation: int = 0
 
     @classmethod
-    def start(cls, mode: str, port: int, tp_size: int, *, generation: int = 0) -> Instance:
-        seed = (lambda r: 1000 * generation + r) if mode == "prefill" else (lambda r: None)
-        buffers = [RankBuffers.make(seed(r)) for r in range(tp_size)]
+    def start(
+        cls,
+        mode: str,
+        port: int,
+        tp_size: int,
+        *,
+        generation: int = 0,
+        heads: int | None = None,
+        head_bytes: int = HEAD_BYTES,
+        mla: bool = False,
+    ) -> Instance:
+        """``heads``: the model's KV heads, split over the ranks as SGLang does
+        (:func:`rank_heads`); default one per rank, so a page is ``PAGE_BYTES`` per buffer.
+        ``mla``: one latent buffer per layer, the whole latent on every rank."""
+        total = 1 if mla else (tp_size if heads is None else heads)
+        fill = generation if mode == "prefill" else None
+        buffers = [
+            RankBuffers.make(
+                fill,
+                rank=r,
+                heads=[0] if mla else rank_heads(r, tp_size, total),
+                total_heads=total,
+                head_bytes=head_bytes,
+                mla=mla,
+            )
+            for r in range(tp_size)
+        ]
         managers: list[KvfsmKVManager] = []
         try:
             for r, b in enumerate(buffers):
@@ -135,14 +267,37 @@ class Instance:
                         b.kv_args(r),
                         DisaggregationMode(mode),
                         server_args(port, tp_size),
-                        False,
+                        mla,
                     )
                 )
         except BaseException:
             for m in managers:
                 m.close()
             raise
-        return cls(mode, buffers, managers)
+        return cls(mode, buffers, managers, total, head_bytes, mla, generation)
+
+    @property
+    def tp(self) -> int:
+        return len(self.buffers)
+
+    def holder(self, head: int) -> tuple[int, int]:
+        """The lowest rank holding global ``head``, and the head's index in that rank's rows."""
+        for r, b in enumerate(self.buffers):
+            if head in b.heads:
+                return r, b.heads.index(head)
+        raise AssertionError(f"{self.mode}: no rank holds head {head}")
+
+    def transport_snapshots(self) -> list[dict[str, Any]]:
+        """Every rank's transport counters (``bytes_done``, ``chunks_done``, ...), read on its
+        loop."""
+        out = []
+        for m in self.managers:
+            engine = m.kvfsm.engine
+            transport = getattr(m.kvfsm, "transport", None)
+            assert engine is not None
+            assert transport is not None
+            out.append(engine.call(_snapshot(transport)))
+        return out
 
     def close(self) -> None:
         for m in self.managers:
@@ -555,23 +710,88 @@ class DecodeScheduler:
         return bool(self.pending or self.prealloc or self.transfer or self.deferred)
 
 
-def verify_success(req: Request, prefill: Instance, decode: Instance) -> list[str]:
-    """Success ⇒ every byte the request owns on decode equals the prefill rank's bytes. Called
-    when decode commits the request (before its aux slot is cleared)."""
+def verify_kv(req: Request, prefill: Instance, decode: Instance) -> list[str]:
+    """Every KV byte of ``req`` on every decode rank: for each decode rank, buffer, page, token
+    row and local head, the bytes equal the prefill bytes of that global head at the source
+    page (read from the lowest prefill rank holding it; replicas hold the same bytes). With
+    equal TP and unsplit heads that is the whole page of the same-numbered prefill rank."""
     bad = []
-    for r, (src, dst) in enumerate(zip(prefill.buffers, decode.buffers, strict=True)):
-        for i, (s, d) in enumerate(zip(src.kv, dst.kv, strict=True)):
-            if not np.array_equal(s[req.src_pages], d[req.dst_pages]):
-                bad.append(f"room {req.room} rank {r}: kv buffer {i} differs")
+    for d, dst in enumerate(decode.buffers):
+        for i in range(len(dst.kv)):
+            got = dst.head_view(i)[req.dst_pages]
+            for j, head in enumerate(dst.heads):
+                r, k = prefill.holder(head)
+                src = prefill.buffers[r]
+                if src.head_bytes != dst.head_bytes or len(src.kv) != len(dst.kv):
+                    bad.append(f"room {req.room}: the rig's prefill and decode shapes differ")
+                    return bad
+                want = src.head_view(i)[req.src_pages, :, k]
+                if not np.array_equal(want, got[:, :, j]):
+                    rows = np.argwhere((want != got[:, :, j]).any(axis=-1))
+                    where = ", ".join(
+                        f"page {req.dst_pages[p]} (src {req.src_pages[p]}) row {t}"
+                        for p, t in rows[:3]
+                    )
+                    bad.append(
+                        f"room {req.room} rank {d}: kv buffer {i} differs (head {head}, from "
+                        f"prefill rank {r}): {len(rows)} rows, first {where}"
+                    )
+    return bad
+
+
+def verify_success(req: Request, prefill: Instance, decode: Instance) -> list[str]:
+    """Success ⇒ every byte the request owns on decode equals prefill's bytes. Called when
+    decode commits the request (before its aux slot is cleared). KV: :func:`verify_kv`; aux
+    row (``bootstrap_room`` included) and state row: those of decode rank d's
+    :func:`kv_source`, whose aux output ids are rank-specific, so a wrong pairing shows."""
+    bad = verify_kv(req, prefill, decode)
+    for d, dst in enumerate(decode.buffers):
+        r = kv_source(d, prefill.tp, decode.tp)
+        src = prefill.buffers[r]
         if not np.array_equal(src.output_ids[req.src_aux], dst.output_ids[req.dst_aux]):
-            bad.append(f"room {req.room} rank {r}: aux output ids differ")
+            bad.append(
+                f"room {req.room} rank {d}: aux output ids differ from prefill rank {r}'s: "
+                f"{dst.output_ids[req.dst_aux].tolist()}"
+            )
         if dst.rooms[req.dst_aux, 0] != req.room:
             bad.append(
-                f"room {req.room} rank {r}: aux bootstrap_room is {dst.rooms[req.dst_aux, 0]}"
+                f"room {req.room} rank {d}: aux bootstrap_room is {dst.rooms[req.dst_aux, 0]}"
             )
         if not np.array_equal(src.state[req.src_state], dst.state[req.dst_state]):
-            bad.append(f"room {req.room} rank {r}: state row differs")
+            bad.append(f"room {req.room} rank {d}: state row differs from prefill rank {r}'s")
     return bad
+
+
+def stray_writes(requests: Sequence[Request], prefill: Instance, decode: Instance) -> list[str]:
+    """At the end of a run whose decode started from zeros and whose requests own disjoint
+    pages: every decode KV page no request owns is still zero on every rank, and every
+    committed request's pages still hold its bytes (nothing wrote into them after Success)."""
+    owned = sorted({p for req in requests for p in req.dst_pages})
+    free = np.setdiff1d(np.arange(PAGES), np.asarray(owned, np.int64))
+    bad = []
+    for d, b in enumerate(decode.buffers):
+        for i, kv in enumerate(b.kv):
+            written = free[kv[free].any(axis=1)]
+            if written.size:
+                bad.append(
+                    f"decode rank {d}: kv buffer {i}: pages {written.tolist()} owned by no "
+                    "request were written"
+                )
+    for req in requests:
+        if req.decode_outcome == "Success":
+            bad.extend(f"after the run: {v}" for v in verify_kv(req, prefill, decode))
+    return bad
+
+
+def moved_bytes(requests: Sequence[Request], decode: Instance) -> int:
+    """Bytes that must reach decode for ``requests``, one replica per decode rank: each of its
+    pages once, its aux row and state row once."""
+    total = 0
+    for b in decode.buffers:
+        for req in requests:
+            total += len(req.dst_pages) * b.page_bytes() + b.aux_row_bytes()
+            total += b.state_row_bytes()
+    return total
 
 
 @dataclass
