@@ -15,7 +15,9 @@ raising, so a scenario reports all of them at once:
 * ``failure_exception()`` raises (with a reason) every time it is called;
 * no scheduler-facing call takes longer than :data:`CALL_LIMIT_S`;
 * Success means the KV pages, the aux row (``bootstrap_room`` included) and the state rows on
-  every decode rank equal the prefill rank's bytes;
+  every decode rank equal prefill's bytes: KV head slice by head slice (prefill fills by global
+  head, so with unequal attention TP each decode head is checked against the prefill rank that
+  holds it), the rows against the lowest prefill rank writing into that decode rank;
 * pages of a failed request, once decode was told they may be reused, are never written again
   (canary bytes, checked at the end of the scenario).
 """
