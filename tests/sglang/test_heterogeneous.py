@@ -65,8 +65,9 @@ class Shape:
 
 #: Equal TP with the rig's head splits and MLA: pass with equal-TP kvfsm already.
 EQUAL = [Shape(2, 2, heads=4), Shape(2, 2, heads=1), Shape(2, 2, mla=True)]
-#: P > D. Shape(4, 2, heads=2) replicates prefill heads (4 ranks over 2 heads).
-UNEQUAL = [Shape(2, 1, heads=4), Shape(4, 2, heads=4), Shape(4, 2, heads=2)]
+#: P > D. heads=2 replicates prefill heads (4 ranks over 2 heads); heads=1 (MQA) replicates
+#: both sides, every rank holding the one head.
+UNEQUAL = [Shape(2, 1, heads=4), Shape(4, 2, heads=4), Shape(4, 2, heads=2), Shape(4, 2, heads=1)]
 MLA = [Shape(2, 2, mla=True), Shape(2, 1, mla=True), Shape(4, 2, mla=True)]
 #: P < D: refused for now. When the adapter supports it, move these shapes into UNEQUAL and
 #: delete test_prefill_tp_below_decode_tp_is_refused_with_a_reason.
