@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -48,6 +48,9 @@ CALL_LIMIT_S = 0.025
 CANARY = 0xA5
 #: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s upstream).
 DEFERRED_RELEASE_TIMEOUT_S = 30.0
+
+#: When an instance's scheduler puts the MHA head counts into ``KVArgs`` (see Instance.start).
+HeadCounts = Literal["before", "after", "never"]
 
 PRE_INIT = frozenset({KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput})
 TERMINAL = frozenset({KVPoll.Failed, KVPoll.Success})
@@ -178,8 +181,16 @@ class RankBuffers:
     def state_row_bytes(self) -> int:
         return int(self.state.shape[1])
 
-    def kv_args(self, engine_rank: int) -> KVArgs:
-        """What SGLang's scheduler assigns to ``KVArgs`` (prefill.py:258-356, decode.py:609-764)."""
+    def set_head_counts(self, args: KVArgs) -> None:
+        """``kv_head_num`` (this rank's KV heads) and ``total_kv_head_num`` (the model's), as
+        SGLang sets them for MHA pools (prefill.py:336-340, decode.py:780-789); not for MLA."""
+        if not self.mla:
+            args.kv_head_num = len(self.heads)
+            args.total_kv_head_num = self.total_heads
+
+    def kv_args(self, engine_rank: int, *, head_counts: bool = True) -> KVArgs:
+        """What SGLang's scheduler assigns to ``KVArgs`` (prefill.py:258-356, decode.py:609-764)
+        before it builds the manager; ``head_counts``: :meth:`set_head_counts` too."""
         args = KVArgs()
         args.engine_rank = engine_rank
         args.kv_data_ptrs = [b.ctypes.data for b in self.kv]
@@ -190,8 +201,8 @@ class RankBuffers:
         else:
             args.kv_layer_ids = [i // 2 for i in range(len(self.kv))]
         args.kv_data_mem_kinds = ["DRAM"] * len(self.kv)  # SGLang sets it on NIXL ranks
-        args.kv_head_num = len(self.heads)
-        args.total_kv_head_num = self.total_heads
+        if head_counts:
+            self.set_head_counts(args)
         aux = (self.output_ids, self.rooms)
         args.aux_data_ptrs = [b.ctypes.data for b in aux]
         args.aux_data_lens = [b.nbytes for b in aux]
@@ -244,10 +255,14 @@ class Instance:
         heads: int | None = None,
         head_bytes: int = HEAD_BYTES,
         mla: bool = False,
+        head_counts: HeadCounts = "before",
     ) -> Instance:
         """``heads``: the model's KV heads, split over the ranks as SGLang does
         (:func:`rank_heads`); default one per rank, so a page is ``PAGE_BYTES`` per buffer.
-        ``mla``: one latent buffer per layer, the whole latent on every rank."""
+        ``mla``: one latent buffer per layer, the whole latent on every rank.
+        ``head_counts``: when the MHA head counts land in ``KVArgs``: "before" the manager is
+        built (SGLang's prefill), "after" it (SGLang's decode with heterogeneous-TP staging), or
+        "never" (SGLang's decode without staging)."""
         total = 1 if mla else (tp_size if heads is None else heads)
         fill = generation if mode == "prefill" else None
         buffers = [
@@ -264,14 +279,17 @@ class Instance:
         managers: list[KvfsmKVManager] = []
         try:
             for r, b in enumerate(buffers):
+                args = b.kv_args(r, head_counts=head_counts == "before")
                 managers.append(
                     KvfsmKVManager(
-                        b.kv_args(r),
+                        args,
                         DisaggregationMode(mode),
                         server_args(port, tp_size),
                         mla,
                     )
                 )
+                if head_counts == "after":
+                    b.set_head_counts(args)
         except BaseException:
             for m in managers:
                 m.close()

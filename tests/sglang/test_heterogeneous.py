@@ -33,6 +33,7 @@ import pytest
 from kvfsm.sglang import KvfsmKVBootstrapServer
 from tests.sglang.scheduler import (
     PAGES,
+    HeadCounts,
     Instance,
     Outcome,
     Pair,
@@ -57,17 +58,30 @@ class Shape:
     heads: int = 4
     head_bytes: int = 16
     mla: bool = False
+    #: When decode's scheduler sets the MHA head counts (prefill's sets them before the
+    #: manager, as SGLang's does): "never" and "after" are SGLang's decode without and with
+    #: heterogeneous-TP staging.
+    decode_head_counts: HeadCounts = "before"
 
     def __str__(self) -> str:
         model = "mla" if self.mla else f"mha{self.heads}h"
-        return f"{model}-p{self.prefill_tp}-d{self.decode_tp}"
+        late = "" if self.decode_head_counts == "before" else f"-heads-{self.decode_head_counts}"
+        return f"{model}-p{self.prefill_tp}-d{self.decode_tp}{late}"
 
 
 #: Equal TP with the rig's head splits and MLA: pass with equal-TP kvfsm already.
 EQUAL = [Shape(2, 2, heads=4), Shape(2, 2, heads=1), Shape(2, 2, mla=True)]
 #: P > D. heads=2 replicates prefill heads (4 ranks over 2 heads); heads=1 (MQA) replicates
 #: both sides, every rank holding the one head.
-UNEQUAL = [Shape(2, 1, heads=4), Shape(4, 2, heads=4), Shape(4, 2, heads=2), Shape(4, 2, heads=1)]
+#: Decode's head counts as SGLang's decode sets them: never (no staging), after the manager.
+UNEQUAL = [
+    Shape(2, 1, heads=4),
+    Shape(4, 2, heads=4),
+    Shape(4, 2, heads=2),
+    Shape(4, 2, heads=1),
+    Shape(2, 1, heads=4, decode_head_counts="never"),
+    Shape(4, 2, heads=4, decode_head_counts="after"),
+]
 MLA = [Shape(2, 2, mla=True), Shape(2, 1, mla=True), Shape(4, 2, mla=True)]
 #: P < D: refused for now. When the adapter supports it, move these shapes into UNEQUAL and
 #: delete test_prefill_tp_below_decode_tp_is_refused_with_a_reason.
@@ -80,7 +94,13 @@ def started(bootstrap: KvfsmKVBootstrapServer, shape: Shape) -> Iterator[Pair]:
 
     def start(mode: str, tp: int) -> Instance:
         return Instance.start(
-            mode, port, tp, heads=shape.heads, head_bytes=shape.head_bytes, mla=shape.mla
+            mode,
+            port,
+            tp,
+            heads=shape.heads,
+            head_bytes=shape.head_bytes,
+            mla=shape.mla,
+            head_counts="before" if mode == "prefill" else shape.decode_head_counts,
         )
 
     prefill = start("prefill", shape.prefill_tp)
