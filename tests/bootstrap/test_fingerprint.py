@@ -19,11 +19,11 @@ from kvfsm.bootstrap._fingerprint import (
     link_plan,
     mismatch,
 )
-from kvfsm.transport._slices import KvPiece, RowSlice
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.transport._slices import KvPiece, RowSlice
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.registry import running_registry
 
@@ -68,7 +68,7 @@ def test_head_fields_are_compared_only_where_both_sides_declare_them() -> None:
     )
 
 
-@pytest.mark.parametrize(("name", "label"), (*MUST_MATCH, *DECLARED_MATCH))
+@pytest.mark.parametrize(("name", "label"), [*MUST_MATCH, *DECLARED_MATCH])
 def test_a_layout_difference_names_the_field_and_both_values(name: str, label: str) -> None:
     theirs = msgspec.structs.replace(LLAMA, **{name: OTHER[name]})
     reason = mismatch(LLAMA, theirs)
