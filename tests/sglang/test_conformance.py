@@ -229,7 +229,12 @@ def test_prefill_restarted_behind_the_same_address(bootstrap: KvfsmKVBootstrapSe
         prefill.close()
 
 
-def test_unequal_tp_is_refused_with_a_reason(bootstrap: KvfsmKVBootstrapServer) -> None:
+def test_unequal_tp_without_head_counts_is_refused_at_the_handshake(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """Prefill TP 2 to decode TP 1, but this rig's KVArgs declare no head counts: prefill
+    cannot plan the head slices, so the handshake refuses the pair by name and decode's
+    request fails at once with that reason (not at transfer time, never wrong bytes)."""
     prefill = Instance.start("prefill", bootstrap.port, 2)
     decode = Instance.start("decode", bootstrap.port, 1)
     try:
@@ -247,7 +252,8 @@ def test_unequal_tp_is_refused_with_a_reason(bootstrap: KvfsmKVBootstrapServer) 
             d.step()
             time.sleep(0.001)
         assert req.decode_outcome == "Failed"
-        assert "unequal TP" in req.decode_reasons[0]
+        assert "fingerprint mismatch: unequal attention TP (prefill 2, decode 1) needs prefill "
+        "to declare its KV heads" in req.decode_reasons[0]
         assert check.violations == []
     finally:
         decode.close()
