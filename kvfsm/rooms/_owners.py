@@ -198,8 +198,9 @@ class DestinationOwners:
         ``group``: the legs of one decode request (unequal TP: one room per prefill rank that
         feeds it) write disjoint head slices of the *same* pages, so they share one claim. The
         first leg of a group takes the pages; a later leg must name exactly the same pages and
-        joins; the aux row and state rows are taken by whichever leg names them (one leg
-        does). The pages are free again once every member has released."""
+        joins (or names none: a dummy leg); the aux row and state rows are taken by whichever
+        leg names them (one leg does). The pages are free again once every member has
+        released."""
         if owner in self._by_owner:
             raise ValueError(f"room {owner.room} gen {owner.generation} already holds its pages")
         if group is not None and group in self._groups:
@@ -239,7 +240,7 @@ class DestinationOwners:
     ) -> str | None:
         claim = self._claims[slot]
         assert claim is not None
-        if pages != claim.packed:
+        if pages and pages != claim.packed:  # (a dummy leg names no pages: it only joins)
             return (
                 f"a leg of room {owner.room} names other pages than its first leg "
                 f"(room {claim.owner.room} gen {claim.owner.generation})"

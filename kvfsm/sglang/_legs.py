@@ -33,13 +33,14 @@ __all__ = ["Legs"]
 class Legs:
     """The legs of one request on one decode rank; leg 0 exists from the start."""
 
-    __slots__ = ("_ended", "ranks", "rooms")
+    __slots__ = ("_ended", "_first", "ranks", "rooms")
 
     def __init__(self, first: ReceiverRoom) -> None:
         self.rooms: list[ReceiverRoom] = [first]
         #: The prefill attention-TP rank each leg hears from (known once ``init`` ran).
         self.ranks: list[int] = []
         self._ended = False
+        self._first = ""
 
     def add(self, room: ReceiverRoom) -> None:
         self.rooms.append(room)
@@ -59,9 +60,12 @@ class Legs:
         for room in self.rooms:
             if room.poll() not in TERMINAL:
                 room.abort(f"another leg of this request failed: {why}")
+        self._first = why
 
     @property
     def reason(self) -> str:
+        if self._first:  # the first failure, not the aborts it caused in the other legs
+            return self._first
         for i, room in enumerate(self.rooms):
             if room.poll() is KVPoll.Failed:
                 if len(self.rooms) == 1:
