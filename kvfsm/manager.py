@@ -357,6 +357,7 @@ class DecodeManager(_Manager):
             self.close()
             raise
 
-    def receiver(self, room: int) -> ReceiverRoom:
-        """A new decode room (non-blocking; a duplicate live room id is published Failed)."""
-        return self._engine().receiver(room)
+    def receiver(self, room: int, *, leg: int = 0, group: int | None = None) -> ReceiverRoom:
+        """A new decode room (non-blocking; a duplicate live room id is published Failed).
+        ``leg``/``group``: one of several rooms of a request fed by several prefill ranks."""
+        return self._engine().receiver(room, leg=leg, group=group)

@@ -89,6 +89,7 @@ __all__ = [
     "Initialized",
     "KVPoll",
     "MetadataSubmitted",
+    "Part",
     "PeerFailed",
     "PeerLost",
     "PeerResolved",
@@ -134,6 +135,24 @@ class Role(enum.Enum):
     __hash__ = object.__hash__
 
 
+class Part(enum.IntEnum):
+    """What one *leg* of a room carries, when a decode rank's request is fed by several
+    prefill ranks (unequal attention TP): each leg is a room of its own between one prefill
+    rank and one decode rank, and they share the decode request's pages.
+
+    * ``WHOLE``: the KV (or this leg's head slice of it), the aux row and the state rows. The
+      only part when TP is equal; with several legs, exactly one of them.
+    * ``KV``: the KV slice only; another leg of the request carries the aux and state rows.
+    * ``NONE``: nothing. The prefill rank holds no KV this decode rank needs (an MLA replica,
+      or a replicated KV head another replica sends): it is SGLang's "dummy" rank for it, and
+      its room still runs to Success so every rank's poll reports the same progress.
+    """
+
+    WHOLE = 0
+    KV = 1
+    NONE = 2
+
+
 # --------------------------------------------------------------------------------------------
 # Events: what happened. Frozen (safe to share between tasks), tagged (the class name is the tag,
 # so the same classes can travel in a msgspec union), gc=False (scalar payloads, no cycles).
@@ -159,6 +178,8 @@ class DestinationReceived(Event, frozen=True):
     #: The write lease these pages are fenced by (law 4): the control link that brought them.
     #: Every chunk into them is posted only while that lease is valid; 0 means unfenced.
     fence: int = 0
+    #: Which part of the decode request this room carries (:class:`Part`).
+    part: int = 0
 
 
 class Initialized(Event, frozen=True):
@@ -214,6 +235,8 @@ class MetadataSubmitted(Event, frozen=True):
     pages: bytes
     aux_index: int
     state: bytes = b""
+    #: Which part of the request this leg carries (:class:`Part`).
+    part: int = 0
 
 
 class TransferConfirmed(Event, frozen=True):
@@ -444,6 +467,7 @@ class SendMetadata(Command, frozen=True):
     pages: bytes
     aux_index: int
     state: bytes = b""
+    part: int = 0
 
 
 class ReportOutcome(Command, frozen=True):

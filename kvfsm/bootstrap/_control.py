@@ -49,7 +49,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
-from kvfsm.bootstrap._fingerprint import Fingerprint, mismatch
+from kvfsm.bootstrap._fingerprint import Fingerprint, link_plan, mismatch
 from kvfsm.bootstrap._frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -99,6 +99,7 @@ from kvfsm.states import (
 )
 from kvfsm.transport._agent import Agent
 from kvfsm.transport._layout import LayoutSummary
+from kvfsm.transport._slices import NO_KV
 from kvfsm.transport._transport import NixlTransport
 
 __all__ = ["ChannelConfig", "ControlPlane", "Resolver"]
@@ -371,7 +372,12 @@ class ControlPlane:
         elif isinstance(command, SendMetadata):
             assert self._decode is not None
             frame = RoomMetadata(
-                key.room, key.generation, command.pages, command.aux_index, command.state
+                key.room,
+                key.generation,
+                command.pages,
+                command.aux_index,
+                command.state,
+                command.part,
             )
             self._do(self._decode.metadata(key, frame))
         elif isinstance(command, ReportOutcome):
@@ -741,7 +747,11 @@ class ControlPlane:
         assert self.transport is not None
         try:
             summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
-            await self.transport.connect_peer(peer_id, theirs.agent_metadata, summary)
+            # Unequal attention TP: the head slice of each page this rank writes there.
+            plan = link_plan(self.fingerprint, theirs.fingerprint)
+            piece = NO_KV if plan == "none" else plan
+            assert not isinstance(piece, str)
+            await self.transport.connect_peer(peer_id, theirs.agent_metadata, summary, piece)
         except Exception as exc:
             self.stats["handshakes_refused"] += 1
             reason = clip_reason(

@@ -12,15 +12,29 @@ for that rank fail at once with it (never a deadline, never wrong bytes).
 Rules
 -----
 
-1. **Layout fields must be equal** (:data:`MUST_MATCH`): layers, KV heads of the whole
-   model, head size in bytes, dtype, page size in tokens, MLA or not, and the state types. A
-   field left at its default (0 or empty: "not declared") is compared like any other value, so
-   a side that declares nothing pairs only with a side that declares nothing; the layout check
-   of the data path (item sizes, ``Layout.compatible_with``) still applies to those.
-2. **Parallel shapes must be a pair the data path supports** (:data:`SHAPE_RULES`): today equal
-   attention TP and no pipeline parallelism on either side.
-3. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
+1. **Layout fields must be equal** (:data:`MUST_MATCH`): layers, dtype, page size in tokens,
+   MLA or not, and the state types. A field left at its default (0 or empty: "not declared")
+   is compared like any other value, so a side that declares nothing pairs only with a side
+   that declares nothing; the layout check of the data path (item sizes,
+   ``Layout.compatible_with``) still applies to those.
+2. **Head fields must be equal where both sides declare them** (:data:`DECLARED_MATCH`): KV
+   heads of the whole model and head size in bytes. SGLang's decode does not know its head
+   counts (its scheduler sets them only for staging, after the manager exists), so decode may
+   leave them at 0. Prefill, which plans the head slices it writes, must declare them when
+   attention TP differs (rule 4).
+3. **Parallel shapes must be a pair the data path supports** (:data:`SHAPE_RULES`): prefill's
+   attention TP a multiple of decode's (several prefill ranks feed one decode rank; the other
+   way round, one prefill rank would write each room into several decode ranks, is not built
+   yet) and no pipeline parallelism on either side.
+4. **Unequal attention TP must split** (:func:`mismatch`): the model's KV heads split over
+   both TPs (one divides the other, ``_slices.HeadShard``); if prefill replicates heads (its
+   TP above the head count), decode must declare the head count too, since which replica
+   writes depends on it.
+5. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
    version may not even have one.
+
+:func:`link_plan` then says what prefill writes of each page over the link: whole pages, a
+head slice (``KvPiece``), or no KV at all (a dummy link), by the rules of ``_slices``.
 
 The rules are data and :func:`mismatch` is pure: it is tested directly, and the control plane
 only carries its answer.
@@ -33,7 +47,9 @@ from typing import Annotated, Final
 
 import msgspec
 
-__all__ = ["MUST_MATCH", "SHAPE_RULES", "Fingerprint", "mismatch"]
+from kvfsm.transport._slices import KvPiece, link_piece
+
+__all__ = ["DECLARED_MATCH", "MUST_MATCH", "SHAPE_RULES", "Fingerprint", "link_plan", "mismatch"]
 
 _Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
@@ -59,31 +75,46 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Attention tensor-parallel size of this side, and its pipeline-parallel size.
     attn_tp: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 1
     pp: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 1
+    #: This rank's index in its attention-TP group (which heads it holds).
+    attn_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
+
+    def __post_init__(self) -> None:
+        if self.attn_tp >= 1 and self.attn_rank >= self.attn_tp:  # (attn_tp < 1: msgspec says)
+            raise ValueError(f"attention-TP rank {self.attn_rank} of attention TP {self.attn_tp}")
 
 
 #: Rule 1: the fields that must be equal, with how a reason names each.
 MUST_MATCH: Final[tuple[tuple[str, str], ...]] = (
     ("layers", "layers"),
-    ("kv_heads", "KV heads"),
-    ("head_bytes", "head size in bytes"),
     ("dtype", "KV dtype"),
     ("page_tokens", "page size (tokens)"),
     ("mla", "MLA"),
     ("state_types", "state types"),
 )
 
+#: Rule 2: equal where both sides declare them (non-zero).
+DECLARED_MATCH: Final[tuple[tuple[str, str], ...]] = (
+    ("kv_heads", "KV heads"),
+    ("head_bytes", "head size in bytes"),
+)
 
-def _equal(prefill: int, decode: int) -> bool:
-    return prefill == decode
+
+def _multiple(prefill: int, decode: int) -> bool:
+    return prefill % decode == 0
 
 
 def _both_one(prefill: int, decode: int) -> bool:
     return prefill == decode == 1
 
 
-#: Rule 2: (field, supported(prefill value, decode value), what an unsupported pair is).
+#: Rule 3: (field, supported(prefill value, decode value), what an unsupported pair is).
 SHAPE_RULES: Final[tuple[tuple[str, Callable[[int, int], bool], str], ...]] = (
-    ("attn_tp", _equal, "unequal attention TP is not supported"),
+    (
+        "attn_tp",
+        _multiple,
+        "prefill attention TP must be a multiple of decode's (a prefill attention TP below "
+        "decode's is not supported yet)",
+    ),
     ("pp", _both_one, "pipeline parallelism is not supported"),
 )
 
@@ -99,11 +130,59 @@ def mismatch(prefill: Fingerprint, decode: Fingerprint) -> str | None:
                 f"fingerprint mismatch: {label} ({name}): prefill has {_show(mine)}, "
                 f"decode has {_show(theirs)}"
             )
+    for name, label in DECLARED_MATCH:
+        mine, theirs = getattr(prefill, name), getattr(decode, name)
+        if mine and theirs and mine != theirs:
+            return (
+                f"fingerprint mismatch: {label} ({name}): prefill has {mine}, decode has {theirs}"
+            )
     for name, supported, what in SHAPE_RULES:
         mine, theirs = getattr(prefill, name), getattr(decode, name)
         if not supported(mine, theirs):
             return f"fingerprint mismatch: {what} ({name}): prefill has {mine}, decode has {theirs}"
+    return _split_problem(prefill, decode)
+
+
+def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
+    """Rule 4, for unequal attention TP."""
+    if prefill.attn_tp == decode.attn_tp or prefill.mla:
+        return None  # MLA: every rank holds the one latent cache; nothing to split
+    heads = prefill.kv_heads
+    if not heads or not prefill.head_bytes:
+        return (
+            "fingerprint mismatch: unequal attention TP (prefill "
+            f"{prefill.attn_tp}, decode {decode.attn_tp}) needs prefill to declare its KV heads "
+            f"(kv_heads: {heads}) and head size (head_bytes: {prefill.head_bytes})"
+        )
+    for side, tp in (("prefill", prefill.attn_tp), ("decode", decode.attn_tp)):
+        if heads % tp and tp % heads:
+            return (
+                f"fingerprint mismatch: the model's {heads} KV heads cannot be split over "
+                f"{side} attention TP {tp} (kv_heads, attn_tp)"
+            )
+    if prefill.attn_tp > heads and not decode.kv_heads:
+        return (
+            f"fingerprint mismatch: prefill attention TP {prefill.attn_tp} replicates the "
+            f"model's {heads} KV heads, so decode must declare them too (kv_heads: 0)"
+        )
     return None
+
+
+def link_plan(prefill: Fingerprint, decode: Fingerprint) -> KvPiece | str | None:
+    """What prefill writes of each KV page into this decode rank, for a pair that passed
+    :func:`mismatch`: None for whole pages (equal TP, or a prefill rank whose heads are the
+    decode rank's), a :class:`KvPiece`, or ``"none"``: no KV at all (a dummy link)."""
+    if prefill.attn_tp == decode.attn_tp:
+        return None
+    return link_piece(
+        total_heads=1 if prefill.mla else prefill.kv_heads,
+        head_bytes=max(1, prefill.head_bytes),
+        rows=prefill.page_tokens,
+        prefill_tp=prefill.attn_tp,
+        prefill_rank=prefill.attn_rank,
+        decode_tp=decode.attn_tp,
+        decode_rank=decode.attn_rank,
+    )
 
 
 def _show(value: object) -> str:

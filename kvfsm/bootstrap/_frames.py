@@ -145,8 +145,9 @@ __all__ = [
 ]
 
 #: The version this module speaks. Peers with another version are refused at ``Hello``.
-PROTOCOL_VERSION: Final = 4  # 2: leases, claims, reconciliation; 3: session keys, sequence
-# numbers; 4: the handshake fingerprint (Hello.fingerprint)
+#: 2: leases, claims, reconciliation; 3: session keys, sequence numbers; 4: the handshake
+#: fingerprint (Hello.fingerprint); 5: legs (RoomMetadata.part), the attention-TP rank.
+PROTOCOL_VERSION: Final = 5
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
@@ -270,12 +271,21 @@ class RoomMetadata(Frame, frozen=True):
     room: Room
     generation: Generation
     pages: bytes
-    aux_index: Index
+    #: -1 (no aux row) only for a leg that is not ``Part.WHOLE``: another leg carries it.
+    aux_index: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
     state: bytes = b""
+    #: Which part of the decode request this room carries (``kvfsm.states.Part``): the whole
+    #: room, its KV slice only, or nothing (a dummy leg: SGLang's dummy rank).
+    part: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
 
     def __post_init__(self) -> None:
         _check_packed("pages", self.pages)
         _check_packed("state", self.state)
+        if (self.aux_index < 0) != (self.part != 0):
+            raise ValueError(
+                f"aux_index {self.aux_index} with part {self.part}: only a leg that is not "
+                "whole has no aux row"
+            )
 
 
 class RoomOutcome(Frame, frozen=True):

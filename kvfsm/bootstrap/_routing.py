@@ -594,7 +594,9 @@ class PrefillRouting:
         assert binding.sender is not None
         binding.destination = True
         peer = self._links[binding.link].peer
-        event = DestinationReceived(frame.pages, frame.aux_index, peer, frame.state, binding.link)
+        event = DestinationReceived(
+            frame.pages, frame.aux_index, peer, frame.state, binding.link, frame.part
+        )
         return [Deliver(binding.sender, event)]
 
     def _drop_binding(self, sender: _Sender, now: float | None) -> None:

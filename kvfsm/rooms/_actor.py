@@ -41,6 +41,7 @@ from kvfsm.states import (
     AbortRequested,
     Command,
     DeadlineExpired,
+    DestinationReceived,
     Event,
     EventRejected,
     KVPoll,
@@ -75,13 +76,17 @@ class Publication:
     overwritten, so a reader that once saw one may cache it.
     """
 
-    __slots__ = ("reason", "settled", "status")
+    __slots__ = ("part", "reason", "settled", "status")
 
     def __init__(self) -> None:
         self.status: KVPoll = KVPoll.Bootstrapping
         self.reason: str = ""
         #: True once the room is terminal and no transfer can still touch its pages.
         self.settled: bool = False
+        #: Sender: which part of the decode request it carries (``Part``), written before the
+        #: status that follows the destination's arrival, so a caller that sees
+        #: WaitingForInput sees the part too.
+        self.part: int = 0
 
 
 class Inbox(Protocol):
@@ -143,6 +148,7 @@ class Room:
         deadlines: Mapping[KVPoll, float] | None,
         mailbox_size: int,
         strict: bool,
+        group: int | None = None,
     ) -> None:
         self.key = key
         self.role = role
@@ -151,7 +157,7 @@ class Room:
             owners = registry.owners
 
             def claim(event: MetadataSubmitted) -> str | None:
-                return owners.claim(key, event.pages, event.aux_index, event.state)
+                return owners.claim(key, event.pages, event.aux_index, event.state, group)
 
         self.core = RoomCore(role, registry.stats, strict=strict, claim=claim)
         self.publication = publication
@@ -268,6 +274,8 @@ class Room:
     def _apply(self, event: Event) -> None:
         core = self.core
         before = core.state
+        if type(event) is DestinationReceived and event.part:
+            self.publication.part = event.part  # before the status it leads to (see Publication)
         try:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only

@@ -40,6 +40,7 @@ from kvfsm.states import (
     Initialized,
     KVPoll,
     MetadataSubmitted,
+    Part,
     PeerFailed,
     PeerResolved,
     PeerSettled,
@@ -295,9 +296,20 @@ class RoomCore:
             page_count(event.state)
         except ValueError as exc:
             return str(exc)
-        if event.aux_index < 0:
-            return f"aux row {event.aux_index} is negative"
-        return None
+        part = event.part
+        if part == Part.WHOLE:
+            if event.aux_index < 0:
+                return f"aux row {event.aux_index} is negative"
+            return None
+        if part == Part.KV:
+            if event.aux_index != -1 or event.state:
+                return "a KV-only leg names an aux row or state rows (another leg carries them)"
+            return None
+        if part == Part.NONE:
+            if event.pages or event.state or event.aux_index != -1:
+                return "a dummy leg names destinations"
+            return None
+        return f"unknown leg part {part}"
 
     def _check_init(self, event: Initialized) -> str | None:
         if self._num_pages >= 0:
@@ -369,7 +381,7 @@ class RoomCore:
 
     def _on_metadata(self, event: MetadataSubmitted) -> tuple[Command, ...]:
         self._exposed = True
-        return (SendMetadata(event.pages, event.aux_index, event.state),)
+        return (SendMetadata(event.pages, event.aux_index, event.state, event.part),)
 
     def _post(self, src: bytes, src_state: bytes) -> PostChunk:
         start = self._submitted_pages * _PAGE_BYTES

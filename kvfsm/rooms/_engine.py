@@ -96,15 +96,24 @@ class RoomEngine:
         key, pub = self._spawn(Role.SENDER, room)
         return SenderRoom(key, pub, self.post, max_pages=self.config.max_pages)
 
-    def receiver(self, room: int) -> ReceiverRoom:
-        """A new decode-side room. A duplicate live room id is published as Failed."""
-        key, pub = self._spawn(Role.RECEIVER, room)
+    def receiver(self, room: int, *, leg: int = 0, group: int | None = None) -> ReceiverRoom:
+        """A new decode-side room. A duplicate live room id (and leg) is published as Failed.
+
+        ``leg``/``group``: one of several receiver rooms of one request, each fed by its own
+        prefill rank, sharing the request's pages (see ``Registry.spawn``)."""
+        key, pub = self._spawn(Role.RECEIVER, room, leg, group)
         return ReceiverRoom(key, pub, self.post, max_pages=self.config.max_pages)
 
-    def _spawn(self, role: Role, room: int) -> tuple[RoomKey, Publication]:
+    def _spawn(
+        self, role: Role, room: int, leg: int = 0, group: int | None = None
+    ) -> tuple[RoomKey, Publication]:
         key = RoomKey(int(room), next(self._generations))
         pub = Publication()
-        self._thread.post(self.registry_on_loop().spawn_or_refuse, key, role, pub)
+        registry = self.registry_on_loop()
+        if leg or group is not None:
+            self._thread.post(registry.spawn_or_refuse, key, role, pub, leg, group)
+        else:
+            self._thread.post(registry.spawn_or_refuse, key, role, pub)
         return key, pub
 
     def post(self, key: RoomKey, event: Event) -> None:

@@ -38,6 +38,7 @@ from kvfsm.states import (
     Initialized,
     KVPoll,
     MetadataSubmitted,
+    Part,
     Role,
     failure_reason,
 )
@@ -199,6 +200,13 @@ class SenderRoom(_RoomFacade):
     __slots__ = ()
     role = Role.SENDER
 
+    @property
+    def part(self) -> Part:
+        """Which part of its decode request this room carries, once its destination arrived
+        (``Part.WHOLE`` before): with unequal TP a prefill rank may carry only a KV slice
+        (send no state rows) or nothing at all (a dummy: send no pages)."""
+        return Part(self._pub.part)
+
     def init(self, num_pages: int, aux_index: int = -1) -> None:
         """Announce how many pages will be sent in total and the aux row to copy at the end."""
         num_pages = int(num_pages)
@@ -231,11 +239,18 @@ class ReceiverRoom(_RoomFacade):
         self._post(self.key, Initialized(peer_rank=int(peer_rank)))
 
     def send_metadata(
-        self, page_indices: PageIndices, aux_index: int, state_indices: PageIndices | None = None
+        self,
+        page_indices: PageIndices,
+        aux_index: int,
+        state_indices: PageIndices | None = None,
+        part: Part = Part.WHOLE,
     ) -> None:
-        """Tell the sender which pages to write, which aux row and which state rows to fill."""
+        """Tell the sender which pages to write, which aux row and which state rows to fill.
+
+        ``part``: for one leg of a request fed by several prefill ranks, ``Part.KV`` (pages
+        only; ``aux_index`` -1, no state rows) or ``Part.NONE`` (a dummy: nothing at all)."""
         aux_index = int(aux_index)
-        if aux_index < 0:
+        if aux_index < 0 and part is Part.WHOLE:
             self._fail_locally(EventRejected(f"aux row {aux_index} is negative"))
             return
         if self._too_long("send_metadata", page_indices):
@@ -244,4 +259,4 @@ class ReceiverRoom(_RoomFacade):
         state = b"" if state_indices is None else self._pack(state_indices)
         if packed is None or state is None or self._too_many("send_metadata", packed, state):
             return
-        self._post(self.key, MetadataSubmitted(packed, aux_index, state))
+        self._post(self.key, MetadataSubmitted(packed, aux_index, state, int(part)))

@@ -134,19 +134,32 @@ class _Table:
 
 
 class _Claim:
-    __slots__ = ("aux", "owner", "pages", "state")
+    __slots__ = ("aux", "group", "members", "owner", "packed", "pages", "state")
 
     def __init__(self, owner: RoomKey, pages: _Indices, aux: int, state: _Indices) -> None:
         self.owner = owner
         self.pages = pages
         self.aux = aux
         self.state = state
+        #: The legs of one request that share this claim (see ``claim``'s ``group``).
+        self.group: int | None = None
+        self.members: set[RoomKey] = {owner}
+        self.packed = b""
 
 
 class DestinationOwners:
     """One owner per destination page, aux row and state row of a decode engine."""
 
-    __slots__ = ("_aux", "_by_owner", "_claims", "_free", "_pages", "_state", "held_pages")
+    __slots__ = (
+        "_aux",
+        "_by_owner",
+        "_claims",
+        "_free",
+        "_groups",
+        "_pages",
+        "_state",
+        "held_pages",
+    )
 
     def __init__(self, *, max_index: int = DEFAULT_MAX_INDEX) -> None:
         if not 1 <= max_index <= _INT32_MAX + 1:  # the table must end below 2**31 (_indices)
@@ -159,22 +172,39 @@ class DestinationOwners:
         self._claims: list[_Claim | None] = [None]  # slot -> claim; slot 0 is _FREE
         self._free: list[int] = []
         self._by_owner: dict[RoomKey, int] = {}
+        self._groups: dict[int, int] = {}  # group -> slot of its shared claim
         #: Pages held, all owners together (operators' view of leaks).
         self.held_pages = 0
 
     def __len__(self) -> int:
-        """Owners that hold something."""
+        """Owners that hold something (each leg of a shared claim counts)."""
         return len(self._by_owner)
 
     def __contains__(self, owner: object) -> bool:
         return owner in self._by_owner
 
-    def claim(self, owner: RoomKey, pages: bytes, aux_index: int, state: bytes = b"") -> str | None:
+    def claim(
+        self,
+        owner: RoomKey,
+        pages: bytes,
+        aux_index: int,
+        state: bytes = b"",
+        group: int | None = None,
+    ) -> str | None:
         """Hold ``pages`` and ``state`` (packed native int32, as the facade packs them) and aux
         row ``aux_index`` (negative: none) for ``owner``, all or nothing. Returns None when
-        taken, else why not (and nothing was taken). An owner claims once (``ValueError``)."""
+        taken, else why not (and nothing was taken). An owner claims once (``ValueError``).
+
+        ``group``: the legs of one decode request (unequal TP: one room per prefill rank that
+        feeds it) write disjoint head slices of the *same* pages, so they share one claim. The
+        first leg of a group takes the pages; a later leg must name exactly the same pages and
+        joins (or names none: a dummy leg); the aux row and state rows are taken by whichever
+        leg names them (one leg does). The pages are free again once every member has
+        released."""
         if owner in self._by_owner:
             raise ValueError(f"room {owner.room} gen {owner.generation} already holds its pages")
+        if group is not None and group in self._groups:
+            return self._join(self._groups[group], owner, pages, aux_index, state)
         if aux_index >= 0:
             holder = self._aux.get(aux_index)
             if holder is not None:
@@ -195,20 +225,63 @@ class DestinationOwners:
             self._free.pop()
         else:
             self._claims.append(None)
-        self._claims[slot] = _Claim(owner, page_idx, aux_index, state_idx)
+        claim = self._claims[slot] = _Claim(owner, page_idx, aux_index, state_idx)
+        if group is not None:
+            claim.group, claim.packed = group, pages
+            self._groups[group] = slot
         self._by_owner[owner] = slot
         self.held_pages += page_idx.size
         if aux_index >= 0:
             self._aux[aux_index] = slot
         return None
 
+    def _join(
+        self, slot: int, owner: RoomKey, pages: bytes, aux_index: int, state: bytes
+    ) -> str | None:
+        claim = self._claims[slot]
+        assert claim is not None
+        if pages and pages != claim.packed:  # (a dummy leg names no pages: it only joins)
+            return (
+                f"a leg of room {owner.room} names other pages than its first leg "
+                f"(room {claim.owner.room} gen {claim.owner.generation})"
+            )
+        state_idx = _indices(state)
+        if aux_index >= 0:
+            if claim.aux >= 0:
+                return (
+                    f"aux row {aux_index}: another leg of the room already holds aux row "
+                    f"{claim.aux}"
+                )
+            holder = self._aux.get(aux_index)
+            if holder is not None:
+                return f"aux row {aux_index} already held by {self._name(holder)}"
+        if state_idx.size:
+            if claim.state.size:
+                return "state rows: another leg of the room already holds its state rows"
+            problem = self._state.take(state_idx, slot)
+            if problem is not None:
+                return self._refusal(self._state, state_idx, problem)
+            claim.state = state_idx
+        if aux_index >= 0:
+            claim.aux = aux_index
+            self._aux[aux_index] = slot
+        claim.members.add(owner)
+        self._by_owner[owner] = slot
+        return None
+
     def release(self, owner: RoomKey) -> bool:
-        """Free everything ``owner`` holds. False if it held nothing."""
+        """Free everything ``owner`` holds (for a leg: once the last leg of its group
+        released). False if it held nothing."""
         slot = self._by_owner.pop(owner, None)
         if slot is None:
             return False
         claim = self._claims[slot]
         assert claim is not None
+        claim.members.discard(owner)
+        if claim.members:
+            return True  # the other legs of the request still hold the pages
+        if claim.group is not None:
+            del self._groups[claim.group]
         if claim.pages.size:
             self._pages.owner[claim.pages] = _FREE
             self.held_pages -= claim.pages.size

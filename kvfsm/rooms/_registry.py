@@ -64,7 +64,9 @@ class Registry:
         #: One owner per destination among this engine's receiver rooms (loop thread only).
         self.owners = DestinationOwners()
         self._rooms: dict[RoomKey, Room] = {}
-        self._current: dict[tuple[Role, int], RoomKey] = {}
+        #: (role, room id) or, for a leg other than 0, (role, room id, leg).
+        self._current: dict[tuple[Role, int] | tuple[Role, int, int], RoomKey] = {}
+        self._legs: dict[RoomKey, tuple[Role, int, int]] = {}  # legs other than 0
         self._closing = False
         #: The loop this registry lives on (rooms take it from here).
         self.loop = asyncio.get_running_loop()
@@ -93,12 +95,25 @@ class Registry:
 
     # -- spawning ------------------------------------------------------------------------------
 
-    def spawn(self, key: RoomKey, role: Role, publication: Publication | None = None) -> Room:
+    def spawn(
+        self,
+        key: RoomKey,
+        role: Role,
+        publication: Publication | None = None,
+        *,
+        leg: int = 0,
+        group: int | None = None,
+    ) -> Room:
         """Start a room task. Raises :class:`DuplicateRoomError` if a non-terminal room with the
-        same id and role is alive, and ``RuntimeError`` once the registry is closing."""
+        same id, role and leg is alive, and ``RuntimeError`` once the registry is closing.
+
+        ``leg`` and ``group``: a decode request fed by several prefill ranks (unequal TP) is
+        one receiver room per prefill rank, its *legs*, numbered by that rank; they share the
+        request's pages (``DestinationOwners.claim``'s ``group``)."""
         if self._closing:
             raise RuntimeError("engine is shutting down; no new rooms")
-        current = self._current.get((role, key.room))
+        ident = (role, key.room) if not leg else (role, key.room, leg)
+        current = self._current.get(ident)
         if current is not None:
             live = self._rooms.get(current)
             # A room with an abort queued is ending: its id may be reused now, as SGLang does
@@ -119,9 +134,12 @@ class Registry:
             deadlines=self.config.deadlines.get(role),
             mailbox_size=self.config.mailbox_size,
             strict=self.config.strict,
+            group=group,
         )
         self._rooms[key] = room
-        self._current[(role, key.room)] = key
+        self._current[ident] = key
+        if leg:
+            self._legs[key] = (role, key.room, leg)
         self._idle.clear()
         self.stats.spawned += 1
         if self.observer is not None:
@@ -140,11 +158,18 @@ class Registry:
                 self.record_error(key, exc)
         return room
 
-    def spawn_or_refuse(self, key: RoomKey, role: Role, publication: Publication) -> None:
+    def spawn_or_refuse(
+        self,
+        key: RoomKey,
+        role: Role,
+        publication: Publication,
+        leg: int = 0,
+        group: int | None = None,
+    ) -> None:
         """Spawn for a caller on another thread: a refusal is published as Failed on the
         caller's publication instead of raised (the caller has already returned)."""
         try:
-            self.spawn(key, role, publication)
+            self.spawn(key, role, publication, leg=leg, group=group)
         except (DuplicateRoomError, RuntimeError) as exc:
             publication.reason = f"refused: {exc}"
             publication.status = KVPoll.Failed
@@ -187,7 +212,7 @@ class Registry:
         """Called by a room's task as it ends."""
         if self._rooms.pop(room.key, None) is None:
             return
-        ident = (room.role, room.key.room)
+        ident = self._legs.pop(room.key, None) or (room.role, room.key.room)
         if self._current.get(ident) == room.key:
             del self._current[ident]
         self.stats.reaped += 1

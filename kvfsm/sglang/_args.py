@@ -191,32 +191,42 @@ def single_state_type(args: Any) -> int | None:
 
 
 def fingerprint_from_kv_args(
-    args: Any, *, is_mla: bool, attn_tp_size: int, pp_size: int
+    args: Any, *, is_mla: bool, attn_tp_size: int, pp_size: int, attn_rank: int = 0
 ) -> Fingerprint:
     """What this rank declares in its handshakes, from what SGLang's scheduler put in
     ``KVArgs`` *before* it built the manager: a peer whose pool has other layers, dtype, page
     size, MLA-ness, state types or parallel shape is refused at the handshake, naming the field,
     instead of landing wrong bytes.
 
-    Head counts are not declared (0 on both sides): SGLang 0.5.23's decode sets
-    ``kv_head_num``/``total_kv_head_num`` only after the manager exists (and only with
-    heterogeneous-TP staging), while prefill sets them before, so declaring them would refuse
-    every real pair. What they would catch is caught at the same handshake anyway: prefill's
-    data path refuses a layout whose per-buffer page bytes differ (``Layout.compatible_with``)
-    and says so to decode in an ``Error`` frame. MHA pools hold a K and a V buffer per layer,
-    MLA pools one latent buffer per layer."""
+    Head counts (``kv_heads``, ``head_bytes``) are declared where the scheduler has set them:
+    SGLang 0.5.23's prefill sets ``kv_head_num``/``total_kv_head_num`` for MHA pools before the
+    manager, its decode only afterwards (and only with heterogeneous-TP staging), so decode
+    usually declares 0, which the rules accept (they compare head fields only where both sides
+    declare them). Prefill needs them to plan the head slices it writes under unequal attention
+    TP. MHA pools hold a K and a V buffer per layer, MLA pools one latent buffer per layer."""
     item_lens = list(getattr(args, "kv_item_lens", None) or [])
     which = single_state_type(args)
     types = getattr(args, "state_types", None) or []
     state = () if which is None else (str(getattr(types[which], "value", types[which])),)
+    page_tokens = int(getattr(args, "page_size", 0) or 0)
+    kv_heads = head_bytes = 0
+    local = int(getattr(args, "kv_head_num", 0) or 0)
+    total = int(getattr(args, "total_kv_head_num", 0) or 0)
+    if not is_mla and local > 0 and total > 0 and item_lens and page_tokens > 0:
+        row, rest = divmod(int(item_lens[0]), page_tokens)
+        if not rest and row % local == 0:
+            kv_heads, head_bytes = total, row // local
     return Fingerprint(
         layers=len(item_lens) // (1 if is_mla else 2),
+        kv_heads=kv_heads,
+        head_bytes=head_bytes,
         dtype=str(getattr(args, "kv_cache_dtype_str", "") or ""),
-        page_tokens=int(getattr(args, "page_size", 0) or 0),
+        page_tokens=page_tokens,
         mla=is_mla,
         state_types=state,
         attn_tp=attn_tp_size,
         pp=pp_size,
+        attn_rank=attn_rank,
     )
 
 

@@ -32,11 +32,12 @@ from kvfsm.sglang._bases import (
     KVTransferDestination,
     KVTransferMetric,
 )
-from kvfsm.states import TERMINAL
+from kvfsm.sglang._legs import Legs
+from kvfsm.states import TERMINAL, Part
 from kvfsm.states import KVPoll as RoomStatus
 
 if TYPE_CHECKING:
-    from kvfsm.rooms import ReceiverRoom, SenderRoom
+    from kvfsm.rooms import SenderRoom
     from kvfsm.sglang._manager import KvfsmKVManager
 
 __all__ = ["KvfsmKVReceiver", "KvfsmKVSender", "SGLangTransferError"]
@@ -70,7 +71,7 @@ def _state_rows(state_indices: Sequence[Any] | None, which: int | None) -> list[
 class _Conn:
     """What both sides share: the room, its failure report and its clearing."""
 
-    _room: SenderRoom | ReceiverRoom
+    _room: SenderRoom | Legs
 
     def __init__(self, mgr: KvfsmKVManager, bootstrap_addr: str, bootstrap_room: int) -> None:
         self.kv_mgr = mgr
@@ -138,10 +139,20 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         #: -> Success": the prefill forward before it is not transfer time).
         self._started: float | None = None
         self._finished: float | None = None
+        #: What this rank carries of the request (unequal TP), known at init.
+        self._part = Part.WHOLE
         self._room = self._sender = mgr.new_sender(bootstrap_room)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
+        # What this rank carries is known by now: the scheduler calls init on WaitingForInput,
+        # which follows the destination's arrival (and the part is published before it).
+        self._part = self._sender.part
+        if self._part is Part.NONE:
+            # A dummy rank for this request (unequal TP): its heads reach decode through
+            # another rank. It moves nothing and ends with its last send, like SGLang's.
+            self._sender.init(0, -1)
+            return
         self._sender.init(self._num_pages, -1 if aux_index is None else int(aux_index))
 
     def send(
@@ -168,6 +179,12 @@ class KvfsmKVSender(_Conn, BaseKVSender):
             self._started = time.monotonic()
         self._sent_pages += len(kv_indices)
         self._chunks += 1
+        if self._part is Part.NONE:
+            if self._sent_pages >= self._num_pages:
+                self._sender.send(b"")  # the last chunk: the room ends, having moved nothing
+            return
+        if self._part is Part.KV:
+            rows = None  # another prefill rank sends decode's state rows
         self._sender.send(kv_indices, rows)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
@@ -182,9 +199,11 @@ class KvfsmKVSender(_Conn, BaseKVSender):
 
     def get_transfer_metric(self) -> KVTransferMetric:
         layout = self.kv_mgr.layout
-        total = self._sent_pages * layout.page_bytes() + (
-            layout.aux_row_bytes() if layout.aux else 0
-        )
+        if self._part is Part.NONE:
+            total = 0
+        else:
+            aux = layout.aux_row_bytes() if layout.aux and self._part is Part.WHOLE else 0
+            total = self._sent_pages * layout.page_bytes() + aux
         latency = None
         if self._finished is not None and self._started is not None:
             latency = self._finished - self._started
@@ -206,10 +225,14 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         _Conn.__init__(self, mgr, bootstrap_addr, room)
         #: One entry per prefill rank this request reads from (SGLang counts abort acks by it).
         self.bootstrap_infos: list[tuple[str, int]] = []
-        self._room = self._receiver = mgr.new_receiver(room)
-        mgr.track(room, self._receiver)
+        self._group = mgr.new_group()
+        self._legs = Legs(mgr.new_receiver(room, group=self._group))
+        #: What each leg carries (``Part``), in leg order; known once ``init`` ran.
+        self._parts: list[Part] = []
+        self._room = self._legs
+        mgr.track(room, self._legs)
         if bootstrap_room is None:
-            self._receiver.reject("no bootstrap_room: the request cannot be matched to a prefill")
+            self._legs.reject("no bootstrap_room: the request cannot be matched to a prefill")
 
     @property
     def conclude_state(self) -> int | None:
@@ -230,12 +253,26 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         return self._room.settled
 
     def init(self, prefill_dp_rank: int) -> None:
-        peer = self.kv_mgr.peer_for(self.bootstrap_addr, int(prefill_dp_rank))
-        if isinstance(peer, str):
-            self._receiver.reject(peer)
+        mgr, addr, dp_rank = self.kv_mgr, self.bootstrap_addr, int(prefill_dp_rank)
+        plan = mgr.legs_for(addr)
+        if isinstance(plan, str):
+            self._legs.reject(plan)
             return
-        self.bootstrap_infos = [(self.bootstrap_addr, int(prefill_dp_rank))]
-        self._receiver.init(peer)
+        peers = [mgr.peer_for(addr, dp_rank, rank) for rank, _part in plan]
+        problem = next((peer for peer in peers if isinstance(peer, str)), None)
+        if problem is not None:
+            self._legs.reject(problem)
+            return
+        if self._legs.poll() is RoomStatus.Failed:
+            return  # refused already (a duplicate room id): no more legs for it
+        for leg in range(1, len(plan)):
+            self._legs.add(mgr.new_receiver(self.bootstrap_room, leg=leg, group=self._group))
+        self._parts = [part for _rank, part in plan]
+        self._legs.ranks = [rank for rank, _part in plan]
+        self.bootstrap_infos = [(addr, dp_rank)] * len(plan)
+        for room, peer in zip(self._legs.rooms, peers, strict=True):
+            assert isinstance(peer, int)
+            room.init(peer)
 
     def send_metadata(
         self,
@@ -246,22 +283,30 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         destination: KVTransferDestination = KVTransferDestination.DEVICE,
     ) -> None:
         if destination != KVTransferDestination.DEVICE:
-            self._receiver.reject(f"destination {destination!r}: kvfsm writes device KV only")
+            self._legs.reject(f"destination {destination!r}: kvfsm writes device KV only")
             return
         if decode_prefix_len:
-            self._receiver.reject(
+            self._legs.reject(
                 f"decode_prefix_len={decode_prefix_len}: decode-side prefix reuse is not "
                 "supported by kvfsm (disable the decode radix cache)"
             )
             return
         rows = _state_rows(state_indices, self.kv_mgr.state_type)
         if isinstance(rows, str):
-            self._receiver.reject(rows)
+            self._legs.reject(rows)
             return
-        self._receiver.send_metadata(kv_indices, -1 if aux_index is None else int(aux_index), rows)
+        aux = -1 if aux_index is None else int(aux_index)
+        parts = self._parts or [Part.WHOLE]
+        for room, part in zip(self._legs.rooms, parts, strict=True):
+            if part is Part.WHOLE:
+                room.send_metadata(kv_indices, aux, rows)
+            elif part is Part.KV:  # another leg carries the aux and state rows
+                room.send_metadata(kv_indices, -1, None, Part.KV)
+            else:  # a dummy: that prefill rank holds none of this rank's heads
+                room.send_metadata(b"", -1, None, Part.NONE)
 
     def clear(self) -> None:
         already = self._cleared
         super().clear()
         if not already:
-            self.kv_mgr.cleared(self.bootstrap_room, self._receiver)
+            self.kv_mgr.cleared(self.bootstrap_room, self._legs)

@@ -37,9 +37,12 @@ from kvfsm.sglang._args import (
 )
 from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
 from kvfsm.sglang._settings import manager_config
+from kvfsm.states import Part
+from kvfsm.transport._slices import legs
 
 if TYPE_CHECKING:
     from kvfsm.rooms import ReceiverRoom, SenderRoom
+    from kvfsm.sglang._legs import Legs
 
 __all__ = ["KvfsmKVManager", "PrefillInfo"]
 
@@ -94,11 +97,12 @@ class KvfsmKVManager(BaseKVManager):
         self._peer_ids: dict[tuple[str, int], int] = {}
         self._peers: dict[int, tuple[str, int]] = {}
         self._next_peer = itertools.count(1)
+        self._groups = itertools.count(1)
         self._clients: dict[str, BootstrapClient] = {}
         self._clients_closed = False
         self._closed = False
-        self._receivers: dict[int, ReceiverRoom] = {}
-        self._cleared: dict[int, ReceiverRoom] = {}
+        self._receivers: dict[int, Legs] = {}
+        self._cleared: dict[int, Legs] = {}
         self._lock = threading.Lock()
         self.config = self._config()
         self.kvfsm: PrefillManager | DecodeManager
@@ -145,6 +149,7 @@ class KvfsmKVManager(BaseKVManager):
                 is_mla=self.is_mla_backend,
                 attn_tp_size=self.topology.attn_tp_size,
                 pp_size=self.server_config.pp_size,
+                attn_rank=self.topology.tp_rank,
             )
             config = dataclasses.replace(config, fingerprint=fingerprint)
         return config
@@ -169,10 +174,44 @@ class KvfsmKVManager(BaseKVManager):
             raise RuntimeError("a decode-mode kvfsm manager has no senders")
         return self.kvfsm.sender(room)
 
-    def new_receiver(self, room: int) -> ReceiverRoom:
+    def new_receiver(self, room: int, *, leg: int = 0, group: int | None = None) -> ReceiverRoom:
         if not isinstance(self.kvfsm, DecodeManager):
             raise RuntimeError("a prefill-mode kvfsm manager has no receivers")
-        return self.kvfsm.receiver(room)
+        return self.kvfsm.receiver(room, leg=leg, group=group)
+
+    def new_group(self) -> int:
+        """A fresh id for the legs of one request (they share its pages)."""
+        return next(self._groups)
+
+    def legs_for(self, bootstrap_addr: str) -> list[tuple[int, Part]] | str:
+        """The prefill attention-TP ranks a request of this decode rank hears from, with what
+        each carries (``_slices.legs``), or why this pair cannot be served. Equal TP: this
+        rank's own, whole. Prefill TP a multiple of decode's: the ranks holding this rank's
+        heads (the first also sends the aux and state rows) and the ranks this one tells they
+        are dummies. The model's head count comes from ``KVArgs`` when the scheduler set it;
+        SGLang's decode usually has not, and then any count the TPs split gives the same plan
+        unless prefill replicates heads, which the handshake refuses without one."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is None:
+            return f"prefill instance {bootstrap_addr} is unknown (no parallel info yet)"
+        mine, theirs = self.topology.attn_tp_size, info.tp_size
+        rank = self.topology.tp_rank
+        if theirs == mine:
+            return [(rank, Part.WHOLE)]
+        if theirs % mine:
+            return (
+                f"unequal attention TP: prefill {bootstrap_addr} has attention TP {theirs}, this "
+                f"decode {mine}; kvfsm needs prefill's attention TP to be a multiple of decode's"
+            )
+        heads = (
+            1 if self.is_mla_backend else int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
+        )
+        if heads <= 0:
+            heads = theirs
+        try:
+            return legs(heads, theirs, mine, rank)
+        except ValueError as exc:
+            return f"unequal attention TP ({theirs} to {mine}): {exc}"
 
     def register_to_bootstrap(self) -> None:
         """Prefill ranks register when built and keep refreshing; nothing to do on demand."""
@@ -215,21 +254,24 @@ class KvfsmKVManager(BaseKVManager):
             with self._lock:
                 self._fetching.discard(addr)
 
-    def peer_for(self, bootstrap_addr: str, prefill_dp_rank: int) -> int | str:
-        """The peer id a receiver names for ``(instance, DP rank)``: its own attention-TP rank
-        of that DP group (equal TP), or a reason why there is none."""
+    def peer_for(
+        self, bootstrap_addr: str, prefill_dp_rank: int, prefill_tp_rank: int | None = None
+    ) -> int | str:
+        """The peer id a receiver names for ``(instance, DP rank, attention-TP rank)`` (by
+        default its own attention-TP rank: equal TP), or a reason why there is none."""
         info = self.prefill_info_table.get(bootstrap_addr)
         if info is None:
             return f"prefill instance {bootstrap_addr} is unknown (no parallel info yet)"
-        mine = self.topology.attn_tp_size
-        if info.tp_size != mine:
+        if prefill_tp_rank is None:
+            prefill_tp_rank = self.topology.tp_rank
+        if not 0 <= prefill_tp_rank < info.tp_size:
             return (
-                f"unequal TP: prefill {bootstrap_addr} has attention TP {info.tp_size}, this "
-                f"decode {mine}; kvfsm supports equal TP only"
+                f"prefill attention-TP rank {prefill_tp_rank} out of range (attention TP "
+                f"{info.tp_size})"
             )
         if not 0 <= prefill_dp_rank < info.dp_size:
             return f"prefill DP rank {prefill_dp_rank} out of range (dp_size {info.dp_size})"
-        target = (bootstrap_addr, prefill_dp_rank * info.tp_size + self.topology.tp_rank)
+        target = (bootstrap_addr, prefill_dp_rank * info.tp_size + prefill_tp_rank)
         with self._lock:
             peer = self._peer_ids.get(target)
             if peer is None:
@@ -248,7 +290,7 @@ class KvfsmKVManager(BaseKVManager):
     # A failed receiver's entry outlives clear() until its room is settled: the scheduler asks
     # is_abort_release_safe() after failure_exception() has already cleared it.
 
-    def track(self, room: int, receiver: ReceiverRoom) -> None:
+    def track(self, room: int, receiver: Legs) -> None:
         with self._lock:
             self._sweep()
             held = self._receivers.get(room)
@@ -257,7 +299,7 @@ class KvfsmKVManager(BaseKVManager):
             if held is None or held.settled:
                 self._receivers[room] = receiver
 
-    def cleared(self, room: int, receiver: ReceiverRoom) -> None:
+    def cleared(self, room: int, receiver: Legs) -> None:
         with self._lock:
             if self._receivers.get(room) is receiver:
                 self._cleared[room] = receiver

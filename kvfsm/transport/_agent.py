@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.transport._layout import Layout, LayoutSummary, MemKind
+from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind
 from kvfsm.transport._nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+from kvfsm.transport._slices import NO_KV, KvPiece, sliced_descs
 
 __all__ = ["Agent", "AgentConfig", "Peer"]
 
@@ -66,7 +67,17 @@ class Peer:
     generation they were posted under, so errors from an old generation never condemn a new one.
     """
 
-    __slots__ = ("aux", "generation", "kv", "name", "peer_id", "state", "summary")
+    __slots__ = (
+        "aux",
+        "generation",
+        "kv",
+        "local_kv",
+        "name",
+        "peer_id",
+        "piece",
+        "state",
+        "summary",
+    )
 
     def __init__(
         self,
@@ -78,6 +89,8 @@ class Peer:
         kv: Any,
         aux: Any | None,
         state: Any | None,
+        piece: KvPiece | None = None,
+        local_kv: Any = None,
     ) -> None:
         self.peer_id = peer_id
         self.generation = generation
@@ -86,6 +99,11 @@ class Peer:
         self.kv = kv
         self.aux = aux
         self.state = state
+        #: The head slice this agent writes of each page into the peer (unequal attention TP);
+        #: None: whole pages. With a piece, ``kv`` and ``local_kv`` list one descriptor per
+        #: (buffer, page, row) (``_slices.sliced_descs``) instead of one per (buffer, page).
+        self.piece = piece
+        self.local_kv = local_kv
 
     def __repr__(self) -> str:
         return f"<Peer {self.peer_id} gen {self.generation} agent {self.name}>"
@@ -170,20 +188,52 @@ class Agent:
 
     # -- peers (blocking) ----------------------------------------------------------------------
 
-    def connect(self, peer_id: str, metadata: bytes, summary: LayoutSummary) -> Peer:
+    def _local_kv(self, piece: KvPiece) -> Any:
+        """The local list of ``piece``'s slice of every page, prepared once per slice (every
+        decode rank fed the same slice of this rank's heads shares it), released at close."""
+        key = f"kv/{piece.rows}/{piece.src.offset}/{piece.src.length}"
+        dlist = self._local.get(key)
+        if dlist is None:
+            descs = sliced_descs(self.layout.kv_specs(), piece.rows, piece.src)
+            dlist = self._local[key] = self._prep(_LOCAL, descs, self.layout.kv[0].kind)
+        return dlist
+
+    def connect(
+        self,
+        peer_id: str,
+        metadata: bytes,
+        summary: LayoutSummary,
+        piece: KvPiece | None = None,
+    ) -> Peer:
         """Load a remote agent and prepare its lists. Raises ``ValueError`` if a WRITE from this
-        layout into ``summary`` is not well-formed (the peer is then not added)."""
-        problem = self.layout.compatible_with(summary)
+        layout into ``summary`` is not well-formed (the peer is then not added). With a
+        ``piece`` (unequal attention TP) the KV lists address that head slice of every row
+        of every page, and KV pages may differ in size; aux and state rows still must not."""
+        problem = self.layout.compatible_with(summary, sliced=piece is not None)
+        if problem is None and piece is not None and piece is not NO_KV:
+            try:  # the geometry of both sides against the piece, before NIXL sees anything
+                sliced_descs(self.layout.kv_specs()[:1], piece.rows, piece.src)
+                sliced_descs(summary.kv[:1], piece.rows, piece.dst)
+            except LayoutError as exc:
+                problem = f"head slice {piece}: {exc}"
         if problem is not None:
             raise ValueError(f"peer {peer_id}: layouts are incompatible: {problem}")
+        local_kv = None if piece is None or piece is NO_KV else self._local_kv(piece)
         name = self.nixl.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
         self.peers_added += 1
         lists: list[Any] = []
         try:
-            kv = self._prep(name, summary.kv_descs(), MemKind(summary.kv_kind))
-            lists.append(kv)
+            if piece is None:
+                kv = self._prep(name, summary.kv_descs(), MemKind(summary.kv_kind))
+                lists.append(kv)
+            elif piece is NO_KV:
+                kv = None
+            else:
+                descs = sliced_descs(summary.kv, piece.rows, piece.dst)
+                kv = self._prep(name, descs, MemKind(summary.kv_kind))
+                lists.append(kv)
             aux = state = None
             if summary.aux:
                 aux = self._prep(name, summary.aux_descs(), MemKind(summary.aux_kind))
@@ -204,6 +254,8 @@ class Agent:
             kv=kv,
             aux=aux,
             state=state,
+            piece=piece,
+            local_kv=local_kv,
         )
 
     def disconnect(self, peer: Peer) -> None:

@@ -417,6 +417,10 @@ class Layout:
 
     # -- descriptors ---------------------------------------------------------------------------
 
+    def kv_specs(self) -> tuple[RegionSpec, ...]:
+        """The KV regions as a peer's summary lists them."""
+        return tuple(r.spec() for r in self.kv)
+
     def kv_descs(self) -> Descs:
         """``(len(kv) * num_pages, 3)``; row ``b * num_pages + p`` is page ``p`` of kv ``b``."""
         return _descs([r.spec() for r in self.kv])
@@ -476,18 +480,24 @@ class Layout:
             state_kind=self.state_kind,
         )
 
-    def compatible_with(self, remote: LayoutSummary | Layout) -> str | None:
+    def compatible_with(
+        self, remote: LayoutSummary | Layout, *, sliced: bool = False
+    ) -> str | None:
         """``None`` if a WRITE from this layout into ``remote`` is well-formed, else the reason.
 
         Well-formed: each group has as many regions on both sides, with pairwise equal
         ``item_bytes``, so a page (row) lands on a page (row) byte for byte. Page and row
         *counts* may differ (each side sizes its own pool), and so may memory kinds (NIXL moves
-        DRAM to VRAM and back). Different item sizes (heterogeneous TP) are out of scope.
+        DRAM to VRAM and back). ``sliced`` (unequal attention TP: a head slice of each KV page
+        moves): KV item sizes may differ, as each side holds its own heads; the slice's own
+        geometry is checked against both (``_slices.sliced_descs``).
         """
         if isinstance(remote, Layout):
             remote = remote.summary()
+        if sliced and len(self.kv) != len(remote.kv):
+            return f"kv region count differs: local {len(self.kv)}, remote {len(remote.kv)}"
         return (
-            _mismatch("kv", self.kv, remote.kv)
+            (None if sliced else _mismatch("kv", self.kv, remote.kv))
             or _mismatch("aux", self.aux, remote.aux)
             or _mismatch("state", self.state, remote.state)
         )

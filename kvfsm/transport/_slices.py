@@ -51,12 +51,18 @@ from typing import Final
 
 import numpy as np
 
+from kvfsm.states import Part
 from kvfsm.transport._layout import INT32_MAX, Descs, Indices, LayoutError, RegionSpec
 
 __all__ = [
+    "NO_KV",
     "HeadShard",
     "HeadSlice",
+    "KvPiece",
     "RowSlice",
+    "dummy_of",
+    "legs",
+    "link_piece",
     "sliced_descs",
     "sliced_index",
     "sources",
@@ -174,6 +180,80 @@ def targets(prefill: HeadShard, decode_tp: int) -> list[HeadSlice]:
         piece = _pair(prefill, HeadShard(prefill.total, decode_tp, rank))
         if piece is not None:
             out.append(piece)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KvPiece:
+    """What one prefill rank writes of each KV page into one decode rank: the same byte run
+    in each of a page's ``rows`` rows (one row per token), at ``src`` in the prefill row and
+    ``dst`` in the decode row. A link whose piece is None writes whole pages, as with equal
+    TP."""
+
+    rows: int
+    src: RowSlice
+    dst: RowSlice
+
+    def page_bytes(self, regions: int) -> int:
+        """Bytes of one page moved, over ``regions`` KV buffers."""
+        return regions * self.rows * self.src.length
+
+
+#: The piece of a link that carries no KV (a dummy link: the prefill rank's heads reach the
+#: decode rank through another rank or replica). Its peer gets no KV descriptor lists, so a
+#: chunk with pages over it fails instead of writing.
+NO_KV: Final = KvPiece(0, RowSlice(0, 0, 0), RowSlice(0, 0, 0))
+
+
+def link_piece(
+    *,
+    total_heads: int,
+    head_bytes: int,
+    rows: int,
+    prefill_tp: int,
+    prefill_rank: int,
+    decode_tp: int,
+    decode_rank: int,
+) -> KvPiece | str | None:
+    """What prefill rank ``prefill_rank`` writes into decode rank ``decode_rank``: a
+    :class:`KvPiece`, None when it writes whole rows (its heads are exactly the decode rank's),
+    or ``"none"`` when it writes no KV there (another rank, or another replica, does: it is a
+    dummy for that decode rank). Raises ``ValueError`` for a shape the rules cannot split."""
+    prefill = HeadShard(total_heads, prefill_tp, prefill_rank)
+    decode = HeadShard(total_heads, decode_tp, decode_rank)
+    piece = _pair(prefill, decode)
+    if piece is None:
+        return "none"
+    src, dst = piece.rows(prefill, decode, head_bytes)
+    if src == dst and src.offset == 0 and src.length == src.row_bytes:
+        return None
+    return KvPiece(rows, src, dst)
+
+
+def dummy_of(decode_tp: int, prefill_rank: int) -> int:
+    """The decode rank that tells a prefill rank with no KV for any decode rank that it is a
+    dummy: each such prefill rank gets exactly one (dummy) leg, so its room still ends."""
+    return prefill_rank % decode_tp
+
+
+def legs(
+    total_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int
+) -> list[tuple[int, Part]]:
+    """The rooms a decode rank opens for one request, one per prefill rank it hears from, in
+    prefill rank order: each prefill rank that writes KV into it (the first of them also
+    carries the aux and state rows: ``Part.WHOLE``; the others ``Part.KV``), then the prefill
+    ranks it is the dummy partner of (``Part.NONE``, :func:`dummy_of`). Over all decode ranks,
+    every prefill rank gets at least one leg (a room no decode claims would wait out its
+    deadline), and each decode head exactly one writer (rule 1)."""
+    decode = HeadShard(total_heads, decode_tp, decode_rank)
+    out = [
+        (piece.prefill_rank, Part.WHOLE if i == 0 else Part.KV)
+        for i, piece in enumerate(sources(decode, prefill_tp))
+    ]
+    for rank in range(prefill_tp):
+        shard = HeadShard(total_heads, prefill_tp, rank)
+        if not targets(shard, decode_tp) and dummy_of(decode_tp, rank) == decode_rank:
+            out.append((rank, Part.NONE))
     return out
 
 

@@ -92,6 +92,7 @@ from kvfsm.transport._ledger import (
 from kvfsm.transport._nixl import describe, is_remote_disconnect
 from kvfsm.transport._pacer import PollPacer
 from kvfsm.transport._poster import Poster
+from kvfsm.transport._slices import NO_KV, KvPiece, sliced_index
 
 __all__ = ["ChunkObserver", "NixlTransport", "TransferConfig", "TransportStats"]
 
@@ -243,7 +244,7 @@ class NixlTransport:
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
         self._attempts: dict[str, bytes] = {}  # metadata of each connection in progress
         self._lost_at: dict[str, float] = {}
-        self._known: dict[str, tuple[bytes, LayoutSummary]] = {}
+        self._known: dict[str, tuple[bytes, LayoutSummary, KvPiece | None]] = {}
         # Peers in the worker's hands: an old generation it is to disconnect, or a new one it
         # connected that the loop has not adopted yet. If the engine stops meanwhile (the loop
         # ends, connect_peer's task is cancelled, a queued job is cancelled by close()), nobody
@@ -277,9 +278,17 @@ class NixlTransport:
 
     # -- peers ---------------------------------------------------------------------------------
 
-    async def connect_peer(self, peer_id: str, metadata: bytes, summary: LayoutSummary) -> Peer:
+    async def connect_peer(
+        self,
+        peer_id: str,
+        metadata: bytes,
+        summary: LayoutSummary,
+        piece: KvPiece | None = None,
+    ) -> Peer:
         """Connect (or reconnect, as a new generation) the peer ``peer_id``. Loop thread; the
-        blocking work runs on the worker. Concurrent calls for one peer share one attempt."""
+        blocking work runs on the worker. Concurrent calls for one peer share one attempt.
+        ``piece``: the head slice of each KV page this rank writes into the peer (unequal
+        attention TP), None for whole pages."""
         loop = self._running_loop()
         while (pending := self._connecting.get(peer_id)) is not None:
             # Share an attempt with the same metadata. Wait out one with other metadata (a
@@ -308,7 +317,7 @@ class NixlTransport:
                 self._in_worker.append(old)
                 self._linger()
             peer = await loop.run_in_executor(
-                self._worker, self._reconnect_blocking, old, peer_id, metadata, summary
+                self._worker, self._reconnect_blocking, old, peer_id, metadata, summary, piece
             )
             self._in_worker.remove(peer)  # adopted: in _peers from here on
         except BaseException as exc:
@@ -322,18 +331,23 @@ class NixlTransport:
             del self._connecting[peer_id]
             del self._attempts[peer_id]
         self._peers[peer_id] = peer
-        self._known[peer_id] = (metadata, summary)
+        self._known[peer_id] = (metadata, summary, piece)
         self.stats.peers_connected += 1
         future.set_result(peer)
         _log.info("peer %s connected (generation %d)", peer_id, peer.generation)
         return peer
 
     def _reconnect_blocking(
-        self, old: Peer | None, peer_id: str, metadata: bytes, summary: LayoutSummary
+        self,
+        old: Peer | None,
+        peer_id: str,
+        metadata: bytes,
+        summary: LayoutSummary,
+        piece: KvPiece | None,
     ) -> Peer:
         if old is not None:
             self._disconnect_blocking(old)
-        peer = self.agent.connect(peer_id, metadata, summary)
+        peer = self.agent.connect(peer_id, metadata, summary, piece)
         self._in_worker.append(peer)
         return peer
 
@@ -425,8 +439,10 @@ class NixlTransport:
             )
         if src.size == 0 and src_aux is None and src_state.size == 0:
             return None
+        piece = peer.piece
+        page_bytes = local.page_bytes() if piece is None else piece.page_bytes(len(local.kv))
         nbytes = (
-            src.size * local.page_bytes()
+            src.size * page_bytes
             + aux_bytes
             + (src_state.size * local.state_row_bytes() if src_state.size else 0)
         )
@@ -464,9 +480,21 @@ class NixlTransport:
                 # Destination order makes contiguous runs consecutive, and NIXL merges them.
                 order = np.argsort(dst, kind="stable")
                 src, dst = src[order], dst[order]
-            parts.append(
-                (agent.local("kv"), layout.page_index(src), peer.kv, remote.page_index(dst))
-            )
+            piece = peer.piece
+            if piece is NO_KV:
+                raise LayoutError(
+                    f"{src.size} pages for peer {peer.peer_id}, which this rank writes no KV "
+                    "into (its heads come from another rank: a dummy link)"
+                )
+            if piece is None:
+                parts.append(
+                    (agent.local("kv"), layout.page_index(src), peer.kv, remote.page_index(dst))
+                )
+            else:  # a head slice: one descriptor per row of each page (pages checked above)
+                rows = piece.rows
+                local_idx = sliced_index(len(layout.kv), layout.num_pages, rows, src)
+                remote_idx = sliced_index(len(remote.kv), remote.num_pages, rows, dst)
+                parts.append((peer.local_kv, local_idx, peer.kv, remote_idx))
         if record.src_aux is not None and record.dst_aux is not None:
             parts.append((agent.local("aux"), record.src_aux, peer.aux, record.dst_aux))
         if record.src_state.size:

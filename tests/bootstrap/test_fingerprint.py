@@ -12,11 +12,18 @@ import pytest
 
 from kvfsm import KVPoll
 from kvfsm.bootstrap import ChannelConfig, Fingerprint
-from kvfsm.bootstrap._fingerprint import MUST_MATCH, SHAPE_RULES, mismatch
+from kvfsm.bootstrap._fingerprint import (
+    DECLARED_MATCH,
+    MUST_MATCH,
+    SHAPE_RULES,
+    link_plan,
+    mismatch,
+)
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.transport._slices import KvPiece, RowSlice
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.registry import running_registry
 
@@ -24,7 +31,8 @@ LLAMA = Fingerprint(
     layers=32, kv_heads=8, head_bytes=256, dtype="bfloat16", page_tokens=16, attn_tp=2
 )
 
-#: For each field that must match, a value other than LLAMA's.
+#: For each field that must match (where declared, for the head fields), a value other than
+#: LLAMA's.
 OTHER = {
     "layers": 40,
     "kv_heads": 4,
@@ -45,12 +53,22 @@ def test_equal_declarations_pair() -> None:
 
 
 def test_every_must_match_field_is_covered() -> None:
-    assert {name for name, _ in MUST_MATCH} == set(OTHER)
+    assert {name for name, _ in (*MUST_MATCH, *DECLARED_MATCH)} == set(OTHER)
     shaped = {name for name, _, _ in SHAPE_RULES}
-    assert set(Fingerprint.__struct_fields__) == set(OTHER) | shaped
+    # attn_rank is no rule's: it says which heads the rank holds (link_plan).
+    assert set(Fingerprint.__struct_fields__) == set(OTHER) | shaped | {"attn_rank"}
 
 
-@pytest.mark.parametrize(("name", "label"), MUST_MATCH)
+def test_head_fields_are_compared_only_where_both_sides_declare_them() -> None:
+    # SGLang's decode does not know its head counts: it declares 0 and still pairs.
+    undeclared = msgspec.structs.replace(LLAMA, kv_heads=0, head_bytes=0)
+    assert mismatch(LLAMA, undeclared) is None
+    assert mismatch(LLAMA, msgspec.structs.replace(LLAMA, head_bytes=128)) == (
+        "fingerprint mismatch: head size in bytes (head_bytes): prefill has 256, decode has 128"
+    )
+
+
+@pytest.mark.parametrize(("name", "label"), [*MUST_MATCH, *DECLARED_MATCH])
 def test_a_layout_difference_names_the_field_and_both_values(name: str, label: str) -> None:
     theirs = msgspec.structs.replace(LLAMA, **{name: OTHER[name]})
     reason = mismatch(LLAMA, theirs)
@@ -86,15 +104,67 @@ def test_a_side_that_declares_nothing_pairs_only_with_another() -> None:
     )
 
 
+def _tp(fp: Fingerprint, tp: int, rank: int = 0, **changes: object) -> Fingerprint:
+    return msgspec.structs.replace(fp, attn_tp=tp, attn_rank=rank, **changes)
+
+
 def test_unsupported_parallel_shapes_are_named() -> None:
-    assert mismatch(LLAMA, msgspec.structs.replace(LLAMA, attn_tp=4)) == (
-        "fingerprint mismatch: unequal attention TP is not supported (attn_tp): "
-        "prefill has 2, decode has 4"
+    assert mismatch(LLAMA, _tp(LLAMA, 4)) == (
+        "fingerprint mismatch: prefill attention TP must be a multiple of decode's (a prefill "
+        "attention TP below decode's is not supported yet) (attn_tp): prefill has 2, decode has 4"
     )
+    assert mismatch(_tp(LLAMA, 6), _tp(LLAMA, 4)) is not None  # not a multiple either
     assert mismatch(msgspec.structs.replace(LLAMA, pp=2), msgspec.structs.replace(LLAMA, pp=2)) == (
         "fingerprint mismatch: pipeline parallelism is not supported (pp): "
         "prefill has 2, decode has 2"
     )
+
+
+def test_unequal_attention_tp_pairs_when_heads_split() -> None:
+    undeclared = _tp(LLAMA, 1, kv_heads=0, head_bytes=0)
+    assert mismatch(_tp(LLAMA, 4, 3), undeclared) is None  # 8 heads over 4 and over 1
+    assert mismatch(_tp(LLAMA, 8, 7), _tp(LLAMA, 2, 1)) is None
+
+
+def test_unequal_attention_tp_needs_prefill_to_declare_its_heads() -> None:
+    reason = mismatch(_tp(LLAMA, 2, kv_heads=0), _tp(LLAMA, 1, kv_heads=0))
+    assert reason is not None
+    assert "needs prefill to declare its KV heads (kv_heads: 0)" in reason
+
+
+def test_heads_that_do_not_split_are_refused_by_name() -> None:
+    six = msgspec.structs.replace(LLAMA, kv_heads=6)
+    reason = mismatch(_tp(six, 4), _tp(six, 2))
+    assert reason == (
+        "fingerprint mismatch: the model's 6 KV heads cannot be split over prefill attention "
+        "TP 4 (kv_heads, attn_tp)"
+    )
+
+
+def test_replicated_prefill_heads_need_decode_to_declare_them() -> None:
+    two = msgspec.structs.replace(LLAMA, kv_heads=2)
+    reason = mismatch(_tp(two, 4), _tp(two, 2, kv_heads=0))
+    assert reason is not None
+    assert "replicates the model's 2 KV heads, so decode must declare them" in reason
+    assert mismatch(_tp(two, 4), _tp(two, 2)) is None
+
+
+def test_mla_pairs_over_unequal_tp_without_head_counts() -> None:
+    mla = Fingerprint(layers=61, head_bytes=1152, dtype="bfloat16", page_tokens=1, mla=True)
+    assert mismatch(_tp(mla, 8, 5), _tp(mla, 1)) is None
+
+
+def test_link_plan_names_what_each_link_carries() -> None:
+    # 8 heads, 256 bytes each, 16 rows a page. Prefill TP 4 (2 heads a rank) into decode TP 2
+    # (4 heads a rank): prefill rank 3 writes its 2 heads at heads 2..3 of decode rank 1's row.
+    piece = link_plan(_tp(LLAMA, 4, 3), _tp(LLAMA, 2, 1))
+    assert piece == KvPiece(16, RowSlice(512, 0, 512), RowSlice(1024, 512, 512))
+    assert link_plan(_tp(LLAMA, 4, 3), _tp(LLAMA, 2, 0)) == "none"  # heads 6..7: not rank 0's
+    assert link_plan(LLAMA, LLAMA) is None  # equal TP: whole pages
+    # MLA: one replica writes whole rows into a decode rank, the others nothing.
+    mla = Fingerprint(layers=2, head_bytes=64, page_tokens=1, mla=True)
+    assert link_plan(_tp(mla, 2, 0), _tp(mla, 1)) is None
+    assert link_plan(_tp(mla, 2, 1), _tp(mla, 1)) == "none"
 
 
 # -- on the wire ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ raising, so a scenario reports all of them at once:
 * Success means the KV pages, the aux row (``bootstrap_room`` included) and the state rows on
   every decode rank equal prefill's bytes: KV head slice by head slice (prefill fills by global
   head, so with unequal attention TP each decode head is checked against the prefill rank that
-  holds it), the rows against the lowest prefill rank writing into that decode rank;
+  holds it), the rows against the prefill rank writing the decode rank's first head;
 * pages of a failed request, once decode was told they may be reused, are never written again
   (canary bytes, checked at the end of the scenario).
 """
@@ -69,11 +69,17 @@ def rank_heads(rank: int, tp: int, total: int) -> list[int]:
     return [rank // (tp // total)]
 
 
-def kv_source(rank: int, prefill_tp: int, decode_tp: int) -> int:
-    """The prefill rank whose aux row and state row decode rank ``rank`` receives: the
-    lowest-numbered prefill rank writing KV into it (``prefill_tp >= decode_tp``: the first of
-    its block of ``prefill_tp // decode_tp``; MLA: its only writer; equal TP: the same rank)."""
-    return rank * prefill_tp // decode_tp
+def row_sources(rank: int, prefill: Instance, decode: Instance) -> list[int]:
+    """The prefill ranks decode rank ``rank`` may take its aux and state rows from. The contract:
+    the lowest-numbered prefill rank writing KV into it, which is the writer of its first head.
+    Equal TP: the same rank. Otherwise the prefill ranks holding that head: one when prefill's
+    heads are not replicated; when they are (MLA, or more ranks than heads), which replica
+    writes is the adapter's choice, so the rig names the candidates, learns the choice from the
+    rank-specific aux row, and the tests tie it to the transports' byte counts."""
+    if prefill.tp == decode.tp:
+        return [rank]
+    first = decode.buffers[rank].heads[0]
+    return [r for r, b in enumerate(prefill.buffers) if first in b.heads]
 
 
 _MIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
@@ -759,26 +765,52 @@ def verify_kv(req: Request, prefill: Instance, decode: Instance) -> list[str]:
     return bad
 
 
-def verify_success(req: Request, prefill: Instance, decode: Instance) -> list[str]:
+def aux_writer(req: Request, dst: RankBuffers, prefill: Instance) -> int | None:
+    """The prefill rank whose aux output ids ``dst`` holds for ``req`` (the prefill replay
+    writes ``arange(16) + room * 100 + rank``), or None when they are no prefill rank's."""
+    ids = dst.output_ids[req.dst_aux]
+    rank = int(ids[0]) - req.room * 100
+    if 0 <= rank < prefill.tp and np.array_equal(
+        prefill.buffers[rank].output_ids[req.src_aux], ids
+    ):
+        return rank
+    return None
+
+
+def verify_success(
+    req: Request,
+    prefill: Instance,
+    decode: Instance,
+    sources: dict[int, set[int]] | None = None,
+) -> list[str]:
     """Success ⇒ every byte the request owns on decode equals prefill's bytes. Called when
     decode commits the request (before its aux slot is cleared). KV: :func:`verify_kv`; aux
-    row (``bootstrap_room`` included) and state row: those of decode rank d's
-    :func:`kv_source`, whose aux output ids are rank-specific, so a wrong pairing shows."""
+    row (``bootstrap_room`` included) and state row: both those of one prefill rank of
+    :func:`row_sources` (aux output ids are rank-specific, so a wrong pairing shows), recorded
+    in ``sources`` (decode rank → the prefill ranks its rows came from)."""
     bad = verify_kv(req, prefill, decode)
     for d, dst in enumerate(decode.buffers):
-        r = kv_source(d, prefill.tp, decode.tp)
-        src = prefill.buffers[r]
-        if not np.array_equal(src.output_ids[req.src_aux], dst.output_ids[req.dst_aux]):
+        allowed = row_sources(d, prefill, decode)
+        r = aux_writer(req, dst, prefill)
+        if r is None or r not in allowed:
             bad.append(
-                f"room {req.room} rank {d}: aux output ids differ from prefill rank {r}'s: "
-                f"{dst.output_ids[req.dst_aux].tolist()}"
+                f"room {req.room} rank {d}: aux output ids {dst.output_ids[req.dst_aux].tolist()} "
+                f"are not those of prefill rank {' or '.join(map(str, allowed))}"
             )
+        else:
+            if sources is not None:
+                sources.setdefault(d, set()).add(r)
+            if not np.array_equal(
+                prefill.buffers[r].state[req.src_state], dst.state[req.dst_state]
+            ):
+                bad.append(
+                    f"room {req.room} rank {d}: state row differs from prefill rank {r}'s, "
+                    "whose aux row it holds"
+                )
         if dst.rooms[req.dst_aux, 0] != req.room:
             bad.append(
                 f"room {req.room} rank {d}: aux bootstrap_room is {dst.rooms[req.dst_aux, 0]}"
             )
-        if not np.array_equal(src.state[req.src_state], dst.state[req.dst_state]):
-            bad.append(f"room {req.room} rank {d}: state row differs from prefill rank {r}'s")
     return bad
 
 
@@ -839,8 +871,10 @@ class Pair:
         self.p = PrefillScheduler(prefill, self.check, self.addr)
         self.d = DecodeScheduler(decode, self.check, self.addr)
         self.d.prefill_progress = lambda req: req.chunks_sent
+        #: Decode rank → the prefill ranks its committed requests' aux and state rows came from.
+        self.row_sources: dict[int, set[int]] = {}
         self.d.on_commit = lambda req: self.check.violations.extend(
-            verify_success(req, prefill, decode)
+            verify_success(req, prefill, decode, self.row_sources)
         )
 
     def run(self, requests: Sequence[Request], timeout: float = 60.0) -> Outcome:

@@ -84,13 +84,12 @@ def test_the_fingerprint_declares_what_both_schedulers_set_before_the_manager() 
         attn_tp=2,
         pp=1,
     )
-    # Head counts are not declared: SGLang's decode sets them only after building the manager
-    # (and prefill before), so a prefill rank with them and a decode rank without still pair.
+    # Head counts are declared where the scheduler set them: SGLang's prefill does, its decode
+    # does not (it sets them only after building the manager), and the two still pair.
     prefill = kv_args(kv_cache_dtype_str="bfloat16", kv_head_num=4, total_kv_head_num=8)
-    assert (
-        mismatch(fingerprint_from_kv_args(prefill, is_mla=False, attn_tp_size=2, pp_size=1), got)
-        is None
-    )
+    declared = fingerprint_from_kv_args(prefill, is_mla=False, attn_tp_size=2, pp_size=1)
+    assert (declared.kv_heads, declared.head_bytes) == (8, prefill.kv_item_lens[0] // 16 // 4)
+    assert mismatch(declared, got) is None
 
 
 def test_the_fingerprint_tells_mla_and_mha_and_dtypes_apart() -> None:

@@ -601,10 +601,9 @@ def test_peer_for_reasons_and_peer_ids(pair: Pair) -> None:
     assert isinstance(reason, str)
     assert "unknown" in reason
     dm.prefill_info_table["10.0.0.2:8998"] = PrefillInfo(dp_size=1, tp_size=2)
-    reason = dm.peer_for("10.0.0.2:8998", 0)
-    assert isinstance(reason, str)
-    assert "unequal TP" in reason
-    assert "attention TP 2" in reason
+    reason = dm.peer_for("10.0.0.2:8998", 0, 2)
+    assert reason == "prefill attention-TP rank 2 out of range (attention TP 2)"
+    assert isinstance(dm.peer_for("10.0.0.2:8998", 0, 1), int)
     dm.prefill_info_table["10.0.0.3:8998"] = PrefillInfo(dp_size=2, tp_size=1)
     for dp_rank in (2, -1):
         reason = dm.peer_for("10.0.0.3:8998", dp_rank)

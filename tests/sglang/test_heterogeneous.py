@@ -7,11 +7,13 @@ What the adapter does (the feature's contract):
 * ``P >= D``: each decode rank is written by the block of ``P // D`` prefill ranks that hold its
   heads; MHA pools are token-major, so each prefill rank writes its heads' slice of every row.
   ``P < D`` is refused (per request or at the handshake) with a reason naming "attention TP".
-* MLA: every rank holds the whole latent; exactly one prefill rank (the first of the block)
-  writes into each decode rank, the others are dummies that still reach Success. The bytes moved
-  are one replica per decode rank, counted with the prefill transports' ``bytes_done``.
+* MLA: every rank holds the whole latent; exactly one prefill rank writes into each decode
+  rank, the others are dummies for it that still reach Success. The bytes moved are one replica
+  per decode rank, counted with the prefill transports' ``bytes_done``.
 * Aux and state rows: decode rank d gets them from the lowest-numbered prefill rank writing
-  into it (:func:`~tests.sglang.scheduler.kv_source`).
+  into it, the writer of its first head (:func:`~tests.sglang.scheduler.row_sources`). Which
+  replica writes a replicated head is the adapter's choice: the rig learns it from the
+  rank-specific aux row and ties it to the byte counts (MLA) and to one rank per decode rank.
 
 The rig fills prefill KV by global head (:func:`~tests.sglang.scheduler.kv_bytes`), so replicas
 agree and decode's check knows what every head slice must hold
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -33,16 +36,19 @@ import pytest
 from kvfsm.sglang import KvfsmKVBootstrapServer
 from tests.sglang.scheduler import (
     PAGES,
+    Checker,
+    DecodeScheduler,
     HeadCounts,
     Instance,
     Outcome,
     Pair,
+    PrefillScheduler,
     RankBuffers,
     Request,
-    kv_source,
     moved_bytes,
     random_requests,
     rank_heads,
+    row_sources,
     stray_writes,
     verify_success,
 )
@@ -140,14 +146,6 @@ def assert_all_succeeded(requests: list[Request]) -> None:
         assert outcome == ("Success", "Success"), why
 
 
-def test_the_rig_splits_heads_as_sglang_does() -> None:
-    assert [rank_heads(r, 2, 4) for r in range(2)] == [[0, 1], [2, 3]]
-    assert [rank_heads(r, 4, 2) for r in range(4)] == [[0], [0], [1], [1]]
-    assert [rank_heads(r, 1, 4) for r in range(1)] == [[0, 1, 2, 3]]
-    assert [kv_source(d, 4, 2) for d in range(2)] == [0, 2]
-    assert [kv_source(d, 2, 2) for d in range(2)] == [0, 1]
-
-
 def offline(shape: Shape) -> tuple[Instance, Instance]:
     """Both instances' buffers, no managers: for checking the checks."""
 
@@ -169,38 +167,56 @@ def offline(shape: Shape) -> tuple[Instance, Instance]:
     return side("prefill", shape.prefill_tp), side("decode", shape.decode_tp)
 
 
-def deliver(req: Request, prefill: Instance, decode: Instance) -> None:
-    """What a correct adapter does, written from the prefill side: prefill rank r writes into
-    the decode ranks of its block (one when P >= D, D // P of them when P < D) each of its heads
-    that rank holds, into that head's slice of every row (MLA: only the first prefill rank of a
-    block writes); that first rank also writes the aux and state rows."""
-    p_tp, d_tp = prefill.tp, decode.tp
-    for r, src in enumerate(prefill.buffers):
-        for d in range(r * d_tp // p_tp, max(r * d_tp // p_tp + 1, (r + 1) * d_tp // p_tp)):
-            dst = decode.buffers[d]
-            first = (r * d_tp) % p_tp == 0  # r is the first prefill rank of d's block
-            if decode.mla and not first:
-                continue
+def test_the_rig_splits_heads_as_sglang_does() -> None:
+    assert [rank_heads(r, 2, 4) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [rank_heads(r, 4, 2) for r in range(4)] == [[0], [0], [1], [1]]
+    assert [rank_heads(r, 1, 4) for r in range(1)] == [[0, 1, 2, 3]]
+    prefill, decode = offline(Shape(4, 2, heads=4))
+    assert [row_sources(d, prefill, decode) for d in range(2)] == [[0], [2]]
+    prefill, decode = offline(Shape(4, 2, heads=2))
+    assert [row_sources(d, prefill, decode) for d in range(2)] == [[0, 1], [2, 3]]
+    prefill, decode = offline(Shape(4, 2, mla=True))
+    assert [row_sources(d, prefill, decode) for d in range(2)] == [[0, 1, 2, 3]] * 2
+    prefill, decode = offline(Shape(2, 2, heads=1))
+    assert [row_sources(d, prefill, decode) for d in range(2)] == [[0], [1]]
+
+
+def deliver(req: Request, prefill: Instance, decode: Instance, *, spread: bool) -> None:
+    """What a correct adapter does: each head of each decode rank written by one prefill rank
+    holding it, into that head's slice of every row; the writer of the decode rank's first head
+    also writes the aux and state rows. Which replica writes a replicated head: the lowest
+    (``spread`` False), or the one whose index among the replicas is the decode rank's index
+    modulo their number (the work spread over the replicas)."""
+    for d, dst in enumerate(decode.buffers):
+        writers = []
+        for j, head in enumerate(dst.heads):
+            holders = [r for r, b in enumerate(prefill.buffers) if head in b.heads]
+            r = holders[d % len(holders)] if spread else holders[0]
+            if prefill.tp == decode.tp:
+                r = d
+            src = prefill.buffers[r]
+            k = src.heads.index(head)
             for i in range(len(src.kv)):
-                for k, head in enumerate(src.heads):
-                    if head in dst.heads:
-                        data = src.head_view(i)[req.src_pages, :, k]
-                        dst.head_view(i)[req.dst_pages, :, dst.heads.index(head)] = data
-            if first:
-                dst.output_ids[req.dst_aux] = src.output_ids[req.src_aux]
-                dst.rooms[req.dst_aux] = src.rooms[req.src_aux]
-                dst.state[req.dst_state] = src.state[req.src_state]
+                dst.head_view(i)[req.dst_pages, :, j] = src.head_view(i)[req.src_pages, :, k]
+            writers.append(r)
+        src = prefill.buffers[writers[0]]
+        dst.output_ids[req.dst_aux] = src.output_ids[req.src_aux]
+        dst.rooms[req.dst_aux] = src.rooms[req.src_aux]
+        dst.state[req.dst_state] = src.state[req.src_state]
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["lowest-replica", "spread-replicas"])
 @pytest.mark.parametrize("shape", EQUAL + UNEQUAL + MLA[1:] + REFUSED, ids=str)
-def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(shape: Shape) -> None:
+def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
+    shape: Shape, spread: bool
+) -> None:
     (req,) = random_requests(random.Random(40), 1, max_pages=5)
     req.src_pages, req.dst_pages = [3, 9, 4], [11, 2, 7]
     prefill, decode = offline(shape)
     for r, b in enumerate(prefill.buffers):
         b.output_ids[req.src_aux] = np.arange(16) + req.room * 100 + r
         b.rooms[req.src_aux] = req.room
-    deliver(req, prefill, decode)
+    deliver(req, prefill, decode, spread=spread)
     req.decode_outcome = "Success"
     assert verify_success(req, prefill, decode) == []
     assert stray_writes([req], prefill, decode) == []
@@ -228,13 +244,13 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(shape: Shape) 
     def missing_head(b: RankBuffers) -> None:
         b.head_view(1)[req.dst_pages, :, -1] = 0
 
-    def aux_of_another_rank(b: RankBuffers) -> None:
+    def aux_of_no_rank(b: RankBuffers) -> None:
         b.output_ids[req.dst_aux] += 1
 
     def state_row(b: RankBuffers) -> None:
         b.state[req.dst_state, 5] ^= 0x40
 
-    for mutate in (swap_pages, one_byte, stray, missing_head, aux_of_another_rank, state_row):
+    for mutate in (swap_pages, one_byte, stray, missing_head, aux_of_no_rank, state_row):
         assert caught(mutate), mutate.__name__
         assert caught(mutate, rank=0), mutate.__name__
     if len(decode.buffers[0].heads) > 1:
@@ -244,15 +260,35 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(shape: Shape) 
             view[req.dst_pages] = view[req.dst_pages][:, :, ::-1]
 
         assert caught(heads_swapped)
-    if prefill.tp > decode.tp:
-        # the rows of the second rank of the block instead of the first's: a wrong pairing
-        src = prefill.buffers[1]
+    allowed = row_sources(0, prefill, decode)
+    others = [r for r in range(prefill.tp) if r not in allowed]
+    if others:
+        # both rows of a prefill rank that does not write decode rank 0's first head
+        src = prefill.buffers[others[0]]
 
-        def rows_from_rank_1(b: RankBuffers) -> None:
+        def rows_of_a_wrong_rank(b: RankBuffers) -> None:
             b.output_ids[req.dst_aux] = src.output_ids[req.src_aux]
             b.state[req.dst_state] = src.state[req.src_state]
 
-        assert caught(rows_from_rank_1, rank=0)
+        assert caught(rows_of_a_wrong_rank, rank=0)
+    if len(allowed) > 1:
+        # the aux row of one replica, the state row of another
+        a, b_ = (prefill.buffers[r] for r in allowed[:2])
+
+        def rows_of_two_replicas(b: RankBuffers) -> None:
+            b.output_ids[req.dst_aux] = a.output_ids[req.src_aux]
+            b.state[req.dst_state] = b_.state[req.src_state]
+
+        assert caught(rows_of_two_replicas, rank=0)
+
+
+def assert_one_row_source_per_decode_rank(pair: Pair) -> dict[int, int]:
+    """Each decode rank took the rows of every request from one prefill rank (its plan does
+    not change from request to request); that rank, by decode rank."""
+    sources = pair.row_sources
+    assert sorted(sources) == list(range(pair.decode.tp)), sources
+    assert all(len(s) == 1 for s in sources.values()), sources
+    return {d: min(s) for d, s in sources.items()}
 
 
 @pytest.mark.parametrize("shape", EQUAL + UNEQUAL, ids=str)
@@ -265,6 +301,7 @@ def test_requests_succeed_with_every_head_slice_checked(
         assert_clean(out)
         assert_all_succeeded(requests)
         assert stray_writes(requests, pair.prefill, pair.decode) == []
+        assert_one_row_source_per_decode_rank(pair)
         # every decode byte moved at least once (exactly once unless replicas both write)
         assert sum(bytes_done(pair.prefill)) >= moved_bytes(requests, pair.decode)
 
@@ -273,6 +310,9 @@ def test_requests_succeed_with_every_head_slice_checked(
 def test_mla_moves_one_replica_per_decode_rank(
     bootstrap: KvfsmKVBootstrapServer, shape: Shape
 ) -> None:
+    """Every prefill rank holds the whole latent; one writes into each decode rank, KV and rows
+    (the rank whose aux row decode holds), the others are dummies for it: a prefill rank moves
+    one decode rank's share of the bytes for each decode rank it writes, dummies nothing."""
     with started(bootstrap, shape) as pair:
         requests = with_empty_request(random_requests(random.Random(42), 12))
         out = pair.run(requests)
@@ -280,8 +320,15 @@ def test_mla_moves_one_replica_per_decode_rank(
         # Success is the MIN over the prefill ranks: the dummy ranks reached it too.
         assert_all_succeeded(requests)
         assert stray_writes(requests, pair.prefill, pair.decode) == []
+        writer = assert_one_row_source_per_decode_rank(pair)
         done = bytes_done(pair.prefill)
-        assert sum(done) == moved_bytes(requests, pair.decode), done
+        total = moved_bytes(requests, pair.decode)
+        assert sum(done) == total, done
+        share = total // pair.decode.tp
+        assert done == [share * list(writer.values()).count(r) for r in range(pair.prefill.tp)], (
+            done,
+            writer,
+        )
 
 
 @pytest.mark.parametrize("shape", REFUSED, ids=str)
@@ -300,6 +347,42 @@ def test_prefill_tp_below_decode_tp_is_refused_with_a_reason(
             assert req.prefill_outcome == "Failed", req.room
             assert all(req.prefill_reasons), req.prefill_reasons
         assert stray_writes(requests, pair.prefill, pair.decode) == []
+
+
+def test_unequal_tp_without_head_counts_is_refused_at_the_handshake(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """Prefill TP 2 to decode TP 1, but neither side's KVArgs declare head counts: prefill
+    cannot plan the head slices, so the handshake refuses the pair by name and decode's
+    request fails at once with that reason (not at transfer time, never wrong bytes)."""
+    port = bootstrap.port
+    prefill = Instance.start("prefill", port, 2, heads=2, head_bytes=64, head_counts="never")
+    try:
+        decode = Instance.start("decode", port, 1, heads=2, head_bytes=64, head_counts="never")
+    except BaseException:
+        prefill.close()
+        raise
+    try:
+        check = Checker()
+        d = DecodeScheduler(decode, check, f"127.0.0.1:{port}")
+        p = PrefillScheduler(prefill, check, f"127.0.0.1:{port}")
+        (req,) = random_requests(random.Random(19), 1)
+        req.prefill_ignores = True
+        p.add(req)
+        d.add(req)
+        deadline = time.monotonic() + 30
+        while req.decode_outcome is None and time.monotonic() < deadline:
+            d.step()
+            time.sleep(0.001)
+        assert req.decode_outcome == "Failed"
+        assert (
+            "fingerprint mismatch: unequal attention TP (prefill 2, decode 1) needs prefill "
+            "to declare its KV heads"
+        ) in req.decode_reasons[0]
+        assert check.violations == []
+    finally:
+        decode.close()
+        prefill.close()
 
 
 def test_aborts_on_an_unequal_pair_end_every_request(bootstrap: KvfsmKVBootstrapServer) -> None:
