@@ -159,6 +159,9 @@ class DestinationReceived(Event, frozen=True):
     #: The write lease these pages are fenced by (law 4): the control link that brought them.
     #: Every chunk into them is posted only while that lease is valid; 0 means unfenced.
     fence: int = 0
+    #: Prompt tokens the receiver already holds (SGLang's ``decode_prefix_len``): ``pages``
+    #: start after them, and the sender's caller sends only the pages that follow.
+    prefix: int = 0
 
 
 class Initialized(Event, frozen=True):
@@ -214,6 +217,8 @@ class MetadataSubmitted(Event, frozen=True):
     pages: bytes
     aux_index: int
     state: bytes = b""
+    #: Prompt tokens this side already holds (decode prefix caching); ``pages`` follow them.
+    prefix: int = 0
 
 
 class TransferConfirmed(Event, frozen=True):
@@ -444,6 +449,8 @@ class SendMetadata(Command, frozen=True):
     pages: bytes
     aux_index: int
     state: bytes = b""
+    #: Prompt tokens the receiver already holds (``MetadataSubmitted.prefix``).
+    prefix: int = 0
 
 
 class ReportOutcome(Command, frozen=True):

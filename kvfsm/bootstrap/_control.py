@@ -371,7 +371,12 @@ class ControlPlane:
         elif isinstance(command, SendMetadata):
             assert self._decode is not None
             frame = RoomMetadata(
-                key.room, key.generation, command.pages, command.aux_index, command.state
+                key.room,
+                key.generation,
+                command.pages,
+                command.aux_index,
+                command.state,
+                prefix=command.prefix,
             )
             self._do(self._decode.metadata(key, frame))
         elif isinstance(command, ReportOutcome):

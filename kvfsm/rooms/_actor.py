@@ -71,15 +71,19 @@ class Publication:
     or by the registry for a room it refused); read from any thread without a lock.
 
     Each field is a single reference store, atomic under the GIL. ``reason`` is written before
-    ``status`` so a reader that sees Failed also sees why. Terminal statuses are never
-    overwritten, so a reader that once saw one may cache it.
+    ``status`` so a reader that sees Failed also sees why, and ``prefix`` before a sender's
+    WaitingForInput so a reader that sees that status also sees the receiver's prefix.
+    Terminal statuses are never overwritten, so a reader that once saw one may cache it.
     """
 
-    __slots__ = ("reason", "settled", "status")
+    __slots__ = ("prefix", "reason", "settled", "status")
 
     def __init__(self) -> None:
         self.status: KVPoll = KVPoll.Bootstrapping
         self.reason: str = ""
+        #: Sender: prompt tokens the receiver already holds (``RoomCore.prefix``), set once its
+        #: destination arrived; 0 before, and for receivers.
+        self.prefix: int = 0
         #: True once the room is terminal and no transfer can still touch its pages.
         self.settled: bool = False
 
@@ -305,6 +309,8 @@ class Room:
         pub = self.publication
         if state is KVPoll.Failed:
             pub.reason = self.core.reason
+        elif state is KVPoll.WaitingForInput and self.role is Role.SENDER:
+            pub.prefix = self.core.prefix
         pub.status = state
         self._arm_deadline(state)
         registry = self._registry

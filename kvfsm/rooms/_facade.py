@@ -199,6 +199,14 @@ class SenderRoom(_RoomFacade):
     __slots__ = ()
     role = Role.SENDER
 
+    @property
+    def decode_prefix(self) -> int:
+        """Prompt tokens the receiver already holds (decode prefix caching): its page list
+        starts after them, so the caller sends only the pages that follow, and ``init`` counts
+        only those. Known once ``poll()`` reports WaitingForInput (published before it); 0
+        before, and when the receiver holds no prefix."""
+        return self._pub.prefix
+
     def init(self, num_pages: int, aux_index: int = -1) -> None:
         """Announce how many pages will be sent in total and the aux row to copy at the end."""
         num_pages = int(num_pages)
@@ -231,12 +239,21 @@ class ReceiverRoom(_RoomFacade):
         self._post(self.key, Initialized(peer_rank=int(peer_rank)))
 
     def send_metadata(
-        self, page_indices: PageIndices, aux_index: int, state_indices: PageIndices | None = None
+        self,
+        page_indices: PageIndices,
+        aux_index: int,
+        state_indices: PageIndices | None = None,
+        prefix: int = 0,
     ) -> None:
-        """Tell the sender which pages to write, which aux row and which state rows to fill."""
-        aux_index = int(aux_index)
+        """Tell the sender which pages to write, which aux row and which state rows to fill.
+        ``prefix``: prompt tokens this side holds already (decode prefix caching); the pages
+        are those that follow them, and the sender sees it as ``SenderRoom.decode_prefix``."""
+        aux_index, prefix = int(aux_index), int(prefix)
         if aux_index < 0:
             self._fail_locally(EventRejected(f"aux row {aux_index} is negative"))
+            return
+        if prefix < 0:
+            self._fail_locally(EventRejected(f"decode prefix of {prefix} tokens is negative"))
             return
         if self._too_long("send_metadata", page_indices):
             return
@@ -244,4 +261,4 @@ class ReceiverRoom(_RoomFacade):
         state = b"" if state_indices is None else self._pack(state_indices)
         if packed is None or state is None or self._too_many("send_metadata", packed, state):
             return
-        self._post(self.key, MetadataSubmitted(packed, aux_index, state))
+        self._post(self.key, MetadataSubmitted(packed, aux_index, state, prefix))
