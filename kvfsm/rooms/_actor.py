@@ -41,7 +41,6 @@ from kvfsm.states import (
     AbortRequested,
     Command,
     DeadlineExpired,
-    DestinationReceived,
     Event,
     EventRejected,
     KVPoll,
