@@ -11,6 +11,10 @@ and how it is met (contract §3):
   (``should_send_kv_chunk`` lets a zero-page last chunk through);
 * decode reports Success only after prefill confirmed every write, aux row included, so the
   scheduler's metadata gate sees ``bootstrap_room`` in the aux row by then;
+* decode prefix caching: decode passes only the pages past its cached prefix, with
+  ``decode_prefix_len``; it travels with them, and prefill's room reports WaitingForInput only
+  once they arrived, so ``pop_decode_prefix_len()`` has it when the scheduler asks
+  (docs/decode-prefix.md);
 * ``abort()`` makes ``poll()`` Failed when it returns; ``failure_exception()`` always raises,
   with the reason, and clears; ``clear()`` is idempotent and aborts a room that is not finished.
 """
@@ -37,7 +41,7 @@ from kvfsm.states import TERMINAL, Part
 from kvfsm.states import KVPoll as RoomStatus
 
 if TYPE_CHECKING:
-    from kvfsm.rooms import SenderRoom
+    from kvfsm.rooms import ReceiverRoom, SenderRoom
     from kvfsm.sglang._manager import KvfsmKVManager
 
 __all__ = ["KvfsmKVReceiver", "KvfsmKVSender", "SGLangTransferError"]
@@ -51,6 +55,20 @@ class SGLangTransferError(KVTransferError):
     def __init__(self, room: int, reason: str, *, is_from_another_rank: bool = False) -> None:
         super().__init__(room, reason)
         self.is_from_another_rank = is_from_another_rank
+
+
+def prefix_problem(decode_prefix_len: int, page_tokens: int) -> str | None:
+    """Why decode's ``decode_prefix_len`` cannot be served, or None. Pages move whole: a prefix
+    that ends inside a page would have prefill overwrite that page's cached tokens (SGLang's
+    radix match is page-aligned, so it never sends one: docs/decode-prefix.md)."""
+    if decode_prefix_len < 0:
+        return f"decode_prefix_len={decode_prefix_len} is negative"
+    if page_tokens > 1 and decode_prefix_len % page_tokens:
+        return (
+            f"decode_prefix_len={decode_prefix_len} is not a multiple of the page size "
+            f"({page_tokens} tokens): pages move whole"
+        )
+    return None
 
 
 def _state_rows(state_indices: Sequence[Any] | None, which: int | None) -> list[int] | str | None:
@@ -71,7 +89,7 @@ def _state_rows(state_indices: Sequence[Any] | None, which: int | None) -> list[
 class _Conn:
     """What both sides share: the room, its failure report and its clearing."""
 
-    _room: SenderRoom | Legs
+    _room: Legs[SenderRoom] | Legs[ReceiverRoom]
 
     def __init__(self, mgr: KvfsmKVManager, bootstrap_addr: str, bootstrap_room: int) -> None:
         self.kv_mgr = mgr
@@ -139,21 +157,41 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         #: -> Success": the prefill forward before it is not transfer time).
         self._started: float | None = None
         self._finished: float | None = None
-        #: What this rank carries of the request (unequal TP), known at init.
-        self._part = Part.WHOLE
-        self._room = self._sender = mgr.new_sender(bootstrap_room)
+        #: What each leg carries of the request (unequal TP), known at init.
+        self._parts: list[Part] = []
+        #: Leg 0; with decode's attention TP larger, one more leg per further decode rank,
+        #: spawned once leg 0's destination says how many (``poll``).
+        self._sender = mgr.new_sender(bootstrap_room)
+        self._legs: Legs[SenderRoom] = Legs(self._sender)
+        self._room = self._legs
+        self._spawned = False
+        self._prefix_popped = False
+
+    def pop_decode_prefix_len(self) -> int:
+        """Prompt tokens decode already holds (its radix cache), which prefill must not send:
+        SGLang's ``finalize_bootstrap`` calls this at the request's first WaitingForInput,
+        starts sending at that token and passes ``init`` only the pages after it. As in
+        SGLang's own backends it pops: the value once it is known, 0 before and after."""
+        if self._prefix_popped:
+            return 0
+        prefix = self._sender.decode_prefix
+        if prefix:
+            self._prefix_popped = True
+        return prefix
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
-        # What this rank carries is known by now: the scheduler calls init on WaitingForInput,
-        # which follows the destination's arrival (and the part is published before it).
-        self._part = self._sender.part
-        if self._part is Part.NONE:
-            # A dummy rank for this request (unequal TP): its heads reach decode through
-            # another rank. It moves nothing and ends with its last send, like SGLang's.
-            self._sender.init(0, -1)
-            return
-        self._sender.init(self._num_pages, -1 if aux_index is None else int(aux_index))
+        aux = -1 if aux_index is None else int(aux_index)
+        # What each leg carries is known by now: the scheduler calls init on WaitingForInput,
+        # which follows every leg's destination (and a part is published before it).
+        self._parts = [room.part for room in self._legs.rooms]
+        for room, part in zip(self._legs.rooms, self._parts, strict=True):
+            if part is Part.NONE:
+                # A dummy rank for this request (unequal TP): its heads reach decode through
+                # another rank. It moves nothing and ends with its last send, like SGLang's.
+                room.init(0, -1)
+            else:
+                room.init(self._num_pages, aux)
 
     def send(
         self,
@@ -163,14 +201,14 @@ class KvfsmKVSender(_Conn, BaseKVSender):
     ) -> None:
         rows = _state_rows(state_indices, self.kv_mgr.state_type)
         if isinstance(rows, str):
-            self._sender.reject(rows)
+            self._legs.reject(rows)
             return
         if self._sent_pages >= self._num_pages and self._chunks and not len(kv_indices):
             # The page count was reached by an earlier chunk, which kvfsm sent as the last one
             # (with the aux row). A trailing zero-page "last" send adds nothing, unless it
             # brings state rows the last chunk lacked: those cannot be sent any more.
             if rows:
-                self._sender.reject(
+                self._legs.reject(
                     "state rows arrived after the last chunk (the page count was reached by an "
                     "earlier send without them)"
                 )
@@ -179,31 +217,51 @@ class KvfsmKVSender(_Conn, BaseKVSender):
             self._started = time.monotonic()
         self._sent_pages += len(kv_indices)
         self._chunks += 1
-        if self._part is Part.NONE:
-            if self._sent_pages >= self._num_pages:
-                self._sender.send(b"")  # the last chunk: the room ends, having moved nothing
-            return
-        if self._part is Part.KV:
-            rows = None  # another prefill rank sends decode's state rows
-        self._sender.send(kv_indices, rows)
+        last = self._sent_pages >= self._num_pages
+        for room, part in zip(self._legs.rooms, self._parts or [Part.WHOLE], strict=False):
+            if part is Part.WHOLE:
+                room.send(kv_indices, rows)
+            elif part is Part.KV:
+                room.send(kv_indices)  # another prefill rank sends decode's state rows
+            elif last:
+                room.send(b"")  # a dummy's last chunk: it ends, having moved nothing
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # A zero-page last chunk must still be sent: it carries the aux row and ends the room.
         return num_pages > 0 or last_chunk
 
     def poll(self) -> int:
-        status = self._room.poll()
+        if not self._spawned:
+            self._spawn_legs()
+        status = self._legs.poll()
         if status is RoomStatus.Success and self._finished is None:
             self._finished = time.monotonic()
         return status
 
+    def _spawn_legs(self) -> None:
+        """Once leg 0's destination arrived it says how many decode ranks this request goes
+        to; the other legs are spawned then, before the scheduler can see WaitingForInput
+        (they are Bootstrapping until their own destinations arrive, and the MIN with them)."""
+        first = self._sender.poll()
+        if first is RoomStatus.Bootstrapping:
+            return
+        self._spawned = True
+        if first is RoomStatus.Failed:
+            return
+        mgr = self.kv_mgr
+        for leg in range(1, self._sender.legs):
+            self._legs.add(mgr.new_sender(self.bootstrap_room, leg=leg))
+
     def get_transfer_metric(self) -> KVTransferMetric:
+        # Bytes read from this rank's pool: each leg that moves KV reads the pages (a head
+        # slice of them when decode's attention TP is larger), and a whole leg the aux row.
         layout = self.kv_mgr.layout
-        if self._part is Part.NONE:
-            total = 0
-        else:
-            aux = layout.aux_row_bytes() if layout.aux and self._part is Part.WHOLE else 0
-            total = self._sent_pages * layout.page_bytes() + aux
+        total = 0
+        for part in self._parts or [Part.WHOLE]:
+            if part is not Part.NONE:
+                total += self._sent_pages * layout.page_bytes()
+            if part is Part.WHOLE and layout.aux:
+                total += layout.aux_row_bytes()
         latency = None
         if self._finished is not None and self._started is not None:
             latency = self._finished - self._started
@@ -226,7 +284,7 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         #: One entry per prefill rank this request reads from (SGLang counts abort acks by it).
         self.bootstrap_infos: list[tuple[str, int]] = []
         self._group = mgr.new_group()
-        self._legs = Legs(mgr.new_receiver(room, group=self._group))
+        self._legs: Legs[ReceiverRoom] = Legs(mgr.new_receiver(room, group=self._group))
         #: What each leg carries (``Part``), in leg order; known once ``init`` ran.
         self._parts: list[Part] = []
         self._room = self._legs
@@ -285,11 +343,11 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         if destination != KVTransferDestination.DEVICE:
             self._legs.reject(f"destination {destination!r}: kvfsm writes device KV only")
             return
-        if decode_prefix_len:
-            self._legs.reject(
-                f"decode_prefix_len={decode_prefix_len}: decode-side prefix reuse is not "
-                "supported by kvfsm (disable the decode radix cache)"
-            )
+        # kv_indices are the pages past the prefix only (SGLang slices them so, decode.py:1642).
+        prefix = int(decode_prefix_len or 0)
+        problem = prefix_problem(prefix, int(getattr(self.kv_mgr.kv_args, "page_size", 0) or 0))
+        if problem is not None:
+            self._legs.reject(problem)
             return
         rows = _state_rows(state_indices, self.kv_mgr.state_type)
         if isinstance(rows, str):
@@ -298,12 +356,13 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         aux = -1 if aux_index is None else int(aux_index)
         parts = self._parts or [Part.WHOLE]
         for room, part in zip(self._legs.rooms, parts, strict=True):
+            # Every leg names the prefix: each prefill rank skips the same pages.
             if part is Part.WHOLE:
-                room.send_metadata(kv_indices, aux, rows)
+                room.send_metadata(kv_indices, aux, rows, prefix=prefix)
             elif part is Part.KV:  # another leg carries the aux and state rows
-                room.send_metadata(kv_indices, -1, None, Part.KV)
+                room.send_metadata(kv_indices, -1, None, Part.KV, prefix)
             else:  # a dummy: that prefill rank holds none of this rank's heads
-                room.send_metadata(b"", -1, None, Part.NONE)
+                room.send_metadata(b"", -1, None, Part.NONE, prefix)
 
     def clear(self) -> None:
         already = self._cleared

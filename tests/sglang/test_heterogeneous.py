@@ -29,6 +29,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,18 +69,27 @@ class Shape:
     #: manager, as SGLang's does): "never" and "after" are SGLang's decode without and with
     #: heterogeneous-TP staging.
     decode_head_counts: HeadCounts = "before"
+    #: A hybrid-state pool on both sides. Default: at equal TP only (state pools are sharded
+    #: over attention TP and move as whole rows: kvfsm pairs them at equal TP only).
+    state: bool | None = None
+
+    @property
+    def has_state(self) -> bool:
+        return self.prefill_tp == self.decode_tp if self.state is None else self.state
 
     def __str__(self) -> str:
         model = "mla" if self.mla else f"mha{self.heads}h"
         late = "" if self.decode_head_counts == "before" else f"-heads-{self.decode_head_counts}"
-        return f"{model}-p{self.prefill_tp}-d{self.decode_tp}{late}"
+        state = "-state" if self.has_state else ""
+        return f"{model}-p{self.prefill_tp}-d{self.decode_tp}{late}{state}"
 
 
-#: Equal TP with the rig's head splits and MLA: pass with equal-TP kvfsm already.
+#: Equal TP with the rig's head splits, MLA and a state pool: pass with equal-TP kvfsm already.
 EQUAL = [Shape(2, 2, heads=4), Shape(2, 2, heads=1), Shape(2, 2, mla=True)]
-#: P > D. heads=2 replicates prefill heads (4 ranks over 2 heads); heads=1 (MQA) replicates
-#: both sides, every rank holding the one head.
-#: Decode's head counts as SGLang's decode sets them: never (no staging), after the manager.
+#: Unequal attention TP (no state pool). P > D: heads=2 replicates prefill heads (4 ranks over
+#: 2); heads=1 (MQA) replicates both sides. P < D: decode ranks share a prefill rank's heads;
+#: heads=2 over decode TP 4 replicates decode's. Decode's head counts as SGLang's decode sets
+#: them: never (no staging) or after the manager (staging).
 UNEQUAL = [
     Shape(2, 1, heads=4),
     Shape(4, 2, heads=4),
@@ -87,11 +97,23 @@ UNEQUAL = [
     Shape(4, 2, heads=1),
     Shape(2, 1, heads=4, decode_head_counts="never"),
     Shape(4, 2, heads=4, decode_head_counts="after"),
+    Shape(1, 2, heads=4),
+    Shape(2, 4, heads=4),
+    Shape(2, 4, heads=2),
 ]
-MLA = [Shape(2, 2, mla=True), Shape(2, 1, mla=True), Shape(4, 2, mla=True)]
-#: P < D: refused for now. When the adapter supports it, move these shapes into UNEQUAL and
-#: delete test_prefill_tp_below_decode_tp_is_refused_with_a_reason.
-REFUSED = [Shape(1, 2, heads=4)]
+MLA = [
+    Shape(2, 2, mla=True),
+    Shape(2, 1, mla=True),
+    Shape(4, 2, mla=True),
+    Shape(1, 2, mla=True),
+    Shape(2, 4, mla=True),
+]
+#: Shapes kvfsm refuses, with what the reason names: attention TPs neither of which divides
+#: the other; a state pool with unequal attention TP.
+REFUSED = [
+    (Shape(2, 3, heads=6), "attention TP"),
+    (Shape(2, 1, heads=4, state=True), "state pools"),
+]
 
 
 @contextlib.contextmanager
@@ -107,6 +129,7 @@ def started(bootstrap: KvfsmKVBootstrapServer, shape: Shape) -> Iterator[Pair]:
             head_bytes=shape.head_bytes,
             mla=shape.mla,
             head_counts="before" if mode == "prefill" else shape.decode_head_counts,
+            state=shape.has_state,
         )
 
     prefill = start("prefill", shape.prefill_tp)
@@ -159,6 +182,7 @@ def offline(shape: Shape) -> tuple[Instance, Instance]:
                 total_heads=total,
                 head_bytes=shape.head_bytes,
                 mla=shape.mla,
+                state=shape.has_state,
             )
             for r in range(tp)
         ]
@@ -206,7 +230,7 @@ def deliver(req: Request, prefill: Instance, decode: Instance, *, spread: bool) 
 
 
 @pytest.mark.parametrize("spread", [False, True], ids=["lowest-replica", "spread-replicas"])
-@pytest.mark.parametrize("shape", EQUAL + UNEQUAL + MLA[1:] + REFUSED, ids=str)
+@pytest.mark.parametrize("shape", EQUAL + UNEQUAL + MLA[1:], ids=str)
 def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
     shape: Shape, spread: bool
 ) -> None:
@@ -245,12 +269,13 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
         b.head_view(1)[req.dst_pages, :, -1] = 0
 
     def aux_of_no_rank(b: RankBuffers) -> None:
-        b.output_ids[req.dst_aux] += 1
+        b.output_ids[req.dst_aux, 5] += 1000
 
     def state_row(b: RankBuffers) -> None:
         b.state[req.dst_state, 5] ^= 0x40
 
-    for mutate in (swap_pages, one_byte, stray, missing_head, aux_of_no_rank, state_row):
+    mutations = [swap_pages, one_byte, stray, missing_head, aux_of_no_rank]
+    for mutate in [*mutations, state_row] if shape.has_state else mutations:
         assert caught(mutate), mutate.__name__
         assert caught(mutate, rank=0), mutate.__name__
     if len(decode.buffers[0].heads) > 1:
@@ -271,7 +296,7 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
             b.state[req.dst_state] = src.state[req.src_state]
 
         assert caught(rows_of_a_wrong_rank, rank=0)
-    if len(allowed) > 1:
+    if len(allowed) > 1 and shape.has_state:
         # the aux row of one replica, the state row of another
         a, b_ = (prefill.buffers[r] for r in allowed[:2])
 
@@ -331,19 +356,20 @@ def test_mla_moves_one_replica_per_decode_rank(
         )
 
 
-@pytest.mark.parametrize("shape", REFUSED, ids=str)
-def test_prefill_tp_below_decode_tp_is_refused_with_a_reason(
-    bootstrap: KvfsmKVBootstrapServer, shape: Shape
+@pytest.mark.parametrize(("shape", "reason"), REFUSED, ids=[str(s) for s, _ in REFUSED])
+def test_unsupported_shapes_are_refused_with_a_reason(
+    bootstrap: KvfsmKVBootstrapServer, shape: Shape, reason: str
 ) -> None:
-    # P < D is not supported yet: when it is, move REFUSED's shapes into UNEQUAL, delete this.
+    """Every request fails on both sides (no hang, no leak), decode's with a reason naming
+    what is not supported, and nothing is written into decode."""
     with started(bootstrap, shape) as pair:
         requests = random_requests(random.Random(43), 3)
         out = pair.run(requests, timeout=60)
-        assert_clean(out)  # no hang, no leak
+        assert_clean(out)
         for req in requests:
             assert req.decode_outcome == "Failed", req.room
             assert all(req.decode_reasons), req.decode_reasons
-            assert any("attention TP" in r for r in req.decode_reasons), req.decode_reasons
+            assert any(reason in r for r in req.decode_reasons), req.decode_reasons
             assert req.prefill_outcome == "Failed", req.room
             assert all(req.prefill_reasons), req.prefill_reasons
         assert stray_writes(requests, pair.prefill, pair.decode) == []
@@ -356,9 +382,10 @@ def test_unequal_tp_without_head_counts_is_refused_at_the_handshake(
     cannot plan the head slices, so the handshake refuses the pair by name and decode's
     request fails at once with that reason (not at transfer time, never wrong bytes)."""
     port = bootstrap.port
-    prefill = Instance.start("prefill", port, 2, heads=2, head_bytes=64, head_counts="never")
+    kw: dict[str, Any] = {"heads": 2, "head_bytes": 64, "head_counts": "never", "state": False}
+    prefill = Instance.start("prefill", port, 2, **kw)
     try:
-        decode = Instance.start("decode", port, 1, heads=2, head_bytes=64, head_counts="never")
+        decode = Instance.start("decode", port, 1, **kw)
     except BaseException:
         prefill.close()
         raise
@@ -385,11 +412,13 @@ def test_unequal_tp_without_head_counts_is_refused_at_the_handshake(
         prefill.close()
 
 
-def test_aborts_on_an_unequal_pair_end_every_request(bootstrap: KvfsmKVBootstrapServer) -> None:
+@pytest.mark.parametrize("shape", [Shape(4, 2, heads=4), Shape(2, 4, heads=4)], ids=str)
+def test_aborts_on_an_unequal_pair_end_every_request(
+    bootstrap: KvfsmKVBootstrapServer, shape: Shape
+) -> None:
     """Decode aborts mid-transfer on one of its ranks, or one prefill rank aborts after the
     first chunk: every request ends, Failed with reasons on every rank, and decode's pages go
     back only once no write can reach them (canaries checked by ``Pair.finish``)."""
-    shape = Shape(4, 2, heads=4)
     with started(bootstrap, shape) as pair:
         requests = random_requests(random.Random(44), 10, max_pages=8)
         by_decode: list[Request] = []
