@@ -47,6 +47,7 @@ from tests.sglang.scheduler import (
     RankBuffers,
     Request,
     moved_bytes,
+    prefix_requests,
     random_requests,
     rank_heads,
     row_sources,
@@ -354,6 +355,28 @@ def test_mla_moves_one_replica_per_decode_rank(
             done,
             writer,
         )
+
+
+@pytest.mark.parametrize(
+    "shape", [Shape(4, 2, heads=4), Shape(2, 4, heads=4), Shape(4, 2, mla=True)], ids=str
+)
+def test_decode_prefix_caching_on_unequal_tp(
+    bootstrap: KvfsmKVBootstrapServer, shape: Shape
+) -> None:
+    """Decode holds part or all of a prompt (its radix cache): every prefill rank pops the
+    prefix and sends only the pages past it, each decode head slice of those pages is checked,
+    the prefix pages are never written (on commit and at the end), a full hit moves no page."""
+    with started(bootstrap, shape) as pair:
+        requests = prefix_requests(random.Random(45))
+        assert any(r.prefix_tokens and not r.dst_pages for r in requests)  # a full hit
+        out = pair.run(requests)
+        assert_clean(out)
+        assert_all_succeeded(requests)
+        for req in requests:
+            assert req.popped == [req.prefix_tokens] * shape.prefill_tp, req.room
+        assert stray_writes(requests, pair.prefill, pair.decode) == []
+        done, total = sum(bytes_done(pair.prefill)), moved_bytes(requests, pair.decode)
+        assert done == total if shape.mla else done >= total, (done, total)
 
 
 @pytest.mark.parametrize(("shape", "reason"), REFUSED, ids=[str(s) for s, _ in REFUSED])
