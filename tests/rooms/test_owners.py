@@ -128,6 +128,167 @@ def test_thousands_of_pages_in_any_order() -> None:
     assert owners.claim(C, clash.tobytes(), 3) is None
 
 
+# -- legs of one request: a shared claim (group) ----------------------------------------------
+
+LEG0, LEG1, LEG2 = RoomKey(30, 5), RoomKey(30, 6), RoomKey(30, 7)
+
+
+def test_legs_of_one_group_share_its_pages() -> None:
+    owners = DestinationOwners()
+    assert owners.claim(LEG0, pages(4, 5, 6), 3, pages(2), group=9) is None
+    assert owners.claim(LEG1, pages(4, 5, 6), -1, group=9) is None  # a KV-only leg joins
+    assert LEG0 in owners
+    assert LEG1 in owners
+    assert len(owners) == 2
+    assert owners.held_pages == 3  # the pages are counted once, not per leg
+    assert owners.holder(5) == LEG0  # the first leg is the claim's owner
+
+
+def test_a_later_leg_naming_other_pages_is_refused() -> None:
+    owners = DestinationOwners()
+    owners.claim(LEG0, pages(4, 5, 6), 3, group=9)
+    for other in (pages(4, 5), pages(4, 5, 7), pages(6, 5, 4), pages(4, 5, 6, 7)):
+        assert owners.claim(LEG1, other, -1, group=9) == (
+            "a leg of room 30 names other pages than its first leg (room 30 gen 5)"
+        )
+    assert LEG1 not in owners
+    assert owners.holder(7) is None  # a refused leg takes nothing
+    assert owners.held_pages == 3
+
+
+def test_a_dummy_leg_joins_with_no_pages_at_all() -> None:
+    owners = DestinationOwners()
+    owners.claim(LEG0, pages(4, 5, 6), 3, group=9)
+    assert owners.claim(LEG2, b"", -1, group=9) is None
+    assert LEG2 in owners
+    assert owners.held_pages == 3
+    # It holds the group's claim: the first leg releasing does not free the pages.
+    owners.release(LEG0)
+    assert owners.claim(A, pages(5), 1) == "page 5 already held by room 30 gen 5"
+    owners.release(LEG2)
+    assert owners.claim(A, pages(5), 1) is None
+
+
+def test_aux_and_state_rows_are_taken_by_one_leg_of_a_group_only() -> None:
+    owners = DestinationOwners()
+    # The first leg carries KV only; a later leg brings the aux row and the state rows.
+    assert owners.claim(LEG0, pages(1, 2), -1, group=4) is None
+    assert owners.claim(LEG1, pages(1, 2), 8, pages(3, 4), group=4) is None
+    assert owners.claim(A, pages(9), 8) == "aux row 8 already held by room 30 gen 5"
+    assert owners.claim(A, pages(9), 1, pages(4)) == "state row 4 already held by room 30 gen 5"
+    # A third leg naming an aux row or state rows again is refused, and takes nothing.
+    assert owners.claim(LEG2, pages(1, 2), 7, group=4) == (
+        "aux row 7: another leg of the room already holds aux row 8"
+    )
+    assert owners.claim(A, pages(9), 7) is None  # row 7 was not taken by the refused leg
+    assert owners.claim(LEG2, pages(1, 2), -1, pages(5), group=4) == (
+        "state rows: another leg of the room already holds its state rows"
+    )
+    assert owners.claim(B, pages(10), 2, pages(5)) is None  # nor state row 5
+    assert LEG2 not in owners
+
+
+def test_a_group_leg_cannot_take_an_aux_or_state_row_another_room_holds() -> None:
+    owners = DestinationOwners()
+    owners.claim(A, pages(20), 6, pages(7))
+    owners.claim(LEG0, pages(1, 2), -1, group=4)
+    assert owners.claim(LEG1, pages(1, 2), 6, group=4) == "aux row 6 already held by room 17 gen 2"
+    assert owners.claim(LEG1, pages(1, 2), 5, pages(7), group=4) == (
+        "state row 7 already held by room 17 gen 2"
+    )
+    assert LEG1 not in owners
+    assert owners.claim(B, pages(21), 5) is None  # all or nothing: aux row 5 stayed free
+
+
+@pytest.mark.parametrize("other_group", [None, 10])
+def test_another_room_is_still_refused_on_any_page_of_a_group(other_group: int | None) -> None:
+    owners = DestinationOwners()
+    owners.claim(LEG0, pages(4, 5, 6), 3, group=9)
+    owners.claim(LEG1, pages(4, 5, 6), -1, group=9)
+    problem = owners.claim(A, pages(1, 6), 1, group=other_group)
+    assert problem == "page 6 already held by room 30 gen 5"
+    assert A not in owners
+    assert owners.holder(1) is None
+    # Once its first leg released, the group still holds them in its other leg's name.
+    owners.release(LEG0)
+    assert owners.claim(A, pages(6), 1, group=other_group) is not None
+
+
+def test_pages_are_held_until_the_last_leg_releases_in_any_order() -> None:
+    for order in ((LEG0, LEG1, LEG2), (LEG2, LEG0, LEG1), (LEG1, LEG2, LEG0)):
+        owners = DestinationOwners()
+        owners.claim(LEG0, pages(4, 5, 6), 3, pages(1), group=9)
+        owners.claim(LEG1, pages(4, 5, 6), -1, group=9)
+        owners.claim(LEG2, b"", -1, group=9)
+        for leg in order[:-1]:
+            assert owners.release(leg)
+            assert leg not in owners
+            assert owners.held_pages == 3
+            assert owners.holder(4) == LEG0
+            assert owners.claim(A, pages(4), 0) is not None
+            assert owners.claim(A, pages(40), 3) == "aux row 3 already held by room 30 gen 5"
+            assert owners.claim(A, pages(40), 0, pages(1)) is not None
+        assert owners.release(order[-1])
+        assert not owners.release(order[-1])
+        assert len(owners) == 0
+        assert owners.held_pages == 0
+        assert owners.holder(4) is None
+        assert owners.claim(A, pages(4, 5, 6), 3, pages(1)) is None
+
+
+def test_a_group_reused_after_all_its_legs_released_starts_fresh() -> None:
+    owners = DestinationOwners()
+    owners.claim(LEG0, pages(4, 5, 6), 3, group=9)
+    owners.claim(LEG1, pages(4, 5, 6), -1, group=9)
+    owners.release(LEG0)
+    owners.release(LEG1)
+    # New legs under the same group number: other pages are not "other than the first leg's",
+    # and the old aux row is not "already held by another leg".
+    fresh, again = RoomKey(31, 8), RoomKey(31, 9)
+    assert owners.claim(fresh, pages(7, 8), -1, group=9) is None
+    assert owners.claim(again, pages(7, 8), 3, group=9) is None
+    assert owners.holder(7) == fresh
+    assert owners.holder(4) is None
+    assert owners.held_pages == 2
+
+
+def test_a_leg_of_a_refused_first_claim_cannot_join() -> None:
+    owners = DestinationOwners()
+    owners.claim(A, pages(5), 1)
+    # The request's first leg is refused (page 5 is A's): its group holds nothing...
+    assert owners.claim(LEG0, pages(4, 5, 6), 3, group=9) == "page 5 already held by room 17 gen 2"
+    assert owners.holder(4) is None
+    # ...so a later leg naming the same pages claims them afresh and is refused the same way,
+    # rather than joining a claim that never was.
+    assert owners.claim(LEG1, pages(4, 5, 6), -1, group=9) == (
+        "page 5 already held by room 17 gen 2"
+    )
+    assert LEG1 not in owners
+    assert owners.holder(4) is None
+    assert owners.held_pages == 1
+
+
+def test_a_dummy_leg_can_create_a_group_and_the_pages_of_the_next_leg_count() -> None:
+    # A dummy leg first (it names nothing) and a KV leg after it: whichever leg is applied
+    # first, the request's pages are held once the leg that names them is in.
+    owners = DestinationOwners()
+    owners.claim(B, pages(6), 2)
+    assert owners.claim(LEG2, b"", -1, group=9) is None
+    # Taking them into the dummy's claim is all or nothing like any claim.
+    assert owners.claim(LEG0, pages(4, 5, 6), 3, group=9) == "page 6 already held by room 18 gen 3"
+    assert owners.claim(LEG0, pages(4, 5), 2, group=9) == "aux row 2 already held by room 18 gen 3"
+    assert owners.holder(4) is None
+    owners.release(B)
+    assert owners.claim(LEG0, pages(4, 5, 6), 3, group=9) is None
+    assert owners.holder(5) is not None
+    assert owners.held_pages == 3
+    assert owners.claim(A, pages(5), 1) is not None
+    owners.release(LEG2)
+    owners.release(LEG0)
+    assert owners.held_pages == 0
+    assert owners.holder(5) is None
+
+
 # -- the property test -----------------------------------------------------------------------
 
 KEYS = [RoomKey(room, room + 100) for room in range(6)]
