@@ -109,6 +109,7 @@ class RoomCore:
         "_dst_aux",
         "_dst_peer",
         "_dst_state",
+        "_dst_known",
         "_fence",
         "_num_pages",
         "_src_aux",
@@ -145,6 +146,9 @@ class RoomCore:
         self._dst_aux = -1
         self._dst_peer = ""
         self._dst_state = b""
+        # A dummy leg's destination names no page and no aux row, yet its receiver waits for
+        # this sender's word (ReportSettled) like any other: it is known once it arrived.
+        self._dst_known = False
         self._fence = 0
         self._num_pages = -1  # -1 until the caller's init
         self._src_aux = -1
@@ -278,7 +282,7 @@ class RoomCore:
 
     def _peer_known(self) -> bool:
         if self.role is Role.SENDER:
-            return self._dst_pages > 0 or self._dst_aux >= 0
+            return self._dst_known
         return self._peer_rank >= 0
 
     def _complete(self) -> bool:
@@ -357,6 +361,7 @@ class RoomCore:
         self._dst_aux = event.aux_index
         self._dst_peer = event.peer
         self._dst_state = event.state
+        self._dst_known = True
         self._fence = event.fence
         return _NO_COMMANDS
 
