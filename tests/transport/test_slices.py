@@ -338,7 +338,9 @@ def test_mla_has_exactly_one_kv_writer_per_decode_rank() -> None:
             assert _piece(1, tp_p, writers[0], tp_d, d) is None  # the whole latent row
             writers_of.append(writers[0])
         assert len(set(writers_of)) == tp_d  # spread over the replicas, one each
-        dummies = [p for d in range(tp_d) for p, part in legs(1, tp_p, tp_d, d) if part is Part.NONE]
+        dummies = [
+            p for d in range(tp_d) for p, part in legs(1, tp_p, tp_d, d) if part is Part.NONE
+        ]
         assert sorted(dummies + writers_of) == list(range(tp_p))
 
 
