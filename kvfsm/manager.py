@@ -296,9 +296,10 @@ class PrefillManager(_Manager):
         assert self.control is not None
         return self.control.port
 
-    def sender(self, room: int) -> SenderRoom:
-        """A new prefill room (non-blocking; a duplicate live room id is published Failed)."""
-        return self._engine().sender(room)
+    def sender(self, room: int, *, leg: int = 0) -> SenderRoom:
+        """A new prefill room (non-blocking; a duplicate live room id is published Failed).
+        ``leg``: one of the rooms of a request written into several decode ranks."""
+        return self._engine().sender(room, leg=leg)
 
     def close(self) -> None:
         task, engine = self._registration_task, self.engine

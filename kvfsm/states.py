@@ -180,6 +180,9 @@ class DestinationReceived(Event, frozen=True):
     fence: int = 0
     #: Which part of the decode request this room carries (:class:`Part`).
     part: int = 0
+    #: How many decode ranks this prefill rank writes the request into (unequal TP, decode's
+    #: larger): one sender room, a leg, per decode rank; 1 otherwise.
+    legs: int = 1
 
 
 class Initialized(Event, frozen=True):

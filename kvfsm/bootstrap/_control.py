@@ -49,7 +49,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
-from kvfsm.bootstrap._fingerprint import Fingerprint, link_plan, mismatch
+from kvfsm.bootstrap._fingerprint import Fingerprint, link_plan, link_slot, mismatch
 from kvfsm.bootstrap._frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -396,7 +396,9 @@ class ControlPlane:
     def room_spawned(self, key: RoomKey, role: Role) -> None:
         """Registry hook: a claim or page list may be waiting for this sender room."""
         if self._prefill is not None and role is Role.SENDER:
-            self._do(self._prefill.sender_spawned(key, self._now()))
+            assert self._registry is not None
+            leg = self._registry.leg_of(key)
+            self._do(self._prefill.sender_spawned(key, self._now(), leg))
 
     def room_reaped(self, key: RoomKey, role: Role) -> None:
         """Registry hook: forget everything kept for this room."""
@@ -693,9 +695,10 @@ class ControlPlane:
         self.stats["links_opened"] += 1
         now = self._now()
         if self._prefill is not None:
+            leg, legs = link_slot(self.fingerprint, theirs.fingerprint)
             self._do(
                 self._prefill.link_opened(
-                    link.generation, peer_id, now, hello_sent, theirs.lease_ms
+                    link.generation, peer_id, now, hello_sent, theirs.lease_ms, leg=leg, legs=legs
                 )
             )
         else:

@@ -22,10 +22,10 @@ Rules
    counts (its scheduler sets them only for staging, after the manager exists), so decode may
    leave them at 0. Prefill, which plans the head slices it writes, must declare them when
    attention TP differs (rule 4).
-3. **Parallel shapes must be a pair the data path supports** (:data:`SHAPE_RULES`): prefill's
-   attention TP a multiple of decode's (several prefill ranks feed one decode rank; the other
-   way round, one prefill rank would write each room into several decode ranks, is not built
-   yet) and no pipeline parallelism on either side.
+3. **Parallel shapes must be a pair the data path supports** (:data:`SHAPE_RULES`): one
+   attention TP a multiple of the other (prefill's larger: several prefill ranks feed each
+   decode rank; decode's larger: each prefill rank writes every room into several decode
+   ranks) and no pipeline parallelism on either side.
 4. **Unequal attention TP must split** (:func:`mismatch`): the model's KV heads split over
    both TPs (one divides the other, ``_slices.HeadShard``); if prefill replicates heads (its
    TP above the head count), decode must declare the head count too, since which replica
@@ -47,9 +47,17 @@ from typing import Annotated, Final
 
 import msgspec
 
-from kvfsm.transport._slices import KvPiece, link_piece
+from kvfsm.transport._slices import HeadShard, KvPiece, link_piece, targets
 
-__all__ = ["DECLARED_MATCH", "MUST_MATCH", "SHAPE_RULES", "Fingerprint", "link_plan", "mismatch"]
+__all__ = [
+    "DECLARED_MATCH",
+    "MUST_MATCH",
+    "SHAPE_RULES",
+    "Fingerprint",
+    "link_plan",
+    "link_slot",
+    "mismatch",
+]
 
 _Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
@@ -100,7 +108,7 @@ DECLARED_MATCH: Final[tuple[tuple[str, str], ...]] = (
 
 
 def _multiple(prefill: int, decode: int) -> bool:
-    return prefill % decode == 0
+    return prefill % decode == 0 or decode % prefill == 0
 
 
 def _both_one(prefill: int, decode: int) -> bool:
@@ -112,8 +120,7 @@ SHAPE_RULES: Final[tuple[tuple[str, Callable[[int, int], bool], str], ...]] = (
     (
         "attn_tp",
         _multiple,
-        "prefill attention TP must be a multiple of decode's (a prefill attention TP below "
-        "decode's is not supported yet)",
+        "one attention TP must be a multiple of the other",
     ),
     ("pp", _both_one, "pipeline parallelism is not supported"),
 )
@@ -166,6 +173,20 @@ def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
             f"model's {heads} KV heads, so decode must declare them too (kv_heads: 0)"
         )
     return None
+
+
+def link_slot(prefill: Fingerprint, decode: Fingerprint) -> tuple[int, int]:
+    """``(leg, legs)``: which of the decode ranks this prefill rank writes each room into the
+    link's decode rank is, and how many there are (one sender room, a leg, for each). 0 of 1
+    unless decode's attention TP is larger than prefill's."""
+    if decode.attn_tp <= prefill.attn_tp:
+        return 0, 1
+    total = 1 if prefill.mla else prefill.kv_heads
+    shard = HeadShard(total, prefill.attn_tp, prefill.attn_rank)
+    ranks = [piece.decode_rank for piece in targets(shard, decode.attn_tp)]
+    if decode.attn_rank not in ranks:
+        return 0, 1  # no KV for it: a dummy link (never with decode's TP the larger)
+    return ranks.index(decode.attn_rank), len(ranks)
 
 
 def link_plan(prefill: Fingerprint, decode: Fingerprint) -> KvPiece | str | None:

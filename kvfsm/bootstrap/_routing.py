@@ -38,6 +38,15 @@ Ends (law 4).
     *tombstone* that answers the claim when it comes (TTL-bounded), unless it was failed by an
     early abort (below), whose decode room already knows.
 
+Legs.
+    When decode's attention TP is larger than prefill's, a prefill rank writes each room into
+    several decode ranks, each over its own link: its request is one sender room per decode rank,
+    its *legs*, spawned as the first leg learns how many there are. The handshake says which leg
+    a link's decode rank is (``link_opened(leg=, legs=)``, from both fingerprints), so a sender
+    is named by ``(room, leg)`` wherever a room id alone would name it (claims, holds,
+    tombstones, early aborts), and ``DestinationReceived.legs`` tells the first leg the count.
+    With equal TP, or several prefill ranks per decode rank, every link is leg 0 of 1.
+
 Early aborts.
     A ``RoomAbort`` for a room prefill has not bound is acknowledged at once (``RoomSettled``:
     nothing was written) and remembered: the next sender of that id fails at once, unless a newer
@@ -115,6 +124,10 @@ __all__ = [
     "RoutingConfig",
     "Send",
 ]
+
+#: A sender's identity for claims: (room id, leg). The leg is the link's: which of the decode
+#: ranks a prefill rank writes each room into that link's peer is (0 but for unequal TP).
+Slot: TypeAlias = tuple[int, int]
 
 _SUCCESS: Final = int(KVPoll.Success)
 _FAILED: Final = int(KVPoll.Failed)
@@ -222,10 +235,12 @@ class _Binding:
 
 
 class _Sender:
-    __slots__ = ("binding", "ended", "key", "known")
+    __slots__ = ("binding", "ended", "key", "known", "slot")
 
-    def __init__(self, key: RoomKey) -> None:
+    def __init__(self, key: RoomKey, leg: int = 0) -> None:
         self.key = key
+        #: (room id, leg): what claims name it by (see "Legs" in the module docstring).
+        self.slot: Slot = (key.room, leg)
         self.binding: _Binding | None = None
         self.ended = False
         #: A decode room claimed it or aborted it early: no tombstone is needed for it.
@@ -233,10 +248,14 @@ class _Sender:
 
 
 class _PrefillLink:
-    __slots__ = ("asked", "early", "held", "peer", "requests", "seq")
+    __slots__ = ("asked", "early", "held", "leg", "legs", "peer", "requests", "seq")
 
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, leg: int = 0, legs: int = 1) -> None:
         self.peer = peer
+        #: Which of the decode ranks this prefill rank writes each room into the link's peer
+        #: is (``leg``), of how many (``legs``): 0 of 1 unless decode's attention TP is larger.
+        self.leg = leg
+        self.legs = legs
         self.held = 0  # claims held for rooms that do not exist yet (quota: pending_max)
         self.early = 0  # early-abort marks it set that are still kept (quota: pending_max)
         self.seq = 0
@@ -255,12 +274,12 @@ class PrefillRouting:
         self.stats = _stats() if stats is None else _into(stats)
         self._links: dict[int, _PrefillLink] = {}
         self._senders: dict[RoomKey, _Sender] = {}
-        self._current: dict[int, _Sender] = {}  # room id -> newest sender
+        self._current: dict[Slot, _Sender] = {}  # (room id, leg) -> newest sender
         self._bound: dict[tuple[int, int, int], _Binding] = {}  # (link, room, gen)
-        self._held: dict[int, list[_Binding]] = {}  # room id -> claims waiting for a sender
+        self._held: dict[Slot, list[_Binding]] = {}  # claims waiting for a sender
         self._orphans: dict[tuple[str, int, int], _Binding] = {}  # (peer, room, gen)
-        self._tombstones: dict[int, tuple[float, str]] = {}
-        self._early: dict[int, tuple[float, int, int, str]] = {}  # room -> (when, link, gen, why)
+        self._tombstones: dict[Slot, tuple[float, str]] = {}
+        self._early: dict[Slot, tuple[float, int, int, str]] = {}  # -> (when, link, gen, why)
         # Decode rooms this side finished with (Success, or settled): a late abort of one is
         # answered, and must not mark the id's next sender as aborted early.
         self._finished: dict[tuple[int, int, int], float] = {}
@@ -286,14 +305,23 @@ class PrefillRouting:
     # -- links ----------------------------------------------------------------------------------
 
     def link_opened(
-        self, link: int, peer: str, now: float, hello_sent: float, lease_ms: int | None = None
+        self,
+        link: int,
+        peer: str,
+        now: float,
+        hello_sent: float,
+        lease_ms: int | None = None,
+        *,
+        leg: int = 0,
+        legs: int = 1,
     ) -> list[Action]:
         """A link after the Hello exchange. Decode's Hello answers ours, sent at ``hello_sent``,
         and grants ``lease_ms`` (``Hello.lease_ms``; None: this side's ``lease_s``, for a peer
-        known to share the configuration): the first lease. 0: none until a ``LeaseGrant``."""
+        known to share the configuration): the first lease. 0: none until a ``LeaseGrant``.
+        ``leg`` of ``legs``: see "Legs" in the module docstring."""
         if lease_ms is None:
             lease_ms = round(self.config.lease_s * 1000)
-        state = _PrefillLink(peer)
+        state = _PrefillLink(peer, leg, legs)
         self._links[link] = state
         state.requests[0] = state.asked = hello_sent
         if lease_ms <= 0:
@@ -345,25 +373,26 @@ class PrefillRouting:
                 self._orphans[(state.peer, binding.room, binding.gen)] = binding
             elif sender is not None:
                 sender.binding = None  # it never had pages: nothing to drain
-        for room, waiting in list(self._held.items()):
+        for slot, waiting in list(self._held.items()):
             kept = [b for b in waiting if b.link != link]
-            self._set_held(room, kept)
+            self._set_held(slot, kept)
         return out
 
     # -- the rooms' side ------------------------------------------------------------------------
 
-    def sender_spawned(self, key: RoomKey, now: float) -> list[Action]:
-        sender = _Sender(key)
+    def sender_spawned(self, key: RoomKey, now: float, leg: int = 0) -> list[Action]:
+        sender = _Sender(key, leg)
+        slot = sender.slot
         self._senders[key] = sender
-        self._current[key.room] = sender
-        self._tombstones.pop(key.room, None)  # a new room reuses the id
-        waiting = self._held.get(key.room)
+        self._current[slot] = sender
+        self._tombstones.pop(slot, None)  # a new room reuses the id
+        waiting = self._held.get(slot)
         if waiting:
             binding = waiting.pop(0)
-            self._set_held(key.room, waiting)
+            self._set_held(slot, waiting)
             self._links[binding.link].held -= 1
             return self._bind(sender, binding)
-        early = self._drop_early(key.room)
+        early = self._drop_early(slot)
         if early is not None:
             sender.known = True
             return [Deliver(key, AbortRequested(early[3], origin="peer"))]
@@ -378,7 +407,7 @@ class PrefillRouting:
         if binding is None:
             if status is KVPoll.Failed and not sender.known:
                 # Failed before any decode claimed it: answer the claim when it comes.
-                self._mark(self._tombstones, key.room, (now, reason))
+                self._mark(self._tombstones, sender.slot, (now, reason))
             return []
         if binding.link not in self._links:  # an orphan: its link is gone
             if status is KVPoll.Success:
@@ -410,8 +439,8 @@ class PrefillRouting:
         sender = self._senders.pop(key, None)
         if sender is None:
             return []
-        if self._current.get(key.room) is sender:
-            del self._current[key.room]
+        if self._current.get(sender.slot) is sender:
+            del self._current[sender.slot]
         if sender.binding is not None:
             # Reaped unsettled (its settle timeout gave up): the decode room is not told its
             # pages are free; it gives up on its own settle timeout.
@@ -445,17 +474,18 @@ class PrefillRouting:
                 self.stats["stale_frames"] += 1
                 return []
             return self._destination(binding, metadata)
-        for held in self._held.get(room, ()):
+        slot = (room, state.leg)
+        for held in self._held.get(slot, ()):
             if held.link == link and held.gen == gen:  # held: keep the page list with it
                 if metadata is not None and held.metadata is None:
                     held.metadata = metadata
                 else:
                     self.stats["stale_frames"] += 1
                 return []
-        early = self._early.get(room)
+        early = self._early.get(slot)
         if early is not None and (early[1], early[2]) != (link, gen):
-            self._drop_early(room)  # a newer claim of the id supersedes the early abort
-        sender = self._current.get(room)
+            self._drop_early(slot)  # a newer claim of the id supersedes the early abort
+        sender = self._current.get(slot)
         if sender is not None and not sender.ended:
             current = sender.binding
             if current is None:
@@ -463,11 +493,11 @@ class PrefillRouting:
             if not (current.link == link and current.aborted and gen > current.gen):
                 return self._refuse(link, room, gen, "prefill already serves another receiver", now)
         else:
-            tombstone = self._tombstones.pop(room, None)
+            tombstone = self._tombstones.pop(slot, None)
             if tombstone is not None:
                 # The sender already failed; nothing was ever posted to these pages.
                 return self._answer_failed(link, room, gen, tombstone[1], now)
-        if any(held.link != link for held in self._held.get(room, ())):
+        if any(held.link != link for held in self._held.get(slot, ())):
             # Another decode already waits for this id: ids come from clients and can collide.
             # The first keeps its claim (a newer generation on one link is a reuse: it waits).
             return self._refuse(link, room, gen, "another receiver already waits for it", now)
@@ -479,7 +509,7 @@ class PrefillRouting:
             )
             return self._answer_failed(link, room, gen, reason, now)
         state.held += 1
-        self._held.setdefault(room, []).append(self._new_binding(link, room, gen, metadata, now))
+        self._held.setdefault(slot, []).append(self._new_binding(link, room, gen, metadata, now))
         return []
 
     def on_abort(self, link: int, frame: RoomAbort, now: float) -> list[Action]:
@@ -499,14 +529,18 @@ class PrefillRouting:
         if (link, room, gen) in self._finished:  # too late: that room is over and settled
             self.stats["stale_frames"] += 1
             return [Send(link, RoomSettled(room, gen))]
-        waiting = self._held.get(room, [])
+        state = self._links.get(link)
+        if state is None:
+            return []
+        slot = (room, state.leg)
+        waiting = self._held.get(slot, [])
         kept = [b for b in waiting if not (b.link == link and b.gen == gen)]
         if len(kept) != len(waiting):
-            self._links[link].held -= len(waiting) - len(kept)
-            self._set_held(room, kept)
+            state.held -= len(waiting) - len(kept)
+            self._set_held(slot, kept)
         # No sender has it: nothing was written (acknowledge now), and the room, if it comes,
         # fails at once, unless a newer claim of the id comes first.
-        self._set_early(room, (now, link, gen, frame.reason))
+        self._set_early(slot, (now, link, gen, frame.reason))
         self._mark(self._finished, (link, room, gen), now)
         return [Send(link, RoomSettled(room, gen))]
 
@@ -557,7 +591,7 @@ class PrefillRouting:
             self._drop_early(next(iter(self._early)))
         _expire(self._finished, now - ttl, lambda v: v)
         out: list[Action] = []
-        for room, waiting in list(self._held.items()):
+        for slot, waiting in list(self._held.items()):
             kept = []
             for binding in waiting:
                 if now - binding.since <= ttl:
@@ -567,10 +601,11 @@ class PrefillRouting:
                 self._links[binding.link].held -= 1
                 # Nothing was written into its pages: without the settle the receiver, failed
                 # by its peer, would wait for an acknowledgement that never comes.
+                room = binding.room
                 out += self._answer_failed(
                     binding.link, room, binding.gen, f"no prefill room {room} within {ttl:g}s", now
                 )
-            self._set_held(room, kept)
+            self._set_held(slot, kept)
         return out
 
     # -- helpers --------------------------------------------------------------------------------
@@ -594,8 +629,9 @@ class PrefillRouting:
         assert binding.sender is not None
         binding.destination = True
         peer = self._links[binding.link].peer
+        legs = self._links[binding.link].legs
         event = DestinationReceived(
-            frame.pages, frame.aux_index, peer, frame.state, binding.link, frame.part
+            frame.pages, frame.aux_index, peer, frame.state, binding.link, frame.part, legs
         )
         return [Deliver(binding.sender, event)]
 
@@ -628,27 +664,27 @@ class PrefillRouting:
             Send(link, RoomSettled(room, gen)),  # nothing was written
         ]
 
-    def _set_held(self, room: int, waiting: list[_Binding]) -> None:
+    def _set_held(self, slot: Slot, waiting: list[_Binding]) -> None:
         if waiting:
-            self._held[room] = waiting
+            self._held[slot] = waiting
         else:
-            self._held.pop(room, None)
+            self._held.pop(slot, None)
 
-    def _set_early(self, room: int, value: tuple[float, int, int, str]) -> None:
+    def _set_early(self, slot: Slot, value: tuple[float, int, int, str]) -> None:
         """Remember an early abort, within its link's quota: one peer's flood of aborts cannot
         push out the marks of another (over quota it is acknowledged, not remembered)."""
         state = self._links[value[1]]
         if state.early >= self.config.pending_max:
             self.stats["early_aborts_over_quota"] += 1
             return
-        self._drop_early(room)
+        self._drop_early(slot)
         if len(self._early) >= 8 * self.config.pending_max:  # every link at its quota at once
             self._drop_early(next(iter(self._early)))
-        self._early[room] = value
+        self._early[slot] = value
         state.early += 1
 
-    def _drop_early(self, room: int) -> tuple[float, int, int, str] | None:
-        early = self._early.pop(room, None)
+    def _drop_early(self, slot: Slot) -> tuple[float, int, int, str] | None:
+        early = self._early.pop(slot, None)
         if early is not None:
             state = self._links.get(early[1])
             if state is not None:

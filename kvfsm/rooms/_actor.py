@@ -76,7 +76,7 @@ class Publication:
     overwritten, so a reader that once saw one may cache it.
     """
 
-    __slots__ = ("part", "reason", "settled", "status")
+    __slots__ = ("legs", "part", "reason", "settled", "status")
 
     def __init__(self) -> None:
         self.status: KVPoll = KVPoll.Bootstrapping
@@ -87,6 +87,8 @@ class Publication:
         #: status that follows the destination's arrival, so a caller that sees
         #: WaitingForInput sees the part too.
         self.part: int = 0
+        #: Sender: how many decode ranks its request goes to (one sender room each), likewise.
+        self.legs: int = 1
 
 
 class Inbox(Protocol):
@@ -274,8 +276,10 @@ class Room:
     def _apply(self, event: Event) -> None:
         core = self.core
         before = core.state
-        if type(event) is DestinationReceived and event.part:
-            self.publication.part = event.part  # before the status it leads to (see Publication)
+        if type(event) is DestinationReceived and (event.part or event.legs != 1):
+            # Before the status it leads to (see Publication).
+            self.publication.part = event.part
+            self.publication.legs = event.legs
         try:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only

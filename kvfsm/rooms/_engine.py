@@ -91,9 +91,10 @@ class RoomEngine:
 
     # -- callers' side (any thread, non-blocking) ----------------------------------------------
 
-    def sender(self, room: int) -> SenderRoom:
-        """A new prefill-side room. A duplicate live room id is published as Failed."""
-        key, pub = self._spawn(Role.SENDER, room)
+    def sender(self, room: int, *, leg: int = 0) -> SenderRoom:
+        """A new prefill-side room. A duplicate live room id (and leg) is published as Failed.
+        ``leg``: one of the rooms of a request written into several decode ranks."""
+        key, pub = self._spawn(Role.SENDER, room, leg)
         return SenderRoom(key, pub, self.post, max_pages=self.config.max_pages)
 
     def receiver(self, room: int, *, leg: int = 0, group: int | None = None) -> ReceiverRoom:

@@ -207,6 +207,13 @@ class SenderRoom(_RoomFacade):
         (send no state rows) or nothing at all (a dummy: send no pages)."""
         return Part(self._pub.part)
 
+    @property
+    def legs(self) -> int:
+        """How many decode ranks this room's request goes to, once its destination arrived
+        (1 before): with decode's attention TP larger than prefill's, each gets its own room
+        (a leg, ``PrefillManager.sender(room, leg=...)``)."""
+        return self._pub.legs
+
     def init(self, num_pages: int, aux_index: int = -1) -> None:
         """Announce how many pages will be sent in total and the aux row to copy at the end."""
         num_pages = int(num_pages)

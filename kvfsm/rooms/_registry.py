@@ -192,6 +192,11 @@ class Registry:
         key = self._current.get((role, room_id))
         return key if key is not None and key in self._rooms else None
 
+    def leg_of(self, key: RoomKey) -> int:
+        """The leg a live room was spawned as (0 for most)."""
+        ident = self._legs.get(key)
+        return 0 if ident is None else ident[2]
+
     def get(self, key: RoomKey) -> Room | None:
         return self._rooms.get(key)
 

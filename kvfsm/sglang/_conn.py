@@ -37,7 +37,7 @@ from kvfsm.states import TERMINAL, Part
 from kvfsm.states import KVPoll as RoomStatus
 
 if TYPE_CHECKING:
-    from kvfsm.rooms import SenderRoom
+    from kvfsm.rooms import ReceiverRoom, SenderRoom
     from kvfsm.sglang._manager import KvfsmKVManager
 
 __all__ = ["KvfsmKVReceiver", "KvfsmKVSender", "SGLangTransferError"]
@@ -71,7 +71,7 @@ def _state_rows(state_indices: Sequence[Any] | None, which: int | None) -> list[
 class _Conn:
     """What both sides share: the room, its failure report and its clearing."""
 
-    _room: SenderRoom | Legs
+    _room: Legs[SenderRoom] | Legs[ReceiverRoom]
 
     def __init__(self, mgr: KvfsmKVManager, bootstrap_addr: str, bootstrap_room: int) -> None:
         self.kv_mgr = mgr
@@ -139,21 +139,28 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         #: -> Success": the prefill forward before it is not transfer time).
         self._started: float | None = None
         self._finished: float | None = None
-        #: What this rank carries of the request (unequal TP), known at init.
-        self._part = Part.WHOLE
-        self._room = self._sender = mgr.new_sender(bootstrap_room)
+        #: What each leg carries of the request (unequal TP), known at init.
+        self._parts: list[Part] = []
+        #: Leg 0; with decode's attention TP larger, one more leg per further decode rank,
+        #: spawned once leg 0's destination says how many (``poll``).
+        self._sender = mgr.new_sender(bootstrap_room)
+        self._legs: Legs[SenderRoom] = Legs(self._sender)
+        self._room = self._legs
+        self._spawned = False
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
-        # What this rank carries is known by now: the scheduler calls init on WaitingForInput,
-        # which follows the destination's arrival (and the part is published before it).
-        self._part = self._sender.part
-        if self._part is Part.NONE:
-            # A dummy rank for this request (unequal TP): its heads reach decode through
-            # another rank. It moves nothing and ends with its last send, like SGLang's.
-            self._sender.init(0, -1)
-            return
-        self._sender.init(self._num_pages, -1 if aux_index is None else int(aux_index))
+        aux = -1 if aux_index is None else int(aux_index)
+        # What each leg carries is known by now: the scheduler calls init on WaitingForInput,
+        # which follows every leg's destination (and a part is published before it).
+        self._parts = [room.part for room in self._legs.rooms]
+        for room, part in zip(self._legs.rooms, self._parts, strict=True):
+            if part is Part.NONE:
+                # A dummy rank for this request (unequal TP): its heads reach decode through
+                # another rank. It moves nothing and ends with its last send, like SGLang's.
+                room.init(0, -1)
+            else:
+                room.init(self._num_pages, aux)
 
     def send(
         self,
@@ -163,14 +170,14 @@ class KvfsmKVSender(_Conn, BaseKVSender):
     ) -> None:
         rows = _state_rows(state_indices, self.kv_mgr.state_type)
         if isinstance(rows, str):
-            self._sender.reject(rows)
+            self._legs.reject(rows)
             return
         if self._sent_pages >= self._num_pages and self._chunks and not len(kv_indices):
             # The page count was reached by an earlier chunk, which kvfsm sent as the last one
             # (with the aux row). A trailing zero-page "last" send adds nothing, unless it
             # brings state rows the last chunk lacked: those cannot be sent any more.
             if rows:
-                self._sender.reject(
+                self._legs.reject(
                     "state rows arrived after the last chunk (the page count was reached by an "
                     "earlier send without them)"
                 )
@@ -179,31 +186,51 @@ class KvfsmKVSender(_Conn, BaseKVSender):
             self._started = time.monotonic()
         self._sent_pages += len(kv_indices)
         self._chunks += 1
-        if self._part is Part.NONE:
-            if self._sent_pages >= self._num_pages:
-                self._sender.send(b"")  # the last chunk: the room ends, having moved nothing
-            return
-        if self._part is Part.KV:
-            rows = None  # another prefill rank sends decode's state rows
-        self._sender.send(kv_indices, rows)
+        last = self._sent_pages >= self._num_pages
+        for room, part in zip(self._legs.rooms, self._parts or [Part.WHOLE], strict=False):
+            if part is Part.WHOLE:
+                room.send(kv_indices, rows)
+            elif part is Part.KV:
+                room.send(kv_indices)  # another prefill rank sends decode's state rows
+            elif last:
+                room.send(b"")  # a dummy's last chunk: it ends, having moved nothing
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # A zero-page last chunk must still be sent: it carries the aux row and ends the room.
         return num_pages > 0 or last_chunk
 
     def poll(self) -> int:
-        status = self._room.poll()
+        if not self._spawned:
+            self._spawn_legs()
+        status = self._legs.poll()
         if status is RoomStatus.Success and self._finished is None:
             self._finished = time.monotonic()
         return status
 
+    def _spawn_legs(self) -> None:
+        """Once leg 0's destination arrived it says how many decode ranks this request goes
+        to; the other legs are spawned then, before the scheduler can see WaitingForInput
+        (they are Bootstrapping until their own destinations arrive, and the MIN with them)."""
+        first = self._sender.poll()
+        if first is RoomStatus.Bootstrapping:
+            return
+        self._spawned = True
+        if first is RoomStatus.Failed:
+            return
+        mgr = self.kv_mgr
+        for leg in range(1, self._sender.legs):
+            self._legs.add(mgr.new_sender(self.bootstrap_room, leg=leg))
+
     def get_transfer_metric(self) -> KVTransferMetric:
+        # Bytes read from this rank's pool: each leg that moves KV reads the pages (a head
+        # slice of them when decode's attention TP is larger), and a whole leg the aux row.
         layout = self.kv_mgr.layout
-        if self._part is Part.NONE:
-            total = 0
-        else:
-            aux = layout.aux_row_bytes() if layout.aux and self._part is Part.WHOLE else 0
-            total = self._sent_pages * layout.page_bytes() + aux
+        total = 0
+        for part in self._parts or [Part.WHOLE]:
+            if part is not Part.NONE:
+                total += self._sent_pages * layout.page_bytes()
+            if part is Part.WHOLE and layout.aux:
+                total += layout.aux_row_bytes()
         latency = None
         if self._finished is not None and self._started is not None:
             latency = self._finished - self._started
@@ -226,7 +253,7 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         #: One entry per prefill rank this request reads from (SGLang counts abort acks by it).
         self.bootstrap_infos: list[tuple[str, int]] = []
         self._group = mgr.new_group()
-        self._legs = Legs(mgr.new_receiver(room, group=self._group))
+        self._legs: Legs[ReceiverRoom] = Legs(mgr.new_receiver(room, group=self._group))
         #: What each leg carries (``Part``), in leg order; known once ``init`` ran.
         self._parts: list[Part] = []
         self._room = self._legs

@@ -20,29 +20,31 @@ What the scheduler sees is one room:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
+from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll
 
-if TYPE_CHECKING:
-    from kvfsm.rooms import ReceiverRoom
+_Room = TypeVar("_Room", ReceiverRoom, SenderRoom)
 
 __all__ = ["Legs"]
 
 
-class Legs:
-    """The legs of one request on one decode rank; leg 0 exists from the start."""
+class Legs(Generic[_Room]):
+    """The legs of one request on one rank; leg 0 exists from the start. Decode: one receiver
+    room per prefill rank that feeds the request. Prefill (decode's attention TP larger): one
+    sender room per decode rank the request goes to."""
 
     __slots__ = ("_ended", "_first", "ranks", "rooms")
 
-    def __init__(self, first: ReceiverRoom) -> None:
-        self.rooms: list[ReceiverRoom] = [first]
+    def __init__(self, first: _Room) -> None:
+        self.rooms: list[_Room] = [first]
         #: The prefill attention-TP rank each leg hears from (known once ``init`` ran).
         self.ranks: list[int] = []
         self._ended = False
         self._first = ""
 
-    def add(self, room: ReceiverRoom) -> None:
+    def add(self, room: _Room) -> None:
         self.rooms.append(room)
 
     def poll(self) -> KVPoll:

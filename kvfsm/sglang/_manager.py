@@ -101,8 +101,8 @@ class KvfsmKVManager(BaseKVManager):
         self._clients: dict[str, BootstrapClient] = {}
         self._clients_closed = False
         self._closed = False
-        self._receivers: dict[int, Legs] = {}
-        self._cleared: dict[int, Legs] = {}
+        self._receivers: dict[int, Legs[ReceiverRoom]] = {}
+        self._cleared: dict[int, Legs[ReceiverRoom]] = {}
         self._lock = threading.Lock()
         self.config = self._config()
         self.kvfsm: PrefillManager | DecodeManager
@@ -169,10 +169,10 @@ class KvfsmKVManager(BaseKVManager):
             config=self.config,
         )
 
-    def new_sender(self, room: int) -> SenderRoom:
+    def new_sender(self, room: int, *, leg: int = 0) -> SenderRoom:
         if not isinstance(self.kvfsm, PrefillManager):
             raise RuntimeError("a decode-mode kvfsm manager has no senders")
-        return self.kvfsm.sender(room)
+        return self.kvfsm.sender(room, leg=leg)
 
     def new_receiver(self, room: int, *, leg: int = 0, group: int | None = None) -> ReceiverRoom:
         if not isinstance(self.kvfsm, DecodeManager):
@@ -198,10 +198,10 @@ class KvfsmKVManager(BaseKVManager):
         rank = self.topology.tp_rank
         if theirs == mine:
             return [(rank, Part.WHOLE)]
-        if theirs % mine:
+        if theirs % mine and mine % theirs:
             return (
                 f"unequal attention TP: prefill {bootstrap_addr} has attention TP {theirs}, this "
-                f"decode {mine}; kvfsm needs prefill's attention TP to be a multiple of decode's"
+                f"decode {mine}; kvfsm needs one to be a multiple of the other"
             )
         heads = (
             1 if self.is_mla_backend else int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
@@ -290,7 +290,7 @@ class KvfsmKVManager(BaseKVManager):
     # A failed receiver's entry outlives clear() until its room is settled: the scheduler asks
     # is_abort_release_safe() after failure_exception() has already cleared it.
 
-    def track(self, room: int, receiver: Legs) -> None:
+    def track(self, room: int, receiver: Legs[ReceiverRoom]) -> None:
         with self._lock:
             self._sweep()
             held = self._receivers.get(room)
@@ -299,7 +299,7 @@ class KvfsmKVManager(BaseKVManager):
             if held is None or held.settled:
                 self._receivers[room] = receiver
 
-    def cleared(self, room: int, receiver: Legs) -> None:
+    def cleared(self, room: int, receiver: Legs[ReceiverRoom]) -> None:
         with self._lock:
             if self._receivers.get(room) is receiver:
                 self._cleared[room] = receiver
