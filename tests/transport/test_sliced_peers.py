@@ -60,11 +60,10 @@ def sliced_room(
     )
     wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
     sender.init(len(src), 1 if part is Part.WHOLE else -1)
-    if src:
-        sender.send(np.asarray(src[:1], np.int32))
-        sender.send(np.asarray(src[1:], np.int32))
-    else:
-        sender.send(np.empty(0, np.int32))
+    cut = 1 if len(src) > 1 else len(src)  # two chunks where there are pages for two
+    sender.send(np.asarray(src[:cut], np.int32))
+    if cut < len(src):
+        sender.send(np.asarray(src[cut:], np.int32))
     return sender
 
 
@@ -114,6 +113,12 @@ def test_a_sliced_peer_gets_exactly_the_slice_of_each_row(
         assert got == page_digests(want, everything)  # the slice, and nothing else, landed
         assert peer.ask("aux", 4) == prefill.aux[1].tobytes()  # the WHOLE leg's aux row
         assert prefill.transport.snapshot()["chunks_failed"] == 0
+        # Pages out of range on either side fail the room before NIXL sees the sliced chunk.
+        n = decode_shape.num_pages
+        beyond = sliced_room(prefill, 2, [2], [n], peer_id="decode", part=Part.WHOLE)
+        wait_for(lambda: beyond.poll() in TERMINAL)
+        assert f"destination page index {n} out of range" in beyond.reason, beyond.reason
+        assert peer.ask("digests", everything.tobytes()) == got  # nothing else landed
         wait_for(lambda: prefill.engine.stats()["live"] == 0)
     finally:
         prefill.close()
