@@ -16,6 +16,7 @@ import pytest
 from kvfsm.rooms import SenderRoom
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll, Part, ReportOutcome
 from kvfsm.transport._agent import Agent
+from kvfsm.transport._layout import Layout, Region
 from kvfsm.transport._peer import (
     PeerProcess,
     Shape,
@@ -241,3 +242,31 @@ def test_one_local_list_per_distinct_slice_released_at_close(agents: list[Agent]
     mine.close()
     assert mine.dlists_prepped == mine.dlists_released
     assert mine.peers_added == mine.peers_removed == 5
+
+
+def _kv_layout(k_bytes: int, v_bytes: int) -> Agent:
+    """An agent whose K and V pages differ in size (one layer): K and V rows of their own."""
+    bufs = [np.zeros((16, k_bytes), np.uint8), np.zeros((16, v_bytes), np.uint8)]
+    aux = np.zeros((8, 256), np.uint8)
+    regions = tuple(
+        Region(f"{'kv'[i]}0", b.ctypes.data, b.nbytes, b.shape[1]) for i, b in enumerate(bufs)
+    )
+    layout = Layout(
+        kv=regions,
+        aux=(Region("aux0", aux.ctypes.data, aux.nbytes, 256),),
+        keepalive=(*bufs, aux),
+    )
+    return Agent(f"sliced-{os.getpid()}-{next(_NAMES)}", layout)
+
+
+def test_a_piece_that_misfits_any_region_is_refused_before_nixl(agents: list[Agent]) -> None:
+    # Region 0 fits the piece on both sides; region 1 (V) does not, on one side or the other.
+    piece = KvPiece(ROWS, RowSlice(128, 0, 128), RowSlice(256, 128, 128))
+    for mine, theirs in (
+        (_kv_layout(512, 256), _kv_layout(1024, 1024)),  # local V rows are not 128 bytes
+        (_kv_layout(512, 512), _kv_layout(1024, 512)),  # remote V rows are not 256 bytes
+    ):
+        agents += [mine, theirs]
+        with pytest.raises(ValueError, match=r"incompatible: head slice .*region 1: a page is"):
+            mine.connect("decode", theirs.metadata(), theirs.layout.summary(), piece)
+        assert mine.peers_added == 0
