@@ -62,7 +62,9 @@ class LoopbackSink:
             self._to_peer(
                 key,
                 Role.SENDER,
-                DestinationReceived(command.pages, command.aux_index, state=command.state),
+                DestinationReceived(
+                    command.pages, command.aux_index, state=command.state, part=command.part
+                ),
             )
         elif isinstance(command, ReportOutcome):
             self._report(key, command)

@@ -298,3 +298,19 @@ def test_send_metadata_of_a_kv_or_dummy_leg_needs_no_aux_row(engine: RoomEngine)
     assert whole.poll() is KVPoll.Failed
     for room in rooms:
         room.abort()
+
+
+@pytest.mark.parametrize("part", [Part.KV, Part.NONE])
+def test_the_loopback_carries_a_legs_part_to_its_sender(loopback: RoomEngine, part: Part) -> None:
+    sender, receiver = loopback.sender(16), loopback.receiver(16)
+    receiver.init(0)
+    wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+    dst = [4, 5] if part is Part.KV else []
+    receiver.send_metadata(dst, -1, None, part)
+    wait_until(lambda: sender.poll() is not KVPoll.Bootstrapping)
+    assert sender.poll() is KVPoll.WaitingForInput, sender.reason
+    assert sender.part is part
+    sender.init(len(dst))
+    sender.send(np.arange(len(dst)))
+    wait_until(lambda: receiver.poll() is KVPoll.Success and sender.poll() is KVPoll.Success)
+    wait_until(lambda: sender.settled and receiver.settled)
