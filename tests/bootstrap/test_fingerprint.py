@@ -17,6 +17,7 @@ from kvfsm.bootstrap._fingerprint import (
     MUST_MATCH,
     SHAPE_RULES,
     link_plan,
+    link_slot,
     mismatch,
 )
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
@@ -109,11 +110,12 @@ def _tp(fp: Fingerprint, tp: int, rank: int = 0, **changes: object) -> Fingerpri
 
 
 def test_unsupported_parallel_shapes_are_named() -> None:
-    assert mismatch(LLAMA, _tp(LLAMA, 4)) == (
-        "fingerprint mismatch: prefill attention TP must be a multiple of decode's (a prefill "
-        "attention TP below decode's is not supported yet) (attn_tp): prefill has 2, decode has 4"
+    assert mismatch(_tp(LLAMA, 6), _tp(LLAMA, 4)) == (
+        "fingerprint mismatch: one attention TP must be a multiple of the other (attn_tp): "
+        "prefill has 6, decode has 4"
     )
-    assert mismatch(_tp(LLAMA, 6), _tp(LLAMA, 4)) is not None  # not a multiple either
+    assert mismatch(LLAMA, _tp(LLAMA, 4)) is None  # decode's the larger: each prefill rank
+    assert mismatch(_tp(LLAMA, 4), LLAMA) is None  # writes 2 decode ranks, or the reverse
     assert mismatch(msgspec.structs.replace(LLAMA, pp=2), msgspec.structs.replace(LLAMA, pp=2)) == (
         "fingerprint mismatch: pipeline parallelism is not supported (pp): "
         "prefill has 2, decode has 2"
@@ -152,6 +154,22 @@ def test_replicated_prefill_heads_need_decode_to_declare_them() -> None:
 def test_mla_pairs_over_unequal_tp_without_head_counts() -> None:
     mla = Fingerprint(layers=61, head_bytes=1152, dtype="bfloat16", page_tokens=1, mla=True)
     assert mismatch(_tp(mla, 8, 5), _tp(mla, 1)) is None
+
+
+def test_link_slot_numbers_the_decode_ranks_of_a_prefill_rank() -> None:
+    # 8 heads; prefill TP 2 (4 heads a rank) into decode TP 4 (2 heads a rank): prefill rank 1
+    # writes every room into decode ranks 2 and 3, as its legs 0 and 1.
+    assert link_slot(_tp(LLAMA, 2, 1), _tp(LLAMA, 4, 2)) == (0, 2)
+    assert link_slot(_tp(LLAMA, 2, 1), _tp(LLAMA, 4, 3)) == (1, 2)
+    assert link_slot(_tp(LLAMA, 2, 1), _tp(LLAMA, 2, 1)) == (0, 1)  # equal TP
+    assert link_slot(_tp(LLAMA, 4, 1), _tp(LLAMA, 2, 0)) == (0, 1)  # prefill's the larger
+    mla = Fingerprint(layers=2, head_bytes=64, page_tokens=1, mla=True)
+    assert [link_slot(_tp(mla, 1), _tp(mla, 4, d)) for d in range(4)] == [
+        (0, 4),
+        (1, 4),
+        (2, 4),
+        (3, 4),
+    ]
 
 
 def test_link_plan_names_what_each_link_carries() -> None:
