@@ -234,12 +234,14 @@ def test_head_slices_land_from_the_right_prefill_rank(total: int, tp_p: int, tp_
 
 # -- legs: which rooms a decode rank opens (prefill TP a multiple of decode TP) -----------------
 
-#: Every shape SGLang can run with prefill attention TP a multiple of decode's, up to TP 16: any
-#: head count up to 64 that both TPs can split (or replicate).
+#: Every shape with one attention TP a multiple of the other, up to TP 16 (prefill's the larger:
+#: decode requests of several legs; decode's the larger: prefill rooms of several legs), with
+#: any head count up to 64 that both TPs can split (or replicate).
 LEG_SHAPES = [
     (total, tp_p, tp_d)
     for tp_d in range(1, 17)
-    for tp_p in range(tp_d, 17, tp_d)
+    for tp_p in range(1, 17)
+    if tp_p % tp_d == 0 or tp_d % tp_p == 0
     for total in range(1, 65)
     if all(total % tp == 0 or tp % total == 0 for tp in (tp_p, tp_d))
 ]
@@ -264,8 +266,10 @@ def test_leg_shapes_cover_the_interesting_cases() -> None:
     assert (8, 16, 2) in shapes  # GQA replicated on prefill
     assert (2, 8, 4) in shapes  # replicated on both sides
     assert (12, 6, 3) in shapes  # a TP that is no power of two
+    assert (4, 2, 8) in shapes  # decode's TP the larger
     assert (6, 4, 2) not in shapes  # 6 heads cannot be split over TP 4
-    assert len(LEG_SHAPES) > 300
+    assert (8, 4, 6) not in shapes  # neither TP a multiple of the other
+    assert len(LEG_SHAPES) > 600
 
 
 def test_every_prefill_rank_gets_a_leg_and_every_decode_rank_one_whole_leg() -> None:
@@ -337,11 +341,15 @@ def test_mla_has_exactly_one_kv_writer_per_decode_rank() -> None:
             assert plan[0] == (writers[0], Part.WHOLE)
             assert _piece(1, tp_p, writers[0], tp_d, d) is None  # the whole latent row
             writers_of.append(writers[0])
-        assert len(set(writers_of)) == tp_d  # spread over the replicas, one each
         dummies = [
             p for d in range(tp_d) for p, part in legs(1, tp_p, tp_d, d) if part is Part.NONE
         ]
-        assert sorted(dummies + writers_of) == list(range(tp_p))
+        if tp_p >= tp_d:
+            assert len(set(writers_of)) == tp_d  # spread over the replicas, one each
+            assert sorted(dummies + writers_of) == list(range(tp_p))  # the rest: dummies
+        else:  # each prefill rank feeds tp_d // tp_p decode ranks, and none is a dummy
+            assert sorted(writers_of) == sorted(list(range(tp_p)) * (tp_d // tp_p))
+            assert dummies == []
 
 
 def test_equal_tp_is_one_whole_leg_of_whole_rows() -> None:
