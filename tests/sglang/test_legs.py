@@ -13,6 +13,7 @@ from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine
 from kvfsm.sglang._legs import Legs
 from kvfsm.states import (
     TERMINAL,
+    DestinationReceived,
     KVPoll,
     Part,
     PeerFailed,
@@ -23,7 +24,7 @@ from kvfsm.states import (
     SendMetadata,
     TransferConfirmed,
 )
-from tests.rooms.helpers import ScriptedSink, wait_until
+from tests.rooms.helpers import ScriptedSink, pages, wait_until
 
 #: The prefill attention-TP rank each leg of the request hears from (leg order).
 RANKS = [2, 3, 6]
@@ -43,7 +44,7 @@ def sink_of(engine: RoomEngine) -> ScriptedSink:
     return sink
 
 
-def request(engine: RoomEngine, room: int, n: int = 3) -> Legs:
+def request(engine: RoomEngine, room: int, n: int = 3) -> Legs[ReceiverRoom]:
     """One request's legs, as the adapter builds them: leg 0 first, the others once known."""
     legs = Legs(engine.receiver(room, group=room))
     for leg in range(1, n):
@@ -59,13 +60,13 @@ def resolve(engine: RoomEngine, room: ReceiverRoom, rank: int) -> None:
     wait_until(lambda: room.poll() is KVPoll.WaitingForInput)
 
 
-def send_metadata(legs: Legs, pages: list[int], aux: int) -> None:
+def send_metadata(legs: Legs[ReceiverRoom], dst: list[int], aux: int) -> None:
     parts = [Part.WHOLE] + [Part.KV] * (len(legs.rooms) - 2) + [Part.NONE]
     for room, part in zip(legs.rooms, parts, strict=True):
         if part is Part.WHOLE:
-            room.send_metadata(np.asarray(pages), aux)
+            room.send_metadata(np.asarray(dst), aux)
         elif part is Part.KV:
-            room.send_metadata(np.asarray(pages), -1, None, Part.KV)
+            room.send_metadata(np.asarray(dst), -1, None, Part.KV)
         else:
             room.send_metadata(np.empty(0, np.int32), -1, None, Part.NONE)
 
@@ -181,3 +182,24 @@ def test_abort_and_reject_end_every_leg(engine: RoomEngine, end: str) -> None:
     assert "scheduler gave up" in legs.reason
     wait_until(lambda: legs.settled)
     assert all(r.poll() in TERMINAL for r in legs.rooms)
+
+
+def test_sender_legs_poll_the_min_and_the_first_failure_ends_the_others(
+    engine: RoomEngine,
+) -> None:
+    # Decode's attention TP the larger: one prefill request, one sender room per decode rank.
+    legs = Legs(engine.sender(57))
+    for leg in (1, 2):
+        legs.add(engine.sender(57, leg=leg))
+    first, second, third = legs.rooms
+    for i, room in enumerate(legs.rooms[:2]):
+        engine.post(room.key, DestinationReceived(pages(10 + i), 5))
+    wait_until(lambda: first.poll() is second.poll() is KVPoll.WaitingForInput)
+    assert legs.poll() is KVPoll.Bootstrapping  # leg 2 has not heard from its decode rank
+    engine.post(third.key, PeerFailed("decode rank 2 went away"))
+    wait_until(lambda: third.poll() is KVPoll.Failed)
+    assert legs.poll() is KVPoll.Failed
+    assert first.poll() is second.poll() is KVPoll.Failed
+    assert "decode rank 2 went away" in legs.reason
+    assert "another leg" not in legs.reason
+    wait_until(lambda: legs.settled)
