@@ -257,21 +257,24 @@ async def test_internal_error_fails_only_that_room() -> None:
 # -- legs: one receiver room per prefill rank of one request -----------------------------------
 
 
-async def test_legs_of_one_room_id_coexist_and_duplicates_are_refused_per_leg() -> None:
+@pytest.mark.parametrize("role", [Role.RECEIVER, Role.SENDER])
+async def test_legs_of_one_room_id_coexist_and_duplicates_are_refused_per_leg(role: Role) -> None:
     from kvfsm.rooms import DuplicateRoomError
 
     registry, _ = make_registry()
     legs = [RoomKey(40, 1), RoomKey(40, 2), RoomKey(40, 3)]
     for leg, key in enumerate(legs):
-        registry.spawn(key, Role.RECEIVER, leg=leg, group=7)
+        registry.spawn(key, role, leg=leg, group=7 if role is Role.RECEIVER else None)
     assert len(registry) == 3
+    assert [registry.leg_of(key) for key in legs] == [0, 1, 2]
     for leg in range(3):
-        with pytest.raises(DuplicateRoomError, match="receiver room 40 is already live"):
-            registry.spawn(RoomKey(40, 10 + leg), Role.RECEIVER, leg=leg, group=8)
+        with pytest.raises(DuplicateRoomError, match=f"{role.value} room 40 is already live"):
+            registry.spawn(RoomKey(40, 10 + leg), role, leg=leg)
     assert registry.stats.duplicates_refused == 3
-    # A sender of the same id is no duplicate of any leg, and the registry routes by full key.
-    registry.spawn(RoomKey(40, 20), Role.SENDER)
-    assert registry.current(Role.RECEIVER, 40) == legs[0]
+    # The other role's room of the same id is no duplicate of any leg.
+    other = Role.SENDER if role is Role.RECEIVER else Role.RECEIVER
+    registry.spawn(RoomKey(40, 20), other, leg=1)
+    assert registry.current(role, 40) == legs[0]
     assert all(registry.get(key) is not None for key in legs)
 
 
