@@ -270,3 +270,50 @@ def test_a_piece_that_misfits_any_region_is_refused_before_nixl(agents: list[Age
         with pytest.raises(ValueError, match=r"incompatible: head slice .*region 1: a page is"):
             mine.connect("decode", theirs.metadata(), theirs.layout.summary(), piece)
         assert mine.peers_added == 0
+
+
+def test_two_prefill_ranks_fill_the_two_halves_of_the_same_decode_pages() -> None:
+    # 4 KV heads, prefill TP 2 into decode TP 1: each prefill rank's rooms write its 2 heads
+    # into the same decode pages, rank 0's leg also the aux row.
+    decode_shape = shape_for(4)
+    peer = PeerProcess(decode_shape)
+    ranks = [Prefill(shape=shape_for(2)) for _ in range(2)]
+    rng = np.random.default_rng(99)
+    for rank in ranks[1:]:
+        for buf in rank.kv:  # other bytes than rank 0's (both were filled from one seed)
+            buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+    try:
+        pieces = [piece_for(4, 2, p, 1, 0) for p in range(2)]
+        for rank, piece in zip(ranks, pieces, strict=True):
+            rank.engine.call(
+                rank.transport.connect_peer("decode", peer.metadata, peer.summary, piece)
+            )
+        assert peer.ask("fill", CANARY)
+        src, dst = [6, 2], [1, 11]
+        senders = [
+            sliced_room(rank, 7, src, dst, peer_id="decode", part=part)
+            for rank, part in zip(ranks, (Part.WHOLE, Part.KV), strict=True)
+        ]
+        wait_for(lambda: all(s.poll() in TERMINAL for s in senders))
+        assert [s.poll() for s in senders] == [KVPoll.Success] * 2, [s.reason for s in senders]
+        want = [
+            np.full((decode_shape.num_pages, decode_shape.page_bytes), CANARY, np.uint8)
+            for _ in ranks[0].kv
+        ]
+        for rank, piece in zip(ranks, pieces, strict=True):
+            for mine, theirs in zip(
+                want, expected_pages(rank, piece, src, dst, decode_shape), strict=True
+            ):
+                # Each rank's slice from its own expectation, the rest from the other's.
+                rows = mine.reshape(decode_shape.num_pages, ROWS, -1)
+                cut = slice(piece.dst.offset, piece.dst.offset + piece.dst.length)
+                rows[:, :, cut] = theirs.reshape(rows.shape)[:, :, cut]
+        everything = np.arange(decode_shape.num_pages, dtype=np.int32)
+        assert peer.ask("digests", everything.tobytes()) == page_digests(want, everything)
+        assert peer.ask("aux", 4) == ranks[0].aux[1].tobytes()
+        for rank in ranks:
+            wait_for(lambda rank=rank: rank.engine.stats()["live"] == 0)  # type: ignore[misc]
+    finally:
+        for rank in ranks:
+            rank.close()
+        peer.close()
