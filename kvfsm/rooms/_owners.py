@@ -294,8 +294,10 @@ class DestinationOwners:
         claim = self._claims[slot]
         assert claim is not None
         claim.members.discard(owner)
-        if claim.members:
-            return True  # the other legs of the request still hold the pages
+        if claim.members:  # the other legs of the request still hold the pages
+            if claim.owner == owner:  # name a leg that holds them (holder(), refusals)
+                claim.owner = min(claim.members)
+            return True
         if claim.group is not None:
             del self._groups[claim.group]
         if claim.pages.size:

@@ -340,3 +340,37 @@ async def test_legs_of_a_group_share_pages_through_their_rooms_until_the_last_is
         assert registry.get(key) is None
         assert registry.owners.held_pages == (3 if i < 2 else 0)
     assert len(registry.owners) == 0
+
+
+@pytest.mark.looptime
+async def test_a_leg_reaped_unsettled_keeps_the_shared_pages_held() -> None:
+    registry, _ = make_registry(settle_timeout_s=60.0)
+    keys = [RoomKey(44, 1), RoomKey(44, 2)]
+    metas = [
+        MetadataSubmitted(pages(1, 2), 4, b"", Part.WHOLE),
+        MetadataSubmitted(pages(1, 2), -1, b"", Part.KV),
+    ]
+    pubs = []
+    for leg, (key, meta) in enumerate(zip(keys, metas, strict=True)):
+        pub = Publication()
+        registry.spawn(key, Role.RECEIVER, pub, leg=leg, group=13)
+        for event in (Initialized(peer_rank=leg), PeerResolved(leg), meta):
+            registry.deliver(key, event)
+        pubs.append(pub)
+    await drain()
+    for key in keys:
+        registry.deliver(key, AbortRequested("request aborted"))
+    registry.deliver(keys[0], PeerSettled(0))  # leg 0's prefill rank acknowledged; leg 1's never
+    await asyncio.sleep(61.0)
+    assert len(registry) == 0
+    assert pubs[0].settled
+    assert not pubs[1].settled
+    # Prefill rank 1 may still write into pages 1 and 2: they stay held for the engine's life.
+    assert registry.owners.held_pages == 2
+    later = Publication()
+    registry.spawn(RoomKey(45, 3), Role.RECEIVER, later)
+    for event in (Initialized(peer_rank=0), PeerResolved(0), MetadataSubmitted(pages(2), 1)):
+        registry.deliver(RoomKey(45, 3), event)
+    await drain()
+    # The refusal names the leg that still holds them, not the one that settled.
+    assert later.reason == "rejected: page 2 already held by room 44 gen 2"

@@ -164,7 +164,7 @@ def test_a_dummy_leg_joins_with_no_pages_at_all() -> None:
     assert owners.held_pages == 3
     # It holds the group's claim: the first leg releasing does not free the pages.
     owners.release(LEG0)
-    assert owners.claim(A, pages(5), 1) == "page 5 already held by room 30 gen 5"
+    assert owners.claim(A, pages(5), 1) == "page 5 already held by room 30 gen 7"  # LEG2
     owners.release(LEG2)
     assert owners.claim(A, pages(5), 1) is None
 
@@ -224,9 +224,12 @@ def test_pages_are_held_until_the_last_leg_releases_in_any_order() -> None:
             assert owners.release(leg)
             assert leg not in owners
             assert owners.held_pages == 3
-            assert owners.holder(4) is not None
+            assert owners.holder(4) in owners  # a leg that still holds them
             assert owners.claim(A, pages(4), 0) is not None
-            assert owners.claim(A, pages(40), 3) == "aux row 3 already held by room 30 gen 5"
+            problem = owners.claim(A, pages(40), 3)
+            holder = owners.holder(4)
+            assert holder is not None
+            assert problem == f"aux row 3 already held by room 30 gen {holder.generation}"
             assert owners.claim(A, pages(40), 0, pages(1)) is not None
         assert owners.release(order[-1])
         assert not owners.release(order[-1])
@@ -472,7 +475,9 @@ class GroupedOwnersMachine(RuleBasedStateMachine):
     def matches_the_model(self) -> None:
         held = self._held()[0]
         for page in range(8):
-            assert (self.owners.holder(page) is None) == (page not in held), page
+            holder = self.owners.holder(page)
+            assert (holder is None) == (page not in held), page
+            assert holder is None or holder in held[page].members  # a leg that holds it
         assert self.owners.held_pages == len(held)
         assert len(self.owners) == len(self.of)
         for key in KEYS:
