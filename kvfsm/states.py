@@ -183,6 +183,9 @@ class DestinationReceived(Event, frozen=True):
     #: How many decode ranks this prefill rank writes the request into (unequal TP, decode's
     #: larger): one sender room, a leg, per decode rank; 1 otherwise.
     legs: int = 1
+    #: Prompt tokens the receiver already holds (SGLang's ``decode_prefix_len``): ``pages``
+    #: start after them, and the sender's caller sends only the pages that follow.
+    prefix: int = 0
 
 
 class Initialized(Event, frozen=True):
@@ -240,6 +243,8 @@ class MetadataSubmitted(Event, frozen=True):
     state: bytes = b""
     #: Which part of the request this leg carries (:class:`Part`).
     part: int = 0
+    #: Prompt tokens this side already holds (decode prefix caching); ``pages`` follow them.
+    prefix: int = 0
 
 
 class TransferConfirmed(Event, frozen=True):
@@ -471,6 +476,8 @@ class SendMetadata(Command, frozen=True):
     aux_index: int
     state: bytes = b""
     part: int = 0
+    #: Prompt tokens the receiver already holds (``MetadataSubmitted.prefix``).
+    prefix: int = 0
 
 
 class ReportOutcome(Command, frozen=True):

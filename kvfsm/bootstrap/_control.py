@@ -378,6 +378,7 @@ class ControlPlane:
                 command.aux_index,
                 command.state,
                 command.part,
+                prefix=command.prefix,
             )
             self._do(self._decode.metadata(key, frame))
         elif isinstance(command, ReportOutcome):

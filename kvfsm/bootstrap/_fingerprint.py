@@ -29,7 +29,8 @@ Rules
 4. **Unequal attention TP must split** (:func:`mismatch`): the model's KV heads split over
    both TPs (one divides the other, ``_slices.HeadShard``); if prefill replicates heads (its
    TP above the head count), decode must declare the head count too, since which replica
-   writes depends on it.
+   writes depends on it. State pools (Mamba, ...) are sharded over attention TP as well and
+   move as whole rows, so a model with one pairs only at equal attention TP.
 5. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
    version may not even have one.
 
@@ -152,8 +153,21 @@ def mismatch(prefill: Fingerprint, decode: Fingerprint) -> str | None:
 
 def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     """Rule 4, for unequal attention TP."""
-    if prefill.attn_tp == decode.attn_tp or prefill.mla:
-        return None  # MLA: every rank holds the one latent cache; nothing to split
+    if prefill.attn_tp == decode.attn_tp:
+        return None
+    problem = None if prefill.mla else _heads_problem(prefill, decode)
+    if problem is None and prefill.state_types:
+        # SGLang shards a request's state (Mamba conv/SSM) over attention TP too; one leg
+        # writes whole state rows, which fit only an equal shard.
+        problem = (
+            "fingerprint mismatch: state pools "
+            f"({', '.join(prefill.state_types)}) with unequal attention TP (prefill "
+            f"{prefill.attn_tp}, decode {decode.attn_tp}) are not supported (state_types, attn_tp)"
+        )
+    return problem
+
+
+def _heads_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     heads = prefill.kv_heads
     if not heads or not prefill.head_bytes:
         return (

@@ -32,7 +32,8 @@ Frames
                                      decode knows its prefill rank, before pages are reserved)
     Reconcile      decode -> prefill after a reconnect: the rooms of the lost link whose pages
                                      still wait for an acknowledgement (packed room, generation)
-    RoomMetadata   decode -> prefill where to write: destination pages, aux row, state rows
+    RoomMetadata   decode -> prefill where to write: destination pages, aux row, state rows,
+                                     and the prompt tokens decode holds already (its prefix)
     RoomOutcome    prefill -> decode the sender room's end: 4 (Success) or 0 (Failed) + reason
     RoomAbort      both              this side failed or aborted the room
     RoomSettled    prefill -> decode every transfer handle touching the room settled (abort ack)
@@ -146,7 +147,8 @@ __all__ = [
 
 #: The version this module speaks. Peers with another version are refused at ``Hello``.
 #: 2: leases, claims, reconciliation; 3: session keys, sequence numbers; 4: the handshake
-#: fingerprint (Hello.fingerprint); 5: legs (RoomMetadata.part), the attention-TP rank.
+#: fingerprint (Hello.fingerprint); 5: legs (RoomMetadata.part), the attention-TP rank, and
+#: decode prefix caching (RoomMetadata.prefix).
 PROTOCOL_VERSION: Final = 5
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
@@ -266,7 +268,9 @@ class Reconcile(Frame, frozen=True):
 
 class RoomMetadata(Frame, frozen=True):
     """Decode → prefill: where to write this room's KV (packed int32 page ids), which aux row,
-    and which state rows (packed int32, empty when the model keeps no per-request state)."""
+    and which state rows (packed int32, empty when the model keeps no per-request state).
+    ``prefix``: prompt tokens decode holds already (SGLang's ``decode_prefix_len``, decode's
+    radix cache); ``pages`` are those that follow them, and prefill sends only those."""
 
     room: Room
     generation: Generation
@@ -277,6 +281,8 @@ class RoomMetadata(Frame, frozen=True):
     #: Which part of the decode request this room carries (``kvfsm.states.Part``): the whole
     #: room, its KV slice only, or nothing (a dummy leg: SGLang's dummy rank).
     part: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
+    #: Prompt tokens decode already holds (SGLang's ``decode_prefix_len``): ``pages`` follow.
+    prefix: Count = 0
 
     def __post_init__(self) -> None:
         _check_packed("pages", self.pages)

@@ -24,6 +24,13 @@ Claims (law 3).
     lost, whatever its state: only a room no decode ever claimed waits out its Bootstrapping
     deadline. ``RoomMetadata`` without a claim is a claim plus metadata.
 
+Destinations.
+    A claim alone does not move a sender: only decode's ``RoomMetadata`` (its page list, sent
+    at ``send_metadata``) becomes the sender's ``DestinationReceived``, the event that makes it
+    WaitingForInput. It carries the frame's ``prefix`` (prompt tokens decode holds already),
+    so prefill's scheduler, which reads the prefix at its first WaitingForInput to size
+    ``init``, always finds it there. A page list held with its claim keeps its prefix.
+
 Duplicates.
     A claim for a room whose live sender is already bound to another decode room, or for which
     another link's claim is held, is refused (Failed + Settled: nothing was written), and the
@@ -631,7 +638,14 @@ class PrefillRouting:
         peer = self._links[binding.link].peer
         legs = self._links[binding.link].legs
         event = DestinationReceived(
-            frame.pages, frame.aux_index, peer, frame.state, binding.link, frame.part, legs
+            frame.pages,
+            frame.aux_index,
+            peer,
+            frame.state,
+            binding.link,
+            frame.part,
+            legs,
+            prefix=frame.prefix,
         )
         return [Deliver(binding.sender, event)]
 

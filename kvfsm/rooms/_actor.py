@@ -41,7 +41,6 @@ from kvfsm.states import (
     AbortRequested,
     Command,
     DeadlineExpired,
-    DestinationReceived,
     Event,
     EventRejected,
     KVPoll,
@@ -72,20 +71,23 @@ class Publication:
     or by the registry for a room it refused); read from any thread without a lock.
 
     Each field is a single reference store, atomic under the GIL. ``reason`` is written before
-    ``status`` so a reader that sees Failed also sees why. Terminal statuses are never
-    overwritten, so a reader that once saw one may cache it.
+    ``status`` so a reader that sees Failed also sees why, and ``prefix`` before a sender's
+    WaitingForInput so a reader that sees that status also sees the receiver's prefix.
+    Terminal statuses are never overwritten, so a reader that once saw one may cache it.
     """
 
-    __slots__ = ("legs", "part", "reason", "settled", "status")
+    __slots__ = ("legs", "part", "prefix", "reason", "settled", "status")
 
     def __init__(self) -> None:
         self.status: KVPoll = KVPoll.Bootstrapping
         self.reason: str = ""
+        #: Sender: prompt tokens the receiver already holds (``RoomCore.prefix``), set once its
+        #: destination arrived; 0 before, and for receivers.
+        self.prefix: int = 0
         #: True once the room is terminal and no transfer can still touch its pages.
         self.settled: bool = False
-        #: Sender: which part of the decode request it carries (``Part``), written before the
-        #: status that follows the destination's arrival, so a caller that sees
-        #: WaitingForInput sees the part too.
+        #: Sender: which part of the decode request it carries (``Part``), published with
+        #: ``prefix``.
         self.part: int = 0
         #: Sender: how many decode ranks its request goes to (one sender room each), likewise.
         self.legs: int = 1
@@ -276,10 +278,6 @@ class Room:
     def _apply(self, event: Event) -> None:
         core = self.core
         before = core.state
-        if type(event) is DestinationReceived and (event.part or event.legs != 1):
-            # Before the status it leads to (see Publication).
-            self.publication.part = event.part
-            self.publication.legs = event.legs
         try:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only
@@ -317,6 +315,9 @@ class Room:
         pub = self.publication
         if state is KVPoll.Failed:
             pub.reason = self.core.reason
+        elif state is KVPoll.WaitingForInput and self.role is Role.SENDER:
+            core = self.core
+            pub.prefix, pub.part, pub.legs = core.prefix, core.part, core.legs
         pub.status = state
         self._arm_deadline(state)
         registry = self._registry

@@ -111,6 +111,9 @@ class RoomCore:
         "_dst_state",
         "_dst_known",
         "_fence",
+        "_prefix",
+        "part",
+        "legs",
         "_num_pages",
         "_src_aux",
         "_submitted_pages",
@@ -150,6 +153,13 @@ class RoomCore:
         # this sender's word (ReportSettled) like any other: it is known once it arrived.
         self._dst_known = False
         self._fence = 0
+        #: Prompt tokens the receiver holds already (decode prefix caching): the sender's
+        #: ``DestinationReceived.prefix``, the receiver's ``MetadataSubmitted.prefix``.
+        self._prefix = 0
+        #: Sender: what its destination said it carries (``Part``) and how many decode ranks
+        #: the request goes to; published with ``prefix`` before WaitingForInput.
+        self.part = 0
+        self.legs = 1
         self._num_pages = -1  # -1 until the caller's init
         self._src_aux = -1
         self._submitted_pages = 0
@@ -169,6 +179,13 @@ class RoomCore:
     def settled(self) -> bool:
         """True once the room is terminal and nothing can still write into its pages."""
         return self.state in TERMINAL and not self._in_flight and not self._exposed
+
+    @property
+    def prefix(self) -> int:
+        """Prompt tokens the receiver already holds, as its destination said; 0 until it did.
+        The actor publishes it before the sender's WaitingForInput, so a caller that sees
+        WaitingForInput reads it (SGLang's ``pop_decode_prefix_len``)."""
+        return self._prefix
 
     @property
     def in_flight(self) -> frozenset[int]:
@@ -300,6 +317,8 @@ class RoomCore:
             page_count(event.state)
         except ValueError as exc:
             return str(exc)
+        if event.prefix < 0:
+            return f"decode prefix of {event.prefix} tokens is negative"
         part = event.part
         if part == Part.WHOLE:
             if event.aux_index < 0:
@@ -363,6 +382,9 @@ class RoomCore:
         self._dst_state = event.state
         self._dst_known = True
         self._fence = event.fence
+        self._prefix = event.prefix
+        self.part = event.part
+        self.legs = event.legs
         return _NO_COMMANDS
 
     def _on_sender_init(self, event: Initialized) -> tuple[Command, ...]:
@@ -386,7 +408,12 @@ class RoomCore:
 
     def _on_metadata(self, event: MetadataSubmitted) -> tuple[Command, ...]:
         self._exposed = True
-        return (SendMetadata(event.pages, event.aux_index, event.state, event.part),)
+        self._prefix = event.prefix
+        return (
+            SendMetadata(
+                event.pages, event.aux_index, event.state, event.part, prefix=event.prefix
+            ),
+        )
 
     def _post(self, src: bytes, src_state: bytes) -> PostChunk:
         start = self._submitted_pages * _PAGE_BYTES

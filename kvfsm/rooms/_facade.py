@@ -214,6 +214,14 @@ class SenderRoom(_RoomFacade):
         (a leg, ``PrefillManager.sender(room, leg=...)``)."""
         return self._pub.legs
 
+    @property
+    def decode_prefix(self) -> int:
+        """Prompt tokens the receiver already holds (decode prefix caching): its page list
+        starts after them, so the caller sends only the pages that follow, and ``init`` counts
+        only those. Known once ``poll()`` reports WaitingForInput (published before it); 0
+        before, and when the receiver holds no prefix."""
+        return self._pub.prefix
+
     def init(self, num_pages: int, aux_index: int = -1) -> None:
         """Announce how many pages will be sent in total and the aux row to copy at the end."""
         num_pages = int(num_pages)
@@ -251,14 +259,20 @@ class ReceiverRoom(_RoomFacade):
         aux_index: int,
         state_indices: PageIndices | None = None,
         part: Part = Part.WHOLE,
+        prefix: int = 0,
     ) -> None:
         """Tell the sender which pages to write, which aux row and which state rows to fill.
 
         ``part``: for one leg of a request fed by several prefill ranks, ``Part.KV`` (pages
-        only; ``aux_index`` -1, no state rows) or ``Part.NONE`` (a dummy: nothing at all)."""
-        aux_index = int(aux_index)
+        only; ``aux_index`` -1, no state rows) or ``Part.NONE`` (a dummy: nothing at all).
+        ``prefix``: prompt tokens this side holds already (decode prefix caching); the pages
+        are those that follow them, and the sender sees it as ``SenderRoom.decode_prefix``."""
+        aux_index, prefix = int(aux_index), int(prefix)
         if aux_index < 0 and part is Part.WHOLE:
             self._fail_locally(EventRejected(f"aux row {aux_index} is negative"))
+            return
+        if prefix < 0:
+            self._fail_locally(EventRejected(f"decode prefix of {prefix} tokens is negative"))
             return
         if self._too_long("send_metadata", page_indices):
             return
@@ -266,4 +280,4 @@ class ReceiverRoom(_RoomFacade):
         state = b"" if state_indices is None else self._pack(state_indices)
         if packed is None or state is None or self._too_many("send_metadata", packed, state):
             return
-        self._post(self.key, MetadataSubmitted(packed, aux_index, state, int(part)))
+        self._post(self.key, MetadataSubmitted(packed, aux_index, state, int(part), prefix))

@@ -11,6 +11,10 @@ and how it is met (contract §3):
   (``should_send_kv_chunk`` lets a zero-page last chunk through);
 * decode reports Success only after prefill confirmed every write, aux row included, so the
   scheduler's metadata gate sees ``bootstrap_room`` in the aux row by then;
+* decode prefix caching: decode passes only the pages past its cached prefix, with
+  ``decode_prefix_len``; it travels with them, and prefill's room reports WaitingForInput only
+  once they arrived, so ``pop_decode_prefix_len()`` has it when the scheduler asks
+  (docs/decode-prefix.md);
 * ``abort()`` makes ``poll()`` Failed when it returns; ``failure_exception()`` always raises,
   with the reason, and clears; ``clear()`` is idempotent and aborts a room that is not finished.
 """
@@ -51,6 +55,20 @@ class SGLangTransferError(KVTransferError):
     def __init__(self, room: int, reason: str, *, is_from_another_rank: bool = False) -> None:
         super().__init__(room, reason)
         self.is_from_another_rank = is_from_another_rank
+
+
+def prefix_problem(decode_prefix_len: int, page_tokens: int) -> str | None:
+    """Why decode's ``decode_prefix_len`` cannot be served, or None. Pages move whole: a prefix
+    that ends inside a page would have prefill overwrite that page's cached tokens (SGLang's
+    radix match is page-aligned, so it never sends one: docs/decode-prefix.md)."""
+    if decode_prefix_len < 0:
+        return f"decode_prefix_len={decode_prefix_len} is negative"
+    if page_tokens > 1 and decode_prefix_len % page_tokens:
+        return (
+            f"decode_prefix_len={decode_prefix_len} is not a multiple of the page size "
+            f"({page_tokens} tokens): pages move whole"
+        )
+    return None
 
 
 def _state_rows(state_indices: Sequence[Any] | None, which: int | None) -> list[int] | str | None:
@@ -147,6 +165,19 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         self._legs: Legs[SenderRoom] = Legs(self._sender)
         self._room = self._legs
         self._spawned = False
+        self._prefix_popped = False
+
+    def pop_decode_prefix_len(self) -> int:
+        """Prompt tokens decode already holds (its radix cache), which prefill must not send:
+        SGLang's ``finalize_bootstrap`` calls this at the request's first WaitingForInput,
+        starts sending at that token and passes ``init`` only the pages after it. As in
+        SGLang's own backends it pops: the value once it is known, 0 before and after."""
+        if self._prefix_popped:
+            return 0
+        prefix = self._sender.decode_prefix
+        if prefix:
+            self._prefix_popped = True
+        return prefix
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
@@ -312,11 +343,11 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         if destination != KVTransferDestination.DEVICE:
             self._legs.reject(f"destination {destination!r}: kvfsm writes device KV only")
             return
-        if decode_prefix_len:
-            self._legs.reject(
-                f"decode_prefix_len={decode_prefix_len}: decode-side prefix reuse is not "
-                "supported by kvfsm (disable the decode radix cache)"
-            )
+        # kv_indices are the pages past the prefix only (SGLang slices them so, decode.py:1642).
+        prefix = int(decode_prefix_len or 0)
+        problem = prefix_problem(prefix, int(getattr(self.kv_mgr.kv_args, "page_size", 0) or 0))
+        if problem is not None:
+            self._legs.reject(problem)
             return
         rows = _state_rows(state_indices, self.kv_mgr.state_type)
         if isinstance(rows, str):
@@ -325,12 +356,13 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         aux = -1 if aux_index is None else int(aux_index)
         parts = self._parts or [Part.WHOLE]
         for room, part in zip(self._legs.rooms, parts, strict=True):
+            # Every leg names the prefix: each prefill rank skips the same pages.
             if part is Part.WHOLE:
-                room.send_metadata(kv_indices, aux, rows)
+                room.send_metadata(kv_indices, aux, rows, prefix=prefix)
             elif part is Part.KV:  # another leg carries the aux and state rows
-                room.send_metadata(kv_indices, -1, None, Part.KV)
+                room.send_metadata(kv_indices, -1, None, Part.KV, prefix)
             else:  # a dummy: that prefill rank holds none of this rank's heads
-                room.send_metadata(b"", -1, None, Part.NONE)
+                room.send_metadata(b"", -1, None, Part.NONE, prefix)
 
     def clear(self) -> None:
         already = self._cleared

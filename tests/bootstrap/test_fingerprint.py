@@ -151,6 +151,15 @@ def test_replicated_prefill_heads_need_decode_to_declare_them() -> None:
     assert mismatch(_tp(two, 4), _tp(two, 2)) is None
 
 
+def test_state_pools_pair_only_at_equal_attention_tp() -> None:
+    hybrid = msgspec.structs.replace(LLAMA, state_types=("mamba",))
+    assert mismatch(hybrid, hybrid) is None
+    assert mismatch(_tp(hybrid, 4), _tp(hybrid, 2)) == (
+        "fingerprint mismatch: state pools (mamba) with unequal attention TP (prefill 4, decode "
+        "2) are not supported (state_types, attn_tp)"
+    )
+
+
 def test_mla_pairs_over_unequal_tp_without_head_counts() -> None:
     mla = Fingerprint(layers=61, head_bytes=1152, dtype="bfloat16", page_tokens=1, mla=True)
     assert mismatch(_tp(mla, 8, 5), _tp(mla, 1)) is None

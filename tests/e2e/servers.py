@@ -54,9 +54,9 @@ MODEL_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
-#: Every server: CPU device, no CUDA graphs, a small pool, no radix cache (decode-side prefix
-#: reuse is not supported by kvfsm, and a prefill prefix hit would make the comparison depend
-#: on arrival order).
+#: Every server: CPU device, no CUDA graphs, a small pool, no radix cache (a prefill prefix hit
+#: would make the comparison depend on arrival order; decode's radix cache is turned on in
+#: test_decode_prefix.py only).
 COMMON_FLAGS = [
     "--load-format", "dummy",
     "--skip-tokenizer-init",

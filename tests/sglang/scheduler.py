@@ -17,11 +17,19 @@ raising, so a scenario reports all of them at once:
 * Success means the KV pages, the aux row (``bootstrap_room`` included) and the state rows on
   every decode rank equal the prefill rank's bytes;
 * pages of a failed request, once decode was told they may be reused, are never written again
-  (canary bytes, checked at the end of the scenario).
+  (canary bytes, checked at the end of the scenario);
+* decode prefix caching: the pages decode already holds for a request's prefix (filled with
+  :data:`PREFIX_FILL`) are never written, on commit and at the end of the scenario.
+
+Decode prefix caching is replayed as SGLang does it (docs/decode-prefix.md): decode passes only
+the pages past its cached prefix, with ``decode_prefix_len``; prefill's ``finalize_bootstrap``
+pops the prefix, sizes ``init`` as ``ceil((input_len - prefix) / page_size)`` and sends from the
+prefix's page on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +50,8 @@ AUX_ROWS, STATE_ROWS, STATE_ROW_BYTES = 24, 24, 256
 #: well above a GIL hand-off or a GC pause on a busy 2-vCPU machine.
 CALL_LIMIT_S = 0.025
 CANARY = 0xA5
+#: What decode's cached prefix pages hold (prefill's bytes are random, never a whole page of it).
+PREFIX_FILL = 0x5C
 #: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s upstream).
 DEFERRED_RELEASE_TIMEOUT_S = 30.0
 
@@ -198,6 +208,14 @@ class Request:
     prefill_abort_early: bool = False
     #: Decode sends its metadata only once prefill gave up on the room.
     decode_waits_for_prefill: bool = False
+    #: Decode prefix caching: prompt tokens decode already holds (``decode_prefix_len``), in
+    #: its pages ``prefix_dst``; prefill's pages of those tokens, ``prefix_src``, are not sent.
+    #: ``src_pages``/``dst_pages``/``chunks`` are the pages past the prefix.
+    prefix_tokens: int = 0
+    prefix_src: list[int] = field(default_factory=list)
+    prefix_dst: list[int] = field(default_factory=list)
+    #: Prompt tokens in the prompt's last page (1..PAGE_TOKENS).
+    tail_tokens: int = PAGE_TOKENS
     # -- progress ----------------------------------------------------------------------------
     senders: list[KvfsmKVSender] = field(default_factory=list)
     receivers: list[KvfsmKVReceiver] = field(default_factory=list)
@@ -207,6 +225,30 @@ class Request:
     prefill_reasons: list[str] = field(default_factory=list)
     decode_reasons: list[str] = field(default_factory=list)
     metric: Any = None
+    #: What each prefill rank's ``pop_decode_prefix_len()`` returned, and the chunks it sends.
+    popped: list[int] = field(default_factory=list)
+    rank_chunks: list[list[list[int]]] = field(default_factory=list)
+
+    @property
+    def prompt_src(self) -> list[int]:
+        """Prefill's pages of the whole prompt (its req_to_token row, in pages)."""
+        return self.prefix_src + self.src_pages
+
+    @property
+    def input_len(self) -> int:
+        """``len(req.origin_input_ids)``."""
+        pages = len(self.prompt_src)
+        return pages * PAGE_TOKENS - (PAGE_TOKENS - self.tail_tokens) if pages else 0
+
+    def chunks_from(self, prefix: int) -> list[list[int]]:
+        """The pages prefill sends when decode holds ``prefix`` tokens: from the prefix's page
+        (``req.start_send_idx = decode_prefix_len``), cut as scripted, the rest in the last."""
+        pages = self.prompt_src[prefix // PAGE_TOKENS :]
+        out, at = [], 0
+        for chunk in self.chunks[:-1]:
+            out.append(pages[at : at + len(chunk)])
+            at += len(chunk)
+        return [*out, pages[at:]]
 
     @property
     def done(self) -> bool:
@@ -353,9 +395,14 @@ class PrefillScheduler:
                 self._fail(req)
             elif status == KVPoll.WaitingForInput:
                 self.bootstrap.remove(req)
-                num_pages = sum(len(c) for c in req.chunks)
+                # finalize_bootstrap (prefill.py:429-444), on each rank.
+                req.popped, req.rank_chunks = [], []
                 for s in req.senders:
-                    self.check.call("pop_decode_prefix_len", s.pop_decode_prefix_len)
+                    prefix = self.check.call("pop_decode_prefix_len", s.pop_decode_prefix_len)
+                    req.popped.append(prefix)
+                    req.rank_chunks.append(req.chunks_from(prefix))
+                    # _num_pages_to_send: kv_to_page_num(len(origin_input_ids) - prefix, ps)
+                    num_pages = -(-(req.input_len - prefix) // PAGE_TOKENS)
                     self.check.call("sender init", s.init, num_pages, req.src_aux)
                 self.forward.append(req)
         for req in list(self.forward):
@@ -387,8 +434,8 @@ class PrefillScheduler:
             self.inflight.append(req)
             return
         last = i == len(req.chunks) - 1
-        pages = np.asarray(req.chunks[i], np.int32)
         for r, (s, b) in enumerate(zip(req.senders, self.instance.buffers, strict=True)):
+            pages = np.asarray(req.rank_chunks[r][i], np.int32)
             if last:
                 # metadata_buffers.set_buf(req): the first output token and bootstrap_room.
                 b.output_ids[req.src_aux] = np.arange(16, dtype=np.int32) + req.room * 100 + r
@@ -434,6 +481,9 @@ class DecodeScheduler:
             )
             for m in self.instance.managers
         ]
+        for b in self.instance.buffers:  # the prefix decode's radix cache holds already
+            for kv in b.kv:
+                kv[req.prefix_dst] = PREFIX_FILL
         self.pending.append(req)
 
     def _fail(self, req: Request) -> None:
@@ -487,7 +537,8 @@ class DecodeScheduler:
                         np.asarray(req.dst_pages, np.int32),
                         req.dst_aux,
                         [[req.dst_state]],
-                        decode_prefix_len=0,
+                        # _send_kv_metadata: only the pages past the prefix (decode.py:1642)
+                        decode_prefix_len=req.prefix_tokens,
                     )
                 self.transfer.append(req)
         # pop_transferred with the metadata gate.
@@ -571,7 +622,81 @@ def verify_success(req: Request, prefill: Instance, decode: Instance) -> list[st
             )
         if not np.array_equal(src.state[req.src_state], dst.state[req.dst_state]):
             bad.append(f"room {req.room} rank {r}: state row differs")
+    return bad + prefix_untouched(req, decode)
+
+
+def prefix_untouched(req: Request, decode: Instance) -> list[str]:
+    """The pages decode held for ``req``'s prefix still hold what decode put there."""
+    bad = []
+    for r, b in enumerate(decode.buffers):
+        for i, kv in enumerate(b.kv):
+            if req.prefix_dst and not (kv[req.prefix_dst] == PREFIX_FILL).all():
+                bad.append(f"room {req.room} rank {r}: kv buffer {i}: a prefix page was written")
     return bad
+
+
+def prefix_requests(rng: random.Random, *, first_room: int = 1) -> list[Request]:
+    """Requests whose prompt decode partly or wholly holds, over disjoint pages and rows: a
+    prefix of all pages but the last, a full hit (no page moves: SGLang's decode radix match is
+    not capped below the prompt), a prefix with a partial last page, random prefixes and
+    chunkings, two requests sharing one cached prefix (the radix cache shares its pages), and
+    plain requests among them."""
+    shapes: list[tuple[int, int, int]] = [  # (prefix pages, pages past it, tokens in last page)
+        (5, 1, PAGE_TOKENS),  # all but the last page
+        (3, 0, PAGE_TOKENS),  # full hit
+        (2, 3, 5),  # partial last page
+        (1, 4, 1),
+        (0, 3, PAGE_TOKENS),  # no prefix
+    ]
+    shapes += [
+        (rng.randint(1, 4), rng.randint(0, 4), rng.randint(1, PAGE_TOKENS)) for _ in range(5)
+    ]
+    shapes = [(p, 1 if n == 0 and t < PAGE_TOKENS else n, t) for p, n, t in shapes]
+    need = sum(p + n for p, n, _ in shapes)
+    src_pool, dst_pool = rng.sample(range(PAGES), need), rng.sample(range(PAGES), need)
+    rows = len(shapes) + 1
+    src_rows, dst_rows = rng.sample(range(AUX_ROWS), rows), rng.sample(range(AUX_ROWS), rows)
+    out, at = [], 0
+    for i, (p, n, tail) in enumerate(shapes):
+        prefix_src, src = src_pool[at : at + p], src_pool[at + p : at + p + n]
+        prefix_dst, dst = dst_pool[at : at + p], dst_pool[at + p : at + p + n]
+        at += p + n
+        cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
+        chunks = [src[a:b] for a, b in zip([0, *cuts], [*cuts, n], strict=True)] or [[]]
+        out.append(
+            Request(
+                room=first_room + i,
+                src_pages=src,
+                dst_pages=dst,
+                chunks=chunks,
+                src_aux=src_rows[i],
+                dst_aux=dst_rows[i],
+                src_state=src_rows[i],
+                dst_state=dst_rows[i],
+                prefix_tokens=p * PAGE_TOKENS,
+                prefix_src=prefix_src,
+                prefix_dst=prefix_dst,
+                tail_tokens=tail,
+            )
+        )
+    # Another request with the first one's cached prefix (same decode pages), its own suffix.
+    first, last = out[0], len(shapes)
+    spare_src = [x for x in range(PAGES) if x not in src_pool][:1]
+    spare_dst = [x for x in range(PAGES) if x not in dst_pool][:1]
+    out.append(
+        dataclasses.replace(
+            first,
+            room=first_room + last,
+            src_pages=spare_src,
+            dst_pages=spare_dst,
+            chunks=[spare_src],
+            src_aux=src_rows[last],
+            dst_aux=dst_rows[last],
+            src_state=src_rows[last],
+            dst_state=dst_rows[last],
+        )
+    )
+    return out
 
 
 @dataclass
@@ -632,6 +757,8 @@ class Pair:
 
     def finish(self, requests: Sequence[Request]) -> Outcome:
         leaks = self.drain()
+        for req in requests:
+            self.check.violations.extend(prefix_untouched(req, self.decode))
         for req in self.d.released:
             for r, b in enumerate(self.decode.buffers):
                 for i, kv in enumerate(b.kv):

@@ -23,12 +23,16 @@ from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.sglang import KvfsmKVBootstrapServer, configure
 from tests.sglang.conftest import CONFIG, DEADLINES
 from tests.sglang.scheduler import (
+    LAYERS,
+    PAGE_BYTES,
+    PAGE_TOKENS,
     DecodeScheduler,
     Instance,
     Outcome,
     Pair,
     PrefillScheduler,
     Request,
+    prefix_requests,
     random_requests,
 )
 
@@ -66,6 +70,42 @@ def test_requests_succeed_with_identical_bytes(pair: Pair) -> None:
     assert metric.transfer_latency_s is not None
     assert metric.transfer_latency_s >= 0
     assert metric.transfer_total_bytes >= len(requests[1].src_pages) * 4 * 1024
+
+
+def test_decode_prefix_caching_moves_only_the_pages_past_the_prefix(pair: Pair) -> None:
+    """decode_prefix_len > 0 (decode's radix cache): decode names only the pages past its
+    prefix, prefill pops the prefix at WaitingForInput and sends from it. Every page past the
+    prefix equals prefill's on commit; decode's prefix pages are never written (checked on
+    commit and at the end); a full hit moves no page and still ends in Success with the aux row.
+    """
+    requests = prefix_requests(random.Random(23))
+    assert any(r.prefix_tokens and not r.dst_pages for r in requests)  # a full hit
+    assert any(len(r.dst_pages) == 1 and len(r.prefix_dst) > 1 for r in requests)
+    assert any(r.tail_tokens < PAGE_TOKENS and r.prefix_tokens for r in requests)
+    out = pair.run(requests)
+    assert_clean(out)
+    for req in requests:
+        assert (req.prefill_outcome, req.decode_outcome) == ("Success", "Success"), (
+            req.room,
+            req.prefill_reasons,
+            req.decode_reasons,
+        )
+        assert req.popped == [req.prefix_tokens] * TP, req.room
+        sent = sum(len(c) for c in req.rank_chunks[0])
+        assert sent == len(req.dst_pages)
+        kv_bytes = sent * 2 * LAYERS * PAGE_BYTES  # K and V of every layer
+        assert kv_bytes <= req.metric.transfer_total_bytes < kv_bytes + PAGE_BYTES
+
+
+def test_an_unaligned_decode_prefix_is_refused_with_a_reason(pair: Pair) -> None:
+    """SGLang's radix match is page-aligned, so decode never sends a prefix that ends inside a
+    page; kvfsm refuses one (prefill would overwrite the page's cached tokens)."""
+    (req,) = prefix_requests(random.Random(24))[:1]
+    req.prefix_tokens += PAGE_TOKENS // 2
+    out = pair.run([req])
+    assert_clean(out)
+    assert (req.prefill_outcome, req.decode_outcome) == ("Failed", "Failed")
+    assert all("not a multiple of the page size" in r for r in req.decode_reasons)
 
 
 def test_abort_during_a_non_last_chunk_fails_the_request_on_every_rank(pair: Pair) -> None:

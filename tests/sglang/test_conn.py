@@ -39,6 +39,7 @@ from kvfsm.sglang import (
     SGLangTransferError,
 )
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
+from kvfsm.sglang._conn import prefix_problem
 from tests.sglang.scheduler import (
     AUX_ROWS,
     LAYERS,
@@ -315,18 +316,58 @@ def test_host_destination_fails_the_room(pair: Pair) -> None:
     sender.clear()
 
 
-def test_decode_prefix_reuse_fails_the_room(pair: Pair) -> None:
+def test_an_unaligned_decode_prefix_fails_the_room(pair: Pair) -> None:
     pair.known()
     room = next(_rooms)
     sender, receiver = pair.sender(room), pair.receiver(room)
     receiver.init(0)
     wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed)
-    receiver.send_metadata(np.array([1], np.int32), 0, [[0]], decode_prefix_len=32)
+    receiver.send_metadata(np.array([1], np.int32), 0, [[0]], decode_prefix_len=24)
     assert receiver.poll() == KVPoll.Failed
     reason = raised(receiver).failure_reason
-    assert "decode_prefix_len=32" in reason
-    assert "not supported" in reason
+    assert "decode_prefix_len=24 is not a multiple of the page size (16 tokens)" in reason
+    assert wait_poll(sender, KVPoll.Failed) == KVPoll.Failed  # told over the control link
     sender.clear()
+
+
+@pytest.mark.parametrize("pages", [2, 0], ids=["suffix", "full-hit"])
+def test_pop_decode_prefix_len_gives_decodes_prefix_once(pair: Pair, pages: int) -> None:
+    """SGLang's Common pops ``req_to_decode_prefix_len``: 0 until decode's page list came, the
+    prefix once it did, 0 after. The prefix is there at the sender's first WaitingForInput."""
+    pair.known()
+    room = next(_rooms)
+    sender, receiver = pair.sender(room), pair.receiver(room)
+    assert sender.pop_decode_prefix_len() == 0
+    receiver.init(0)
+    wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed)
+    assert sender.pop_decode_prefix_len() == 0  # not consumed: nothing arrived yet
+    dst = np.arange(pages, dtype=np.int32) + 40
+    receiver.send_metadata(dst, 3, [[4]], decode_prefix_len=48)
+    assert wait_poll(sender, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
+    assert sender.pop_decode_prefix_len() == 48
+    assert sender.pop_decode_prefix_len() == 0
+    sender.init(pages, 5)
+    sender.send(np.arange(pages, dtype=np.int32) + 10, [[6]])
+    assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, sender.reason
+    assert wait_poll(receiver, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, receiver.reason
+    sender.clear()
+    receiver.clear()
+
+
+def test_without_a_decode_prefix_pop_gives_zero(pair: Pair) -> None:
+    sender, receiver, _src, _dst = pair.handshake()
+    assert sender.pop_decode_prefix_len() == 0
+    sender.clear()
+    receiver.clear()
+
+
+def test_prefix_problem() -> None:
+    assert prefix_problem(0, 16) is None
+    assert prefix_problem(64, 16) is None
+    assert prefix_problem(7, 1) is None
+    assert prefix_problem(7, 0) is None  # page size unknown: nothing to check against
+    assert "not a multiple of the page size (16 tokens)" in str(prefix_problem(8, 16))
+    assert "negative" in str(prefix_problem(-16, 16))
 
 
 def test_no_state_indices_for_the_ranks_state_type_fails_the_room(pair: Pair) -> None:

@@ -1,0 +1,162 @@
+"""Decode prefix caching with real SGLang 0.5.23 servers on this CPU machine: a prefill server, a
+decode server with ``--disaggregation-decode-enable-radix-cache`` (both served by kvfsm), SGLang's
+router, and a non-disaggregated reference server with the same dummy weights.
+
+Requests go one at a time, so decode's radix cache holds the earlier prompts when the later ones
+come: a prompt that extends an earlier one (decode holds its first part), the same prompt again
+(a full hit: no KV page moves, only the aux row), and one that shares only a short prefix. Each
+one's greedy output must equal the reference server's, and prefill's own transfer metric
+(``sglang:kv_transfer_total_mb``, from kvfsm's ``get_transfer_metric``) must show that only the
+tokens past decode's prefix moved.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.servers import (
+    COMMON_FLAGS,
+    DECODE_FLAGS,
+    FAILED,
+    Server,
+    free_port,
+    get_text,
+    post_json,
+    prefill_flags,
+    router,
+    sglang_server,
+    write_model,
+)
+from tests.e2e.test_sglang_servers import _metric, body
+
+pytestmark = pytest.mark.timeout(900)
+
+VOCAB = 512
+MAX_NEW = 8
+
+
+@dataclass
+class Rig:
+    reference: Server
+    prefill: Server
+    decode: Server
+    router: Server
+
+
+def _decode_with_radix_cache(model: Path, log_dir: Path) -> Server:
+    """The decode server, its radix cache on (``COMMON_FLAGS`` turn it off for the others)."""
+    server = sglang_server(
+        "decode", model, log_dir, *DECODE_FLAGS, "--disaggregation-decode-enable-radix-cache",
+        kvfsm=True,
+    )  # fmt: skip
+    assert "--disable-radix-cache" in COMMON_FLAGS
+    server.argv.remove("--disable-radix-cache")
+    return server
+
+
+@pytest.fixture(scope="module")
+def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    log_dir = tmp_path_factory.mktemp("sglang-e2e-prefix")
+    model = write_model(log_dir / "model")
+    bootstrap = free_port()
+    reference = sglang_server("reference", model, log_dir)
+    prefill = sglang_server(
+        "prefill", model, log_dir, *prefill_flags(bootstrap), "--enable-metrics", kvfsm=True
+    )
+    decode = _decode_with_radix_cache(model, log_dir)
+    front = router(log_dir, prefill, bootstrap, decode)
+    started: list[Server] = []
+    try:
+        for group in ([reference, prefill, decode], [front]):
+            for server in group:
+                server.start()
+                started.append(server)
+            for server in group:
+                server.wait_ready()
+        deadline = time.monotonic() + 120
+        while not _serves(front):
+            assert time.monotonic() < deadline, "the router never routed to the pair"
+            time.sleep(1.0)
+        yield Rig(reference, prefill, decode, front)
+    finally:
+        for server in reversed(started):
+            server.stop()
+        if request.node.stash.get(FAILED, False):
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"sglang e2e logs kept in {log_dir}")
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _serves(front: Server) -> bool:
+    try:
+        out = post_json(front.url + "/generate", body([5, 6, 7, 8], 2), timeout=60)
+    except OSError:
+        return False
+    return isinstance(out, dict) and len(out.get("output_ids", [])) == 2
+
+
+def _generate(url: str, ids: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = post_json(url + "/generate", body(ids, MAX_NEW), timeout=300)
+    return out
+
+
+def _transferred_mb(rig: Rig) -> tuple[float, float]:
+    text = get_text(rig.prefill.url + "/metrics")
+    return (
+        _metric(text, "sglang:kv_transfer_total_mb_sum"),
+        _metric(text, "sglang:kv_transfer_total_mb_count"),
+    )
+
+
+def _moved_mb(rig: Rig, ids: list[int]) -> tuple[list[int], float]:
+    """Send ``ids`` through the PD pair; its output, and the MB prefill sent for it."""
+    mb, count = _transferred_mb(rig)
+    out = _generate(rig.router.url, ids)
+    deadline = time.monotonic() + 60  # prefill records the metric when its room succeeded
+    while True:
+        mb_after, count_after = _transferred_mb(rig)
+        if count_after > count:
+            break
+        assert time.monotonic() < deadline, "prefill recorded no transfer for the request"
+        time.sleep(0.2)
+    assert count_after == count + 1
+    return list(out["output_ids"]), mb_after - mb
+
+
+def test_only_the_tokens_past_decodes_prefix_move_and_outputs_equal_the_reference(
+    rig: Rig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(29)
+    base = [rng.randrange(3, VOCAB) for _ in range(240)]
+    prompts = {
+        "first": base,
+        "extends it": base + [rng.randrange(3, VOCAB) for _ in range(48)],
+        "full hit": list(base),
+        "short shared prefix": base[:32] + [rng.randrange(3, VOCAB) for _ in range(160)],
+    }
+    moved: dict[str, float] = {}
+    for name, ids in prompts.items():
+        want = list(_generate(rig.reference.url, ids)["output_ids"])
+        got, moved[name] = _moved_mb(rig, ids)
+        assert got == want, (name, got, want)
+    # A full hit moves the aux row only; every other request moves the aux row plus the KV of
+    # the tokens decode's cache lacks: all 240 of the first prompt, then 48, then 160.
+    aux = moved["full hit"]
+    per_token = (moved["first"] - aux) / 240
+    with capsys.disabled():
+        sent = {k: round(v * 2**20) for k, v in moved.items()}
+        print(f"\ndecode prefix e2e: bytes prefill sent per request: {sent}")
+    assert per_token > 0, moved
+    assert aux < per_token * 64, moved  # an aux row, not a prompt's KV
+    assert (moved["extends it"] - aux) / per_token == pytest.approx(48, abs=0.5), moved
+    assert (moved["short shared prefix"] - aux) / per_token == pytest.approx(160, abs=0.5), moved
