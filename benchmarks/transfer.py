@@ -42,7 +42,27 @@ Cases (sizes are options; the defaults run everything in well under two minutes 
                    permutation over all rooms), and it is sent in 1 to 4 chunks (random cuts).
                    1, 16 or 256 rooms in flight at once. The three cases share the same rooms.
 
-The first three are one room of one chunk by default (``--chunk-pages`` splits them).
+* tp2to1_rooms_1/16/64, tp2to1_large - unequal attention TP, head-sliced (issue 14): MHA with
+                   8 KV heads of 256 bytes (128 dims bf16), prefill TP 2 into decode TP 1.
+                   Prefill rank 1's pages hold 4 heads a row (token), 16 rows a page (16 KiB);
+                   decode's hold 8 (32 KiB pages), and rank 1 writes its whole rows into the
+                   second half of each decode row. 8 KV buffers (4 layers x K/V) of 1024 pages
+                   a side, back to back in each process's buffer: 128 MiB moved, and one
+                   descriptor per (buffer, page, row), 131,072 per side (NIXL 1.5.1 expands
+                   strided descriptors into one per row anyway). The rooms cases are the
+                   rooms_* shape (16 pages a room, 1-4 chunks, 1/16/64 in flight: 64 rooms);
+                   ``large`` is one room of all 1024 pages, destination permuted, one chunk.
+                   raw_nixl prepares the per-row lists itself (``_row_descs``) and expands each
+                   chunk's pages to row indices (``_row_index``) inside the timed loop; kvfsm
+                   connects its peer with the ``KvPiece`` that ``link_piece`` plans, so its
+                   transport builds both (``sliced_descs``, ``sliced_index``). The peer checks
+                   the CRC of the slice of every row and that no byte outside it was written.
+                   The ``--kv-heads``, ``--prefill-tp/--prefill-rank``, ``--decode-tp/
+                   --decode-rank``, ``--head-bytes``, ``--page-tokens``, ``--tp-regions``,
+                   ``--tp-pages`` and ``--tp-windows`` options change the shape (and the names).
+
+The first three and ``tp*_large`` are one room of one chunk by default (``--chunk-pages`` splits
+them).
 
 Figures: ``seconds`` is the best of ``--repeat`` repetitions (each one every chunk of the case,
 end to end: for raw_nixl, create + post + poll to DONE + release). GB/s is decimal (1e9 bytes/s).
@@ -56,11 +76,15 @@ Plug-in point. ``RUNNERS`` maps a name to ``Runner = Callable[[Case, Bench], Res
 
 * ``case`` holds the page pairs, per room and per chunk, in the order a caller (SGLang) would
   hand them over, plus ``window`` (rooms in flight at once). A runner moves exactly these pairs
-  from rows of ``bench.source(case)`` to the same-numbered rows of its destination.
+  from rows of ``bench.source(case)`` to the same-numbered rows of its destination. With
+  ``case.heads`` (unequal TP) each side has ``heads.regions`` buffers back to back and a
+  destination page is ``case.dst_page_bytes``: a runner moves every row of each source page
+  into its slice of the same row of the destination page, in every buffer.
 * ``bench.peer`` is the shared "decode" process: one per run, started before the first runner and
   stopped after the last; its agent metadata (``peer.metadata``), its registered destination
   buffer (``peer.base``, ``peer.nbytes``: large enough for every selected case), and
-  ``peer.clear()`` / ``peer.checksum(case)``. Runners must leave no remote state behind in it
+  ``peer.clear()`` / ``peer.checksum(case)`` (for ``case.heads``: the rows' slices, after
+  checking that nothing outside them was written). Runners must leave no remote state behind in it
   (it has none of its own: it only registers memory and progresses its worker). A runner that
   needs its own decode-side process (kvfsm's receiver rooms) starts it through
   ``bench.resource`` and checksums there with ``_nixl_peer.checksum_pages`` over
@@ -138,6 +162,10 @@ class Heads:
     def __post_init__(self) -> None:
         if min(self.regions, self.rows, self.head_bytes, self.total) < 1:
             raise ValueError(f"{self}: sizes must be >= 1")
+        if not (
+            0 <= self.prefill_rank < self.prefill_tp and 0 <= self.decode_rank < self.decode_tp
+        ):
+            raise ValueError(f"{self}: a rank out of range")
         if self.prefill_tp % self.decode_tp or self.total % self.prefill_tp:
             raise ValueError(
                 f"{self}: prefill TP must divide the heads and be a multiple of decode's"
@@ -297,6 +325,7 @@ def _tp_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[Case]:
         prefill_tp=args.prefill_tp,
         prefill_rank=args.prefill_rank,
         decode_tp=args.decode_tp,
+        decode_rank=args.decode_rank,
     )
     pages, page = args.tp_pages, heads.rows * heads.src_row
     prefix = f"tp{heads.prefill_tp}to{heads.decode_tp}_"
@@ -839,9 +868,11 @@ class Kvfsm:
                 decode_tp=heads.decode_tp,
                 decode_rank=heads.decode_rank,
             )
-            if not isinstance(planned, KvPiece):
-                raise BenchError(f"link_piece planned {planned!r} for {heads}, not a head slice")
-            piece = planned
+            if isinstance(
+                planned, str
+            ):  # "none": this prefill rank is a dummy for that decode rank
+                raise BenchError(f"link_piece planned {planned!r} for {heads}: no KV to move")
+            piece = planned  # None with equal TP: whole pages (the raw runner still slices rows)
         self.piece = piece
         self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote, piece))
         self._rooms = 0
@@ -1029,6 +1060,11 @@ def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
                     "bandwidth": a.gbps / b.gbps,
                     "cpu_per_chunk": cpu,
                 }
+                if a.extra.get("process_cpu_s") and b.extra.get("process_cpu_s"):
+                    # This process's CPU (every thread) for the same bytes: on a loaded
+                    # machine a runner with more threads gets more CPU shares, so wall time
+                    # alone flatters it; this does not.
+                    row["process_cpu"] = a.extra["process_cpu_s"] / b.extra["process_cpu_s"]
                 if den == "raw_nixl" and "process_cpu_s" in a.extra:
                     # Process CPU beyond what the same rooms cost through raw NIXL (whose CPU
                     # is the copies, on this CMA path, plus its minimal loop), per room.
@@ -1155,6 +1191,7 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{ratio['case']:<16} {ratio['ratio']:<16} time {ratio['time']:.2f}x  "
             f"bandwidth {ratio['bandwidth']:.2f}x"
             + (f"  CPU/chunk {cpu:.2f}x" if cpu else "")
+            + (f"  process CPU {ratio['process_cpu']:.2f}x" if "process_cpu" in ratio else "")
             + (
                 f"  non-copy CPU {ratio['non_copy_cpu_ms_per_room']:.3f} ms/room"
                 if "non_copy_cpu_ms_per_room" in ratio
@@ -1210,6 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--prefill-tp", type=int, default=2)
     tp.add_argument("--prefill-rank", type=int, default=1, help="the prefill rank that sends")
     tp.add_argument("--decode-tp", type=int, default=1, help="prefill TP must be a multiple")
+    tp.add_argument("--decode-rank", type=int, default=0, help="the decode rank written into")
     tp.add_argument("--head-bytes", type=int, default=256, help="one head of one token")
     tp.add_argument("--page-tokens", type=int, default=16, help="rows (tokens) per page")
     tp.add_argument("--tp-regions", type=int, default=8, help="KV buffers (layers x K/V)")
@@ -1231,7 +1269,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_chunks < 1 or not args.windows or min(args.windows) < 1:
         parser.error("--max-chunks and --windows must be >= 1")
 
-    all_cases = build_cases(args)
+    try:
+        all_cases = build_cases(args)
+    except ValueError as exc:  # a head split the unequal-TP cases cannot make
+        parser.error(str(exc))
     names = list(all_cases) if args.cases == "all" else args.cases.split(",")
     runners = args.runners.split(",")
     unknown = [n for n in names if n not in all_cases] + [r for r in runners if r not in RUNNERS]
