@@ -905,6 +905,7 @@ class Kvfsm:
         engine = self.engine
         stats0 = self.transport.snapshot()
         cpu0 = self._loop_cpu()
+        caller0 = time.thread_time()
         rooms, window = case.rooms, case.window
         live: list[tuple[Any, Room, float]] = []  # (sender, its chunks, handed over at or 0)
         next_room = 0
@@ -949,11 +950,14 @@ class Kvfsm:
                 # iteration moved nothing. It holds the GIL nearly all the time, so each
                 # hand-off to kvfsm's threads waits for CPython's forced switch (5 ms).
                 time.sleep(0)
+        caller1 = time.thread_time()
         cpu = self._loop_cpu() - cpu0
         stats = self.transport.snapshot()
         chunks = stats["chunks_posted"] - stats0["chunks_posted"]
         return {
             "cpu_s": cpu,
+            # This (the caller's) thread: facades and polling every live room per iteration.
+            "caller_cpu_ms": (caller1 - caller0) * 1e3,
             "done_at_post_pct": 100.0
             * (stats["done_at_post"] - stats0["done_at_post"])
             / max(chunks, 1),
@@ -1176,6 +1180,8 @@ def _row(r: Result) -> str:
         notes.append(f"room p50/p99 {r.extra['room_p50_us']:,.0f}/{r.extra['room_p99_us']:,.0f} us")
     if "process_cpu_s" in r.extra:
         notes.append(f"process CPU {r.extra['process_cpu_s'] * 1e3:,.1f} ms")
+    if "caller_cpu_ms" in r.extra:
+        notes.append(f"caller CPU {r.extra['caller_cpu_ms']:,.1f} ms")
     notes.append("verified" if r.verified else "NOT VERIFIED")
     return (
         f"{r.case:<16} {r.runner:<9} {r.bytes / 2**20:>5.0f} {r.chunks:>6} {r.window:>4} "
