@@ -252,8 +252,10 @@ def test_unequal_tp_without_head_counts_is_refused_at_the_handshake(
             d.step()
             time.sleep(0.001)
         assert req.decode_outcome == "Failed"
-        assert "fingerprint mismatch: unequal attention TP (prefill 2, decode 1) needs prefill "
-        "to declare its KV heads" in req.decode_reasons[0]
+        assert (
+            "fingerprint mismatch: unequal attention TP (prefill 2, decode 1) needs prefill "
+            "to declare its KV heads" in req.decode_reasons[0]
+        ), req.decode_reasons
         assert check.violations == []
     finally:
         decode.close()
