@@ -603,7 +603,8 @@ def _copy_sliced(case: Case, bench: Bench, heads: Heads) -> Result:
     """Unequal TP: each chunk's source rows into their slice of the destination rows, one
     fancy-indexed assignment per chunk over all regions."""
     nbytes = max(bench.src.nbytes, case.dst_bytes)
-    dst_buf = bench.resource(f"copy.dst.{nbytes}", lambda: _prefaulted(nbytes))
+    key = "copy.dst" if nbytes == bench.src.nbytes else f"copy.dst.{nbytes}"  # share if it fits
+    dst_buf = bench.resource(key, lambda: _prefaulted(nbytes))
     shape = (heads.regions, case.pages, heads.rows)
     src = bench.src[: case.src_bytes].reshape(*shape, heads.src_row)
     dst = dst_buf[: case.dst_bytes].reshape(*shape, heads.dst_row)
