@@ -12,6 +12,9 @@ the pipe. Then it loops:
 
   ``("checksum", page_bytes, dst_pages)`` -> ``("ok", crc)``: :func:`checksum_pages` over the
   destination pages named by ``dst_pages`` (packed int32 bytes), in that order;
+  ``("checksum_rows", geometry, dst_pages)`` -> ``("ok", crc)``: :func:`checksum_rows` (a head
+  slice of every row of the destination pages, unequal TP), after checking with
+  :func:`stray_bytes` that nothing was written outside that slice (an error if it was);
   ``("clear",)`` -> ``("ok", None)``: zero the buffer;
   ``("quit",)`` -> ``("ok", None)``: deregister and exit.
 
@@ -33,7 +36,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PROGRESS_SLEEP_S", "checksum_pages", "serve"]
+__all__ = [
+    "PROGRESS_SLEEP_S",
+    "RowGeometry",
+    "checksum_pages",
+    "checksum_rows",
+    "serve",
+    "stray_bytes",
+]
 
 PROGRESS_SLEEP_S = 50e-6
 _CRC_BLOCK_BYTES = 16 << 20  # gather and hash this much at a time (bounded temporaries)
@@ -53,12 +63,66 @@ def checksum_pages(buffer: npt.NDArray[np.uint8], page_bytes: int, pages: npt.Ar
     return crc
 
 
+#: One side of a head-sliced case: ``(regions, pages, rows, row_bytes, offset, length)``. The
+#: buffer holds ``regions`` KV buffers back to back, each ``pages`` pages of ``rows`` rows (one
+#: row per token) of ``row_bytes``; the slice is ``length`` bytes at ``offset`` in every row.
+RowGeometry = tuple[int, int, int, int, int, int]
+
+
+def _rows_view(buffer: npt.NDArray[np.uint8], geometry: RowGeometry) -> npt.NDArray[np.uint8]:
+    regions, pages, rows, row_bytes, offset, length = geometry
+    if offset < 0 or length <= 0 or offset + length > row_bytes:
+        raise ValueError(f"slice ({offset}, {length}) does not fit a {row_bytes}-byte row")
+    used = regions * pages * rows * row_bytes
+    if used > buffer.nbytes:
+        raise ValueError(f"{geometry} needs {used} bytes, the buffer has {buffer.nbytes}")
+    return buffer[:used].reshape(regions, pages, rows, row_bytes)
+
+
+def checksum_rows(
+    buffer: npt.NDArray[np.uint8], geometry: RowGeometry, pages: npt.ArrayLike
+) -> int:
+    """CRC32 of the slice ``geometry`` names in every row of the pages ``pages``, region-major,
+    pages in the given order, rows in order: the bytes one prefill rank moves into one decode
+    rank with unequal TP. Both sides use it, each with its own geometry (the source with its
+    whole rows), so matching CRCs mean every row's slice landed in the right place."""
+    view = _rows_view(buffer, geometry)
+    regions, _, rows, _, offset, length = geometry
+    idx = np.asarray(pages, dtype=np.int64)
+    step = max(1, _CRC_BLOCK_BYTES // (rows * length))
+    crc = 0
+    for b in range(regions):
+        for lo in range(0, idx.size, step):
+            block = view[b, idx[lo : lo + step], :, offset : offset + length]
+            crc = zlib.crc32(np.ascontiguousarray(block).data, crc)
+    return crc
+
+
+def stray_bytes(buffer: npt.NDArray[np.uint8], geometry: RowGeometry) -> int:
+    """Non-zero bytes of a zeroed-then-written destination outside the slice of every row
+    (and past the regions): a slice written too wide, or at the wrong offset, shows here."""
+    view = _rows_view(buffer, geometry)
+    offset, length = geometry[4], geometry[5]
+    return (
+        int(np.count_nonzero(view[..., :offset]))
+        + int(np.count_nonzero(view[..., offset + length :]))
+        + int(np.count_nonzero(buffer[view.nbytes :]))
+    )
+
+
 def _handle(command: tuple[Any, ...], buffer: npt.NDArray[np.uint8], gpu: Any) -> object:
     match command:
         case ("checksum", int(page_bytes), bytes(packed)):
             if gpu is not None:  # VRAM: hash a host copy (untimed)
                 buffer = gpu.cpu().numpy()
             return checksum_pages(buffer, page_bytes, np.frombuffer(packed, dtype=np.int32))
+        case ("checksum_rows", tuple(geometry), bytes(packed)):
+            if gpu is not None:
+                buffer = gpu.cpu().numpy()
+            stray = stray_bytes(buffer, geometry)
+            if stray:
+                raise ValueError(f"{stray} bytes written outside the head slice {geometry}")
+            return checksum_rows(buffer, geometry, np.frombuffer(packed, dtype=np.int32))
         case ("clear",):
             if gpu is not None:
                 gpu.zero_()

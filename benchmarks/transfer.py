@@ -42,7 +42,27 @@ Cases (sizes are options; the defaults run everything in well under two minutes 
                    permutation over all rooms), and it is sent in 1 to 4 chunks (random cuts).
                    1, 16 or 256 rooms in flight at once. The three cases share the same rooms.
 
-The first three are one room of one chunk by default (``--chunk-pages`` splits them).
+* tp2to1_rooms_1/16/64, tp2to1_large - unequal attention TP, head-sliced (issue 14): MHA with
+                   8 KV heads of 256 bytes (128 dims bf16), prefill TP 2 into decode TP 1.
+                   Prefill rank 1's pages hold 4 heads a row (token), 16 rows a page (16 KiB);
+                   decode's hold 8 (32 KiB pages), and rank 1 writes its whole rows into the
+                   second half of each decode row. 8 KV buffers (4 layers x K/V) of 1024 pages
+                   a side, back to back in each process's buffer: 128 MiB moved, and one
+                   descriptor per (buffer, page, row), 131,072 per side (NIXL 1.5.1 expands
+                   strided descriptors into one per row anyway). The rooms cases are the
+                   rooms_* shape (16 pages a room, 1-4 chunks, 1/16/64 in flight: 64 rooms);
+                   ``large`` is one room of all 1024 pages, destination permuted, one chunk.
+                   raw_nixl prepares the per-row lists itself (``_row_descs``) and expands each
+                   chunk's pages to row indices (``_row_index``) inside the timed loop; kvfsm
+                   connects its peer with the ``KvPiece`` that ``link_piece`` plans, so its
+                   transport builds both (``sliced_descs``, ``sliced_index``). The peer checks
+                   the CRC of the slice of every row and that no byte outside it was written.
+                   The ``--kv-heads``, ``--prefill-tp/--prefill-rank``, ``--decode-tp/
+                   --decode-rank``, ``--head-bytes``, ``--page-tokens``, ``--tp-regions``,
+                   ``--tp-pages`` and ``--tp-windows`` options change the shape (and the names).
+
+The first three and ``tp*_large`` are one room of one chunk by default (``--chunk-pages`` splits
+them).
 
 Figures: ``seconds`` is the best of ``--repeat`` repetitions (each one every chunk of the case,
 end to end: for raw_nixl, create + post + poll to DONE + release). GB/s is decimal (1e9 bytes/s).
@@ -56,11 +76,15 @@ Plug-in point. ``RUNNERS`` maps a name to ``Runner = Callable[[Case, Bench], Res
 
 * ``case`` holds the page pairs, per room and per chunk, in the order a caller (SGLang) would
   hand them over, plus ``window`` (rooms in flight at once). A runner moves exactly these pairs
-  from rows of ``bench.source(case)`` to the same-numbered rows of its destination.
+  from rows of ``bench.source(case)`` to the same-numbered rows of its destination. With
+  ``case.heads`` (unequal TP) each side has ``heads.regions`` buffers back to back and a
+  destination page is ``case.dst_page_bytes``: a runner moves every row of each source page
+  into its slice of the same row of the destination page, in every buffer.
 * ``bench.peer`` is the shared "decode" process: one per run, started before the first runner and
   stopped after the last; its agent metadata (``peer.metadata``), its registered destination
   buffer (``peer.base``, ``peer.nbytes``: large enough for every selected case), and
-  ``peer.clear()`` / ``peer.checksum(case)``. Runners must leave no remote state behind in it
+  ``peer.clear()`` / ``peer.checksum(case)`` (for ``case.heads``: the rows' slices, after
+  checking that nothing outside them was written). Runners must leave no remote state behind in it
   (it has none of its own: it only registers memory and progresses its worker). A runner that
   needs its own decode-side process (kvfsm's receiver rooms) starts it through
   ``bench.resource`` and checksums there with ``_nixl_peer.checksum_pages`` over
@@ -93,7 +117,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from _nixl_peer import checksum_pages, serve
+from _nixl_peer import RowGeometry, checksum_pages, checksum_rows, serve, stray_bytes
 
 if TYPE_CHECKING:
     from nixl_cu12._api import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
@@ -116,22 +140,100 @@ class BenchError(RuntimeError):
 # -- cases ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Heads:
+    """Unequal attention TP for MHA (issue 14): prefill rank ``prefill_rank`` of ``prefill_tp``
+    holds ``total // prefill_tp`` KV heads, decode rank ``decode_rank`` of ``decode_tp`` holds
+    ``total // decode_tp``, and ``prefill_tp`` is a multiple of ``decode_tp``. Each side's KV is
+    ``regions`` buffers (layers x K/V) back to back, each ``pages`` pages of ``rows`` tokens, a
+    token's row its heads side by side (SGLang's token-major pool). The prefill rank writes its
+    whole rows into its heads' run inside each decode row: ``src_row`` bytes at ``dst_offset``
+    of ``dst_row``, one descriptor per (region, page, row) on both sides."""
+
+    regions: int
+    rows: int  # tokens per page
+    head_bytes: int
+    total: int
+    prefill_tp: int
+    prefill_rank: int
+    decode_tp: int
+    decode_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.regions, self.rows, self.head_bytes, self.total) < 1:
+            raise ValueError(f"{self}: sizes must be >= 1")
+        if not (
+            0 <= self.prefill_rank < self.prefill_tp and 0 <= self.decode_rank < self.decode_tp
+        ):
+            raise ValueError(f"{self}: a rank out of range")
+        if self.prefill_tp % self.decode_tp or self.total % self.prefill_tp:
+            raise ValueError(
+                f"{self}: prefill TP must divide the heads and be a multiple of decode's"
+            )
+        if self.dst_offset < 0 or self.dst_offset + self.src_row > self.dst_row:
+            raise ValueError(
+                f"{self}: prefill rank {self.prefill_rank} writes no decode rank's heads"
+            )
+
+    @property
+    def src_row(self) -> int:
+        return self.total // self.prefill_tp * self.head_bytes
+
+    @property
+    def dst_row(self) -> int:
+        return self.total // self.decode_tp * self.head_bytes
+
+    @property
+    def dst_offset(self) -> int:
+        """Where the prefill rank's heads start in a decode row, in bytes."""
+        first = self.prefill_rank * (self.total // self.prefill_tp)
+        return (first - self.decode_rank * (self.total // self.decode_tp)) * self.head_bytes
+
+    def src_geometry(self, pages: int) -> RowGeometry:
+        return (self.regions, pages, self.rows, self.src_row, 0, self.src_row)
+
+    def dst_geometry(self, pages: int) -> RowGeometry:
+        return (self.regions, pages, self.rows, self.dst_row, self.dst_offset, self.src_row)
+
+    def descriptors(self, pages: int) -> int:
+        """Descriptors in either side's prepared list (NIXL 1.5 has no strided descriptors)."""
+        return self.regions * pages * self.rows
+
+
 @dataclass(frozen=True, eq=False)
 class Case:
     name: str
-    page_bytes: int
-    pages: int  # rows in the source and destination regions this case uses
+    page_bytes: int  # of one source page, per region
+    pages: int  # pages in every source and destination region this case uses
     rooms: tuple[Room, ...]
     window: int  # rooms in flight at once
     note: str
+    #: Unequal TP: several regions per side, a head slice of each destination row. None: one
+    #: region, whole pages on both sides.
+    heads: Heads | None = None
+
+    @property
+    def regions(self) -> int:
+        return 1 if self.heads is None else self.heads.regions
+
+    @property
+    def dst_page_bytes(self) -> int:
+        """One destination page, per region (wider than a source page with unequal TP)."""
+        heads = self.heads
+        return self.page_bytes if heads is None else heads.rows * heads.dst_row
 
     @property
     def nbytes(self) -> int:
-        return sum(int(src.size) for room in self.rooms for src, _ in room) * self.page_bytes
+        pages = sum(int(src.size) for room in self.rooms for src, _ in room)
+        return pages * self.regions * self.page_bytes
 
     @property
-    def region_bytes(self) -> int:
-        return self.pages * self.page_bytes
+    def src_bytes(self) -> int:
+        return self.regions * self.pages * self.page_bytes
+
+    @property
+    def dst_bytes(self) -> int:
+        return self.regions * self.pages * self.dst_page_bytes
 
     @property
     def chunks(self) -> int:
@@ -210,7 +312,55 @@ def build_cases(args: argparse.Namespace) -> dict[str, Case]:
         )
         for window in args.windows
     ]
-    return {case.name: case for case in cases}
+    return {case.name: case for case in cases + _tp_cases(args, rng)}
+
+
+def _tp_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[Case]:
+    """Unequal TP, head-sliced: prefill TP ``--prefill-tp`` into decode TP ``--decode-tp``."""
+    heads = Heads(
+        regions=args.tp_regions,
+        rows=args.page_tokens,
+        head_bytes=args.head_bytes,
+        total=args.kv_heads,
+        prefill_tp=args.prefill_tp,
+        prefill_rank=args.prefill_rank,
+        decode_tp=args.decode_tp,
+        decode_rank=args.decode_rank,
+    )
+    pages, page = args.tp_pages, heads.rows * heads.src_row
+    prefix = f"tp{heads.prefill_tp}to{heads.decode_tp}_"
+    what = (
+        f"{heads.regions} x {heads.rows} x {heads.src_row} B rows into {heads.dst_row} B "
+        f"at {heads.dst_offset}"
+    )
+    rooms = _rooms(pages, args.room_pages, args.max_chunks, rng)
+    cases = [
+        Case(
+            f"{prefix}rooms_{window}",
+            page,
+            pages,
+            rooms,
+            window,
+            f"{what}; {args.room_pages} pages/room, 1-{args.max_chunks} chunks, "
+            f"{min(window, len(rooms))} in flight",
+            heads,
+        )
+        for window in args.tp_windows
+    ]
+    arange = np.arange(pages, dtype=np.int32)
+    perm = rng.permutation(pages).astype(np.int32)
+    cases.append(
+        Case(
+            f"{prefix}large",
+            page,
+            pages,
+            (_split(arange, perm, args.chunk_pages),),
+            1,
+            f"{what}; dst permuted",
+            heads,
+        )
+    )
+    return cases
 
 
 # -- the peer process -------------------------------------------------------------------------
@@ -261,7 +411,10 @@ class Peer:
         self.request("clear")
 
     def checksum(self, case: Case) -> int:
-        return int(self.request("checksum", case.page_bytes, case.pairs()[1].tobytes()))
+        dst = case.pairs()[1].tobytes()
+        if case.heads is not None:  # the slice of every row, and nothing outside it
+            return int(self.request("checksum_rows", case.heads.dst_geometry(case.pages), dst))
+        return int(self.request("checksum", case.page_bytes, dst))
 
     def close(self) -> None:
         """Ask the peer to quit, then terminate (and kill) it if it does not. Idempotent."""
@@ -329,14 +482,19 @@ class Bench:
         return self._resources[key]  # type: ignore[no-any-return]
 
     def source(self, case: Case) -> npt.NDArray[np.uint8]:
-        """The source buffer as ``(case.pages, case.page_bytes)`` rows."""
-        return self.src[: case.region_bytes].reshape(case.pages, case.page_bytes)
+        """The source buffer as ``(case.pages, case.page_bytes)`` rows (one region)."""
+        return self.src[: case.src_bytes].reshape(case.pages, case.page_bytes)
 
     def expected(self, case: Case) -> int:
-        """CRC32 of the source pages in pair order: what every destination must checksum to."""
+        """CRC32 of the source pages in pair order: what every destination must checksum to
+        (with unequal TP: every row of those pages, region-major)."""
         if case.name not in self._expected:
             src_pages, _ = case.pairs()
-            self._expected[case.name] = checksum_pages(self.src, case.page_bytes, src_pages)
+            if case.heads is not None:
+                crc = checksum_rows(self.src, case.heads.src_geometry(case.pages), src_pages)
+            else:
+                crc = checksum_pages(self.src, case.page_bytes, src_pages)
+            self._expected[case.name] = crc
         return self._expected[case.name]
 
 
@@ -407,9 +565,11 @@ def _run(idx: Indices) -> slice | None:
 def run_copy(case: Case, bench: Bench) -> Result:
     if bench.mem != "DRAM":
         raise BenchError("the copy runner is host memory only: pass --runners raw_nixl,kvfsm")
+    if case.heads is not None:
+        return _copy_sliced(case, bench, case.heads)
     dst_buf = bench.resource("copy.dst", lambda: _prefaulted(bench.src.nbytes))
     src = bench.source(case)
-    dst = dst_buf[: case.region_bytes].reshape(case.pages, case.page_bytes)
+    dst = dst_buf[: case.src_bytes].reshape(case.pages, case.page_bytes)
     # Which numpy operation each chunk takes is decided once, outside the timing.
     plan = [(chunk, _run(chunk[0]), _run(chunk[1])) for room in case.rooms for chunk in room]
 
@@ -439,6 +599,41 @@ def run_copy(case: Case, bench: Bench) -> Result:
     )
 
 
+def _copy_sliced(case: Case, bench: Bench, heads: Heads) -> Result:
+    """Unequal TP: each chunk's source rows into their slice of the destination rows, one
+    fancy-indexed assignment per chunk over all regions."""
+    nbytes = max(bench.src.nbytes, case.dst_bytes)
+    key = "copy.dst" if nbytes == bench.src.nbytes else f"copy.dst.{nbytes}"  # share if it fits
+    dst_buf = bench.resource(key, lambda: _prefaulted(nbytes))
+    shape = (heads.regions, case.pages, heads.rows)
+    src = bench.src[: case.src_bytes].reshape(*shape, heads.src_row)
+    dst = dst_buf[: case.dst_bytes].reshape(*shape, heads.dst_row)
+    lo, hi = heads.dst_offset, heads.dst_offset + heads.src_row
+    chunks = [chunk for room in case.rooms for chunk in room]
+
+    def go() -> dict[str, float]:
+        for s_idx, d_idx in chunks:
+            dst[:, d_idx, :, lo:hi] = src[:, s_idx]
+        return {}
+
+    def checksum() -> int:
+        geometry = heads.dst_geometry(case.pages)
+        stray = stray_bytes(dst_buf, geometry)
+        if stray:
+            raise BenchError(f"copy/{case.name}: {stray} bytes outside the head slice")
+        return checksum_rows(dst_buf, geometry, case.pairs()[1])
+
+    return measure(
+        "copy",
+        case,
+        bench,
+        reset=lambda: dst_buf.fill(0),
+        go=go,
+        checksum=checksum,
+        report_cpu=False,
+    )
+
+
 # -- runner: raw NIXL -------------------------------------------------------------------------
 
 
@@ -447,6 +642,26 @@ def _descs(base: int, rows: int, row_bytes: int) -> npt.NDArray[np.uint64]:
     out[:, 0] = np.uint64(base) + np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes)
     out[:, 1] = row_bytes
     return out
+
+
+def _row_descs(base: int, geometry: RowGeometry) -> npt.NDArray[np.uint64]:
+    """Unequal TP: one descriptor per row of every page of every region (regions back to back
+    from ``base``), each the slice ``(offset, length)`` of its row. Descriptor
+    ``(b * pages + p) * rows + t`` is row ``t`` of page ``p`` of region ``b``."""
+    regions, pages, rows, row_bytes, offset, length = geometry
+    n = regions * pages * rows
+    out = np.zeros((n, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(base + offset) + np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
+    out[:, 1] = length
+    return out
+
+
+def _row_index(heads: Heads, pages: int, idx: Indices) -> Indices:
+    """Indices into :func:`_row_descs` for pages ``idx``: region-major, then the pages in the
+    given order, each page's rows consecutive (adjacent rows of the source merge)."""
+    page = np.arange(heads.regions, dtype=np.int64)[:, None] * pages + idx[None, :]
+    rows = page[:, :, None] * heads.rows + np.arange(heads.rows, dtype=np.int64)
+    return rows.reshape(-1).astype(np.int32)
 
 
 class RawNixl:
@@ -481,14 +696,16 @@ class RawNixl:
         agent, peer = self.agent, self.bench.peer
         assert self.remote is not None
         t0 = time.perf_counter()
-        mem = self.bench.mem
-        local = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _descs(self.bench.src_addr, case.pages, case.page_bytes), mem
-        )
+        mem, heads = self.bench.mem, case.heads
+        if heads is None:
+            local_descs = _descs(self.bench.src_addr, case.pages, case.page_bytes)
+            remote_descs = _descs(peer.base, case.pages, case.page_bytes)
+        else:
+            local_descs = _row_descs(self.bench.src_addr, heads.src_geometry(case.pages))
+            remote_descs = _row_descs(peer.base, heads.dst_geometry(case.pages))
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, mem)
         try:
-            remote = agent.prep_xfer_dlist(
-                self.remote, _descs(peer.base, case.pages, case.page_bytes), mem
-            )
+            remote = agent.prep_xfer_dlist(self.remote, remote_descs, mem)
             prep_s = time.perf_counter() - t0
             try:
 
@@ -518,7 +735,7 @@ class RawNixl:
         agent = self.agent
         make, transfer = agent.make_prepped_xfer, agent.transfer
         check, release = agent.check_xfer_state, agent.release_xfer_handle
-        rooms, window = case.rooms, case.window
+        rooms, window, heads, pages = case.rooms, case.window, case.heads, case.pages
         left = [len(room) for room in rooms]  # chunks of each room not yet DONE
         in_flight: list[tuple[nixl_xfer_handle, int]] = []
         next_room = active = done_at_post = polls = rounds = 0
@@ -538,6 +755,8 @@ class RawNixl:
                             s, d = src[order], dst[order]
                         else:
                             s, d = src, dst
+                        if heads is not None:  # unequal TP: the rows of those pages
+                            s, d = _row_index(heads, pages, s), _row_index(heads, pages, d)
                         handle = make("WRITE", local, s, remote, d)
                         if transfer(handle) == "DONE":
                             release(handle)
@@ -593,30 +812,70 @@ class Kvfsm:
     region of ``case.pages`` pages, a ``NixlTransport`` connected to the shared peer, and a
     ``RoomEngine``. Rooms are driven through the public sender facade from this thread the way
     a scheduler would: create, receive decode's pages, ``init``, one ``send`` per chunk, poll.
-    (Decode's page list is posted straight into the room: the control plane is not measured.)"""
+    (Decode's page list is posted straight into the room: the control plane is not measured.)
+
+    With ``heads`` (unequal TP) the layout is ``heads.regions`` KV regions of the source, the
+    peer's summary as many regions of wider pages in the peer's buffer, and the peer is
+    connected with the ``KvPiece`` that ``link_piece`` (what the control plane's ``link_plan``
+    uses) computes from the head counts: kvfsm's sliced data path end to end."""
 
     def __init__(
-        self, bench: Bench, page_bytes: int, pages: int, *, spin: bool = False, name: str = "kvfsm"
+        self,
+        bench: Bench,
+        page_bytes: int,
+        pages: int,
+        *,
+        heads: Heads | None = None,
+        spin: bool = False,
+        name: str = "kvfsm",
     ) -> None:
         from kvfsm.rooms import RoomEngine
         from kvfsm.transport import Agent, Layout, LayoutSummary, NixlTransport, Region
         from kvfsm.transport._layout import MemKind
+        from kvfsm.transport._slices import KvPiece, link_piece
         from kvfsm.transport._transport import TransferConfig
 
         self.bench = bench
         self.name = name
         peer = bench.peer
         kind: MemKind = MemKind(bench.mem)
-        source = Region("kv0", bench.src_addr, pages * page_bytes, page_bytes, kind=kind)
-        self.layout = Layout(kv=(source,))
-        self.agent = Agent(f"bench-{name}-{os.getpid()}-{page_bytes}", self.layout)
+        regions = 1 if heads is None else heads.regions
+        dst_page = page_bytes if heads is None else heads.rows * heads.dst_row
+        src_region, dst_region = pages * page_bytes, pages * dst_page
+        sources = tuple(
+            Region(f"kv{b}", bench.src_addr + b * src_region, src_region, page_bytes, kind=kind)
+            for b in range(regions)
+        )
+        self.layout = Layout(kv=sources)
+        tag = f"{page_bytes}" if heads is None else f"{page_bytes}-sliced"
+        self.agent = Agent(f"bench-{name}-{os.getpid()}-{tag}", self.layout)
         # spin: the pump polls every loop iteration (pacing off), the baseline for what the
         # bounded adaptive polling saves and costs.
         config = TransferConfig(poll_max_wait_s=0.0) if spin else TransferConfig()
         self.transport = NixlTransport(self.agent, config=config)
         self.engine = RoomEngine(self.transport).start()
-        remote = LayoutSummary(kv=((peer.base, pages * page_bytes, page_bytes, 0),), kv_kind=kind)
-        self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote))
+        remote = LayoutSummary(
+            kv=tuple((peer.base + b * dst_region, dst_region, dst_page, 0) for b in range(regions)),
+            kv_kind=kind,
+        )
+        piece: KvPiece | None = None
+        if heads is not None:
+            planned = link_piece(
+                total_heads=heads.total,
+                head_bytes=heads.head_bytes,
+                rows=heads.rows,
+                prefill_tp=heads.prefill_tp,
+                prefill_rank=heads.prefill_rank,
+                decode_tp=heads.decode_tp,
+                decode_rank=heads.decode_rank,
+            )
+            if isinstance(
+                planned, str
+            ):  # "none": this prefill rank is a dummy for that decode rank
+                raise BenchError(f"link_piece planned {planned!r} for {heads}: no KV to move")
+            piece = planned  # None with equal TP: whole pages (the raw runner still slices rows)
+        self.piece = piece
+        self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote, piece))
         self._rooms = 0
 
     def close(self) -> None:
@@ -647,6 +906,7 @@ class Kvfsm:
         engine = self.engine
         stats0 = self.transport.snapshot()
         cpu0 = self._loop_cpu()
+        caller0 = time.thread_time()
         rooms, window = case.rooms, case.window
         live: list[tuple[Any, Room, float]] = []  # (sender, its chunks, handed over at or 0)
         next_room = 0
@@ -691,11 +951,14 @@ class Kvfsm:
                 # iteration moved nothing. It holds the GIL nearly all the time, so each
                 # hand-off to kvfsm's threads waits for CPython's forced switch (5 ms).
                 time.sleep(0)
+        caller1 = time.thread_time()
         cpu = self._loop_cpu() - cpu0
         stats = self.transport.snapshot()
         chunks = stats["chunks_posted"] - stats0["chunks_posted"]
         return {
             "cpu_s": cpu,
+            # This (the caller's) thread: facades and polling every live room per iteration.
+            "caller_cpu_ms": (caller1 - caller0) * 1e3,
             "done_at_post_pct": 100.0
             * (stats["done_at_post"] - stats0["done_at_post"])
             / max(chunks, 1),
@@ -707,16 +970,18 @@ class Kvfsm:
 
 def run_kvfsm(case: Case, bench: Bench) -> Result:
     runner = bench.resource(
-        f"kvfsm-{case.page_bytes}-{case.pages}",
-        lambda: Kvfsm(bench, case.page_bytes, case.pages),
+        f"kvfsm-{case.page_bytes}-{case.pages}-{case.heads}",
+        lambda: Kvfsm(bench, case.page_bytes, case.pages, heads=case.heads),
     )
     return runner.run(case)
 
 
 def run_kvfsm_spin(case: Case, bench: Bench) -> Result:
     runner = bench.resource(
-        f"kvfsm_spin-{case.page_bytes}-{case.pages}",
-        lambda: Kvfsm(bench, case.page_bytes, case.pages, spin=True, name="kvfsm_spin"),
+        f"kvfsm_spin-{case.page_bytes}-{case.pages}-{case.heads}",
+        lambda: Kvfsm(
+            bench, case.page_bytes, case.pages, heads=case.heads, spin=True, name="kvfsm_spin"
+        ),
     )
     return runner.run(case)
 
@@ -800,6 +1065,11 @@ def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
                     "bandwidth": a.gbps / b.gbps,
                     "cpu_per_chunk": cpu,
                 }
+                if a.extra.get("process_cpu_s") and b.extra.get("process_cpu_s"):
+                    # This process's CPU (every thread) for the same bytes: on a loaded
+                    # machine a runner with more threads gets more CPU shares, so wall time
+                    # alone flatters it; this does not.
+                    row["process_cpu"] = a.extra["process_cpu_s"] / b.extra["process_cpu_s"]
                 if den == "raw_nixl" and "process_cpu_s" in a.extra:
                     # Process CPU beyond what the same rooms cost through raw NIXL (whose CPU
                     # is the copies, on this CMA path, plus its minimal loop), per room.
@@ -812,8 +1082,8 @@ def ratios(results: Iterable[Result]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str]) -> dict[str, Any]:
     wall0 = time.perf_counter()
     load0 = os.getloadavg()
-    nbytes = max(case.region_bytes for case in cases)
-    src = _source(nbytes)
+    src = _source(max(case.src_bytes for case in cases))
+    nbytes = max(case.dst_bytes for case in cases)  # the peer's buffer
     mem = args.mem.upper()
     gpu_src: Any = None
     src_addr = src.ctypes.data
@@ -865,6 +1135,7 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
                 "window": case.window,
                 "bytes": case.nbytes,
                 "note": case.note,
+                **_heads_report(case),
             }
             for case in cases
         },
@@ -874,10 +1145,24 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
     }
 
 
+def _heads_report(case: Case) -> dict[str, Any]:
+    heads = case.heads
+    if heads is None:
+        return {}
+    return {
+        "heads": vars(heads),
+        "src_row_bytes": heads.src_row,
+        "dst_row_bytes": heads.dst_row,
+        "dst_offset": heads.dst_offset,
+        "dst_page_bytes": case.dst_page_bytes,
+        "descriptors_per_side": heads.descriptors(case.pages),
+    }
+
+
 # -- report -----------------------------------------------------------------------------------
 
 _HEADER = (
-    f"{'case':<14} {'runner':<9} {'MiB':>5} {'chunks':>6} {'win':>4} {'best s':>8} "
+    f"{'case':<16} {'runner':<9} {'MiB':>5} {'chunks':>6} {'win':>4} {'best s':>8} "
     f"{'GB/s':>6} {'CPU us/chunk':>12}  notes"
 )
 
@@ -896,9 +1181,11 @@ def _row(r: Result) -> str:
         notes.append(f"room p50/p99 {r.extra['room_p50_us']:,.0f}/{r.extra['room_p99_us']:,.0f} us")
     if "process_cpu_s" in r.extra:
         notes.append(f"process CPU {r.extra['process_cpu_s'] * 1e3:,.1f} ms")
+    if "caller_cpu_ms" in r.extra:
+        notes.append(f"caller CPU {r.extra['caller_cpu_ms']:,.1f} ms")
     notes.append("verified" if r.verified else "NOT VERIFIED")
     return (
-        f"{r.case:<14} {r.runner:<9} {r.bytes / 2**20:>5.0f} {r.chunks:>6} {r.window:>4} "
+        f"{r.case:<16} {r.runner:<9} {r.bytes / 2**20:>5.0f} {r.chunks:>6} {r.window:>4} "
         f"{r.seconds:>8.4f} {r.gbps:>6.2f} {cpu:>12}  {'; '.join(notes)}"
     )
 
@@ -908,9 +1195,10 @@ def print_summary(report: dict[str, Any]) -> None:
     for ratio in report["ratios"]:
         cpu = ratio["cpu_per_chunk"]
         print(
-            f"{ratio['case']:<14} {ratio['ratio']:<16} time {ratio['time']:.2f}x  "
+            f"{ratio['case']:<16} {ratio['ratio']:<16} time {ratio['time']:.2f}x  "
             f"bandwidth {ratio['bandwidth']:.2f}x"
             + (f"  CPU/chunk {cpu:.2f}x" if cpu else "")
+            + (f"  process CPU {ratio['process_cpu']:.2f}x" if "process_cpu" in ratio else "")
             + (
                 f"  non-copy CPU {ratio['non_copy_cpu_ms_per_room']:.3f} ms/room"
                 if "non_copy_cpu_ms_per_room" in ratio
@@ -959,6 +1247,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--windows", type=_ints, default=[1, 16, 256], help="rooms in flight, one case each"
     )
+    tp = parser.add_argument_group(
+        "unequal TP (tp<P>to<D>_rooms_<W>, tp<P>to<D>_large): head-sliced descriptors"
+    )
+    tp.add_argument("--kv-heads", type=int, default=8, help="the model's KV heads (MHA)")
+    tp.add_argument("--prefill-tp", type=int, default=2)
+    tp.add_argument("--prefill-rank", type=int, default=1, help="the prefill rank that sends")
+    tp.add_argument("--decode-tp", type=int, default=1, help="prefill TP must be a multiple")
+    tp.add_argument("--decode-rank", type=int, default=0, help="the decode rank written into")
+    tp.add_argument("--head-bytes", type=int, default=256, help="one head of one token")
+    tp.add_argument("--page-tokens", type=int, default=16, help="rows (tokens) per page")
+    tp.add_argument("--tp-regions", type=int, default=8, help="KV buffers (layers x K/V)")
+    tp.add_argument("--tp-pages", type=int, default=1024, help="pages per KV buffer")
+    tp.add_argument(
+        "--tp-windows", type=_ints, default=[1, 16, 64], help="rooms in flight, one case each"
+    )
     parser.add_argument("--seed", type=int, default=20261129)
     parser.add_argument(
         "--mem", choices=("dram", "vram"), default="dram", help="vram: CUDA device 0 (torch)"
@@ -973,7 +1276,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_chunks < 1 or not args.windows or min(args.windows) < 1:
         parser.error("--max-chunks and --windows must be >= 1")
 
-    all_cases = build_cases(args)
+    try:
+        all_cases = build_cases(args)
+    except ValueError as exc:  # a head split the unequal-TP cases cannot make
+        parser.error(str(exc))
     names = list(all_cases) if args.cases == "all" else args.cases.split(",")
     runners = args.runners.split(",")
     unknown = [n for n in names if n not in all_cases] + [r for r in runners if r not in RUNNERS]

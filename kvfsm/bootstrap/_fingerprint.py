@@ -155,16 +155,19 @@ def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     """Rule 4, for unequal attention TP."""
     if prefill.attn_tp == decode.attn_tp:
         return None
-    if prefill.state_types:
+    problem = None if prefill.mla else _heads_problem(prefill, decode)
+    if problem is None and prefill.state_types:
         # SGLang shards a request's state (Mamba conv/SSM) over attention TP too; one leg
         # writes whole state rows, which fit only an equal shard.
-        return (
+        problem = (
             "fingerprint mismatch: state pools "
             f"({', '.join(prefill.state_types)}) with unequal attention TP (prefill "
             f"{prefill.attn_tp}, decode {decode.attn_tp}) are not supported (state_types, attn_tp)"
         )
-    if prefill.mla:
-        return None  # every rank holds the one latent cache; nothing to split
+    return problem
+
+
+def _heads_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     heads = prefill.kv_heads
     if not heads or not prefill.head_bytes:
         return (

@@ -109,6 +109,7 @@ class RoomCore:
         "_dst_aux",
         "_dst_peer",
         "_dst_state",
+        "_dst_known",
         "_fence",
         "_prefix",
         "part",
@@ -148,6 +149,9 @@ class RoomCore:
         self._dst_aux = -1
         self._dst_peer = ""
         self._dst_state = b""
+        # A dummy leg's destination names no page and no aux row, yet its receiver waits for
+        # this sender's word (ReportSettled) like any other: it is known once it arrived.
+        self._dst_known = False
         self._fence = 0
         #: Prompt tokens the receiver holds already (decode prefix caching): the sender's
         #: ``DestinationReceived.prefix``, the receiver's ``MetadataSubmitted.prefix``.
@@ -295,7 +299,7 @@ class RoomCore:
 
     def _peer_known(self) -> bool:
         if self.role is Role.SENDER:
-            return self._dst_pages > 0 or self._dst_aux >= 0
+            return self._dst_known
         return self._peer_rank >= 0
 
     def _complete(self) -> bool:
@@ -376,6 +380,7 @@ class RoomCore:
         self._dst_aux = event.aux_index
         self._dst_peer = event.peer
         self._dst_state = event.state
+        self._dst_known = True
         self._fence = event.fence
         self._prefix = event.prefix
         self.part = event.part

@@ -63,7 +63,11 @@ class LoopbackSink:
                 key,
                 Role.SENDER,
                 DestinationReceived(
-                    command.pages, command.aux_index, state=command.state, prefix=command.prefix
+                    command.pages,
+                    command.aux_index,
+                    state=command.state,
+                    part=command.part,
+                    prefix=command.prefix,
                 ),
             )
         elif isinstance(command, ReportOutcome):

@@ -198,7 +198,8 @@ class DestinationOwners:
         ``group``: the legs of one decode request (unequal TP: one room per prefill rank that
         feeds it) write disjoint head slices of the *same* pages, so they share one claim. The
         first leg of a group takes the pages; a later leg must name exactly the same pages and
-        joins (or names none: a dummy leg); the aux row and state rows are taken by whichever
+        joins (or names none: a dummy leg; a group only dummies opened takes the pages of the
+        first leg that names them); the aux row and state rows are taken by whichever
         leg names them (one leg does). The pages are free again once every member has
         released."""
         if owner in self._by_owner:
@@ -240,11 +241,17 @@ class DestinationOwners:
     ) -> str | None:
         claim = self._claims[slot]
         assert claim is not None
-        if pages and pages != claim.packed:  # (a dummy leg names no pages: it only joins)
-            return (
-                f"a leg of room {owner.room} names other pages than its first leg "
-                f"(room {claim.owner.room} gen {claim.owner.generation})"
-            )
+        # A dummy leg names no pages: it only joins. A leg naming pages joins a claim that
+        # names the same ones, or takes them into a claim that a dummy leg opened with none
+        # (the legs are rooms of their own: which one's metadata is applied first is not fixed).
+        page_idx = _EMPTY
+        if pages and pages != claim.packed:
+            if claim.packed:
+                return (
+                    f"a leg of room {owner.room} names other pages than its first leg "
+                    f"(room {claim.owner.room} gen {claim.owner.generation})"
+                )
+            page_idx = _indices(pages)
         state_idx = _indices(state)
         if aux_index >= 0:
             if claim.aux >= 0:
@@ -255,13 +262,22 @@ class DestinationOwners:
             holder = self._aux.get(aux_index)
             if holder is not None:
                 return f"aux row {aux_index} already held by {self._name(holder)}"
+        if state_idx.size and claim.state.size:
+            return "state rows: another leg of the room already holds its state rows"
+        if page_idx.size:
+            problem = self._pages.take(page_idx, slot)
+            if problem is not None:
+                return self._refusal(self._pages, page_idx, problem)
         if state_idx.size:
-            if claim.state.size:
-                return "state rows: another leg of the room already holds its state rows"
             problem = self._state.take(state_idx, slot)
             if problem is not None:
+                if page_idx.size:
+                    self._pages.owner[page_idx] = _FREE  # all or nothing
                 return self._refusal(self._state, state_idx, problem)
             claim.state = state_idx
+        if page_idx.size:
+            claim.pages, claim.packed = page_idx, pages
+            self.held_pages += page_idx.size
         if aux_index >= 0:
             claim.aux = aux_index
             self._aux[aux_index] = slot
@@ -278,8 +294,10 @@ class DestinationOwners:
         claim = self._claims[slot]
         assert claim is not None
         claim.members.discard(owner)
-        if claim.members:
-            return True  # the other legs of the request still hold the pages
+        if claim.members:  # the other legs of the request still hold the pages
+            if claim.owner == owner:  # name a leg that holds them (holder(), refusals)
+                claim.owner = min(claim.members)
+            return True
         if claim.group is not None:
             del self._groups[claim.group]
         if claim.pages.size:

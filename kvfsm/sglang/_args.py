@@ -118,9 +118,10 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """Where one scheduler rank sits. kvfsm pairs prefill attention-TP rank r with decode
-    attention-TP rank r of the same size (equal TP); a request's prefill DP rank is chosen by
-    SGLang (``bootstrap_room % dp_size`` or the router) and named in ``receiver.init``."""
+    """Where one scheduler rank sits. With equal attention TP, kvfsm pairs prefill rank r with
+    decode rank r; otherwise the head plan says which ranks pair (``_slices.legs``). A
+    request's prefill DP rank is chosen by SGLang (``bootstrap_room % dp_size`` or the router)
+    and named in ``receiver.init``."""
 
     attn_tp_size: int
     tp_rank: int  # within the attention TP group

@@ -72,8 +72,9 @@ class Legs(Generic[_Room]):
             if room.poll() is KVPoll.Failed:
                 if len(self.rooms) == 1:
                     return room.reason
-                rank = self.ranks[i] if i < len(self.ranks) else i
-                return f"{room.reason} (leg from prefill attention-TP rank {rank})"
+                if i < len(self.ranks):  # decode: named by the prefill rank it hears from
+                    return f"{room.reason} (leg from prefill attention-TP rank {self.ranks[i]})"
+                return f"{room.reason} (leg {i} of {len(self.rooms)})"
         return ""
 
     @property

@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind
 from kvfsm.transport._nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-from kvfsm.transport._slices import NO_KV, KvPiece, sliced_descs
+from kvfsm.transport._slices import NO_KV, KvPiece, check_slice, sliced_descs
 
 __all__ = ["Agent", "AgentConfig", "Peer"]
 
@@ -212,8 +212,8 @@ class Agent:
         problem = self.layout.compatible_with(summary, sliced=piece is not None)
         if problem is None and piece is not None and piece is not NO_KV:
             try:  # the geometry of both sides against the piece, before NIXL sees anything
-                sliced_descs(self.layout.kv_specs()[:1], piece.rows, piece.src)
-                sliced_descs(summary.kv[:1], piece.rows, piece.dst)
+                check_slice(self.layout.kv_specs(), piece.rows, piece.src)
+                check_slice(summary.kv, piece.rows, piece.dst)
             except LayoutError as exc:
                 problem = f"head slice {piece}: {exc}"
         if problem is not None:

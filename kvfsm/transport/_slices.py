@@ -60,6 +60,7 @@ __all__ = [
     "HeadSlice",
     "KvPiece",
     "RowSlice",
+    "check_slice",
     "dummy_of",
     "legs",
     "link_piece",
@@ -257,10 +258,10 @@ def legs(
     return out
 
 
-def sliced_descs(specs: Sequence[RegionSpec], rows: int, piece: RowSlice) -> Descs:
-    """``(len(specs) * items * rows, 3)`` descriptors of ``piece`` in every row of every page of
-    every region: row ``(b * items + p) * rows + t`` is row ``t`` of page ``p`` of region ``b``.
-    Each region's pages must be exactly ``rows`` rows of ``piece.row_bytes``."""
+def check_slice(specs: Sequence[RegionSpec], rows: int, piece: RowSlice) -> None:
+    """Raise ``LayoutError`` unless every region's pages are exactly ``rows`` rows of
+    ``piece.row_bytes``, all regions have as many pages, and ``piece`` fits in a row: what
+    :func:`sliced_descs` needs, checked without building a descriptor."""
     if rows <= 0:
         raise LayoutError(f"rows per page must be > 0, got {rows}")
     if not (
@@ -268,7 +269,7 @@ def sliced_descs(specs: Sequence[RegionSpec], rows: int, piece: RowSlice) -> Des
     ):
         raise LayoutError(f"slice {piece} does not fit in its row")
     if not specs:
-        return np.empty((0, 3), np.uint64)
+        return
     items = specs[0][1] // specs[0][2]
     for i, (_, nbytes, item_bytes, _) in enumerate(specs):
         if item_bytes != rows * piece.row_bytes:
@@ -281,6 +282,17 @@ def sliced_descs(specs: Sequence[RegionSpec], rows: int, piece: RowSlice) -> Des
         raise LayoutError(
             f"{len(specs)} regions x {items} pages x {rows} rows do not fit int32 indices"
         )
+
+
+def sliced_descs(specs: Sequence[RegionSpec], rows: int, piece: RowSlice) -> Descs:
+    """``(len(specs) * items * rows, 3)`` descriptors of ``piece`` in every row of every page of
+    every region: row ``(b * items + p) * rows + t`` is row ``t`` of page ``p`` of region ``b``.
+    Each region's pages must be exactly ``rows`` rows of ``piece.row_bytes``
+    (:func:`check_slice`)."""
+    check_slice(specs, rows, piece)
+    if not specs:
+        return np.empty((0, 3), np.uint64)
+    items = specs[0][1] // specs[0][2]
     addr = np.array([s[0] for s in specs], np.uint64)
     device = np.array([s[3] for s in specs], np.uint64)
     page = np.arange(items, dtype=np.uint64) * np.uint64(rows * piece.row_bytes)

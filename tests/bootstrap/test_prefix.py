@@ -31,7 +31,7 @@ def test_the_protocol_version_says_the_wire_changed() -> None:
 @pytest.mark.parametrize("prefix", [0, 16, 2**40])
 def test_room_metadata_round_trips_its_prefix(prefix: int) -> None:
     codec = FrameCodec()
-    frame = RoomMetadata(7, 1, PAGES, 3, b"", prefix)
+    frame = RoomMetadata(7, 1, PAGES, 3, b"", prefix=prefix)
     assert codec.decode(codec.encode(frame)[4:]) == frame
     assert RoomMetadata(7, 1, PAGES, 3).prefix == 0  # the default: no prefix
 
@@ -64,7 +64,7 @@ def test_a_claim_alone_gives_the_sender_nothing_the_page_list_brings_the_prefix(
     prefill = _prefill()
     prefill.sender_spawned(S1, 0.0)
     assert prefill.on_claim(A, RoomClaim(7, 1), 0.1) == []  # no event: it stays Bootstrapping
-    frame = RoomMetadata(7, 1, PAGES, 3, b"", 48)
+    frame = RoomMetadata(7, 1, PAGES, 3, b"", prefix=48)
     ((key, event),) = _destinations(prefill.on_metadata(A, frame, 0.2))
     assert key == S1
     assert event == DestinationReceived(PAGES, 3, "decode-0-1", b"", A, prefix=48)
@@ -73,7 +73,7 @@ def test_a_claim_alone_gives_the_sender_nothing_the_page_list_brings_the_prefix(
 def test_a_page_list_held_for_a_sender_not_yet_spawned_keeps_its_prefix() -> None:
     prefill = _prefill()
     assert prefill.on_claim(A, RoomClaim(7, 1), 0.0) == []
-    assert prefill.on_metadata(A, RoomMetadata(7, 1, PAGES, 3, b"", 32), 0.1) == []
+    assert prefill.on_metadata(A, RoomMetadata(7, 1, PAGES, 3, b"", prefix=32), 0.1) == []
     ((key, event),) = _destinations(prefill.sender_spawned(S1, 0.2))
     assert (key, event.prefix, event.pages) == (S1, 32, PAGES)
 
@@ -83,7 +83,7 @@ def test_a_full_hit_page_list_is_a_destination_too() -> None:
     sender, which then sends one zero-page last chunk."""
     prefill = _prefill()
     prefill.sender_spawned(S1, 0.0)
-    actions = prefill.on_metadata(A, RoomMetadata(7, 1, b"", 3, b"", 64), 0.1)
+    actions = prefill.on_metadata(A, RoomMetadata(7, 1, b"", 3, b"", prefix=64), 0.1)
     ((_, event),) = _destinations(actions)
     assert (event.pages, event.aux_index, event.prefix) == (b"", 3, 64)
     assert not [a for a in actions if isinstance(a, Send)]

@@ -17,11 +17,13 @@ from kvfsm.states import (
     Initialized,
     KVPoll,
     MetadataSubmitted,
+    Part,
     PeerResolved,
     PeerSettled,
     PostChunk,
     ReleaseHandles,
     Role,
+    SendMetadata,
     TransferConfirmed,
 )
 from tests.rooms.helpers import DST, ScriptedSink, drain, pages
@@ -250,3 +252,125 @@ async def test_internal_error_fails_only_that_room() -> None:
     assert "internal error" in bad.reason
     assert good.status is KVPoll.WaitingForInput
     assert len(registry.errors) == 1
+
+
+# -- legs: one receiver room per prefill rank of one request -----------------------------------
+
+
+@pytest.mark.parametrize("role", [Role.RECEIVER, Role.SENDER])
+async def test_legs_of_one_room_id_coexist_and_duplicates_are_refused_per_leg(role: Role) -> None:
+    from kvfsm.rooms import DuplicateRoomError
+
+    registry, _ = make_registry()
+    legs = [RoomKey(40, 1), RoomKey(40, 2), RoomKey(40, 3)]
+    for leg, key in enumerate(legs):
+        registry.spawn(key, role, leg=leg, group=7 if role is Role.RECEIVER else None)
+    assert len(registry) == 3
+    assert [registry.leg_of(key) for key in legs] == [0, 1, 2]
+    for leg in range(3):
+        with pytest.raises(DuplicateRoomError, match=f"{role.value} room 40 is already live"):
+            registry.spawn(RoomKey(40, 10 + leg), role, leg=leg)
+    assert registry.stats.duplicates_refused == 3
+    # The other role's room of the same id is no duplicate of any leg.
+    other = Role.SENDER if role is Role.RECEIVER else Role.RECEIVER
+    registry.spawn(RoomKey(40, 20), other, leg=1)
+    assert registry.current(role, 40) == legs[0]
+    assert all(registry.get(key) is not None for key in legs)
+
+
+async def test_reaping_a_leg_frees_only_its_own_entry() -> None:
+    from kvfsm.rooms import DuplicateRoomError
+
+    registry, _ = make_registry()
+    pubs = [Publication() for _ in range(3)]
+    keys = [RoomKey(41, 1), RoomKey(41, 2), RoomKey(41, 3)]
+    for leg, (key, pub) in enumerate(zip(keys, pubs, strict=True)):
+        registry.spawn(key, Role.RECEIVER, pub, leg=leg, group=3)
+    registry.deliver(keys[1], AbortRequested("leg 1 ends"))  # no peer yet: settled at once
+    await drain()
+    assert pubs[1].status is KVPoll.Failed
+    assert registry.get(keys[1]) is None  # reaped
+    assert [p.status for p in (pubs[0], pubs[2])] == [KVPoll.Bootstrapping] * 2
+    # Leg 1's id is free again; legs 0 and 2 are still live and still refuse a duplicate.
+    again = Publication()
+    registry.spawn(RoomKey(41, 4), Role.RECEIVER, again, leg=1, group=4)
+    for leg in (0, 2):
+        with pytest.raises(DuplicateRoomError):
+            registry.spawn(RoomKey(41, 5 + leg), Role.RECEIVER, leg=leg, group=4)
+    assert registry.current(Role.RECEIVER, 41) == keys[0]
+    # Reaping leg 0 frees leg 0 only: the new leg 1 keeps its entry and refuses a duplicate.
+    registry.deliver(keys[0], AbortRequested("leg 0 ends"))
+    await drain()
+    assert registry.current(Role.RECEIVER, 41) is None
+    registry.spawn(RoomKey(41, 8), Role.RECEIVER, leg=0, group=5)
+    with pytest.raises(DuplicateRoomError):
+        registry.spawn(RoomKey(41, 9), Role.RECEIVER, leg=1, group=5)
+    assert again.status is KVPoll.Bootstrapping
+    assert registry.errors == []
+
+
+async def test_legs_of_a_group_share_pages_through_their_rooms_until_the_last_is_reaped() -> None:
+    registry, sink = make_registry()
+    keys = [RoomKey(42, 1), RoomKey(42, 2), RoomKey(42, 3)]
+    parts = [
+        MetadataSubmitted(pages(1, 2, 3), 4, pages(6), Part.WHOLE),
+        MetadataSubmitted(pages(1, 2, 3), -1, b"", Part.KV),
+        MetadataSubmitted(b"", -1, b"", Part.NONE),
+    ]
+    pubs = []
+    for leg, (key, meta) in enumerate(zip(keys, parts, strict=True)):
+        pub = Publication()
+        registry.spawn(key, Role.RECEIVER, pub, leg=leg, group=11)
+        for event in (Initialized(peer_rank=leg), PeerResolved(leg), meta):
+            registry.deliver(key, event)
+        pubs.append(pub)
+    other = Publication()
+    registry.spawn(RoomKey(43, 4), Role.RECEIVER, other, group=12)
+    for event in (Initialized(peer_rank=0), PeerResolved(0), MetadataSubmitted(pages(3), 5)):
+        registry.deliver(RoomKey(43, 4), event)
+    await drain()
+    assert [p.status for p in pubs] == [KVPoll.Transferring] * 3
+    assert [c.part for k in keys for c in sink.of(k, SendMetadata)] == [0, 1, 2]  # type: ignore[attr-defined]
+    assert other.reason == "rejected: page 3 already held by room 42 gen 1"
+    assert registry.owners.held_pages == 3
+    for i, key in enumerate(keys):
+        registry.deliver(key, TransferConfirmed(i))
+        await drain()
+        assert pubs[i].status is KVPoll.Success
+        assert registry.get(key) is None
+        assert registry.owners.held_pages == (3 if i < 2 else 0)
+    assert len(registry.owners) == 0
+
+
+@pytest.mark.looptime
+async def test_a_leg_reaped_unsettled_keeps_the_shared_pages_held() -> None:
+    registry, _ = make_registry(settle_timeout_s=60.0)
+    keys = [RoomKey(44, 1), RoomKey(44, 2)]
+    metas = [
+        MetadataSubmitted(pages(1, 2), 4, b"", Part.WHOLE),
+        MetadataSubmitted(pages(1, 2), -1, b"", Part.KV),
+    ]
+    pubs = []
+    for leg, (key, meta) in enumerate(zip(keys, metas, strict=True)):
+        pub = Publication()
+        registry.spawn(key, Role.RECEIVER, pub, leg=leg, group=13)
+        for event in (Initialized(peer_rank=leg), PeerResolved(leg), meta):
+            registry.deliver(key, event)
+        pubs.append(pub)
+    await drain()
+    for key in keys:
+        registry.deliver(key, AbortRequested("request aborted"))
+    registry.deliver(keys[0], PeerSettled(0))  # leg 0's prefill rank acknowledged; leg 1's never
+    await asyncio.sleep(61.0)
+    assert len(registry) == 0
+    assert pubs[0].settled
+    assert not pubs[1].settled
+    # Prefill rank 1 may still write into pages 1 and 2: they stay held for the engine's life.
+    assert registry.owners.held_pages == 2
+    later = Publication()
+    registry.spawn(RoomKey(45, 3), Role.RECEIVER, later)
+    for event in (Initialized(peer_rank=0), PeerResolved(0), MetadataSubmitted(pages(2), 1)):
+        registry.deliver(RoomKey(45, 3), event)
+    await drain()
+    # The refusal names the leg that still holds them, not the one that settled.
+    assert later.reason == "rejected: page 2 already held by room 44 gen 2"

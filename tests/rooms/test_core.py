@@ -22,6 +22,7 @@ from kvfsm.states import (
     Initialized,
     KVPoll,
     MetadataSubmitted,
+    Part,
     PeerFailed,
     PeerLost,
     PeerResolved,
@@ -349,3 +350,115 @@ def test_post_chunk_names_the_peer_the_destination_came_from() -> None:
     (post,) = core.handle(ChunkSubmitted(pages(1)))
     assert isinstance(post, PostChunk)
     assert post.peer == "decode-3"
+
+
+# -- legs: what each part may name (unequal attention TP) --------------------------------------
+
+KV, NONE, WHOLE = Part.KV, Part.NONE, Part.WHOLE
+
+PART_RULES = [
+    # (part, pages, aux row, state rows) -> why the room rejects it (None: accepted)
+    (WHOLE, DST, 5, pages(1), None),
+    (WHOLE, b"", 0, b"", None),  # a request of no pages still has its aux row
+    (WHOLE, DST, -1, b"", "aux row -1 is negative"),
+    (KV, DST, -1, b"", None),
+    (KV, DST, 5, b"", "a KV-only leg names an aux row or state rows"),
+    (KV, DST, -1, pages(1), "a KV-only leg names an aux row or state rows"),
+    (KV, DST, -2, b"", "a KV-only leg names an aux row or state rows"),
+    (NONE, b"", -1, b"", None),
+    (NONE, pages(3), -1, b"", "a dummy leg names destinations"),
+    (NONE, b"", 0, b"", "a dummy leg names destinations"),
+    (NONE, b"", -1, pages(2), "a dummy leg names destinations"),
+    (7, b"", -1, b"", "unknown leg part 7"),
+]
+
+
+@pytest.mark.parametrize(("part", "dst", "aux", "state", "reason"), PART_RULES)
+def test_a_sender_checks_the_part_its_destination_names(
+    part: int, dst: bytes, aux: int, state: bytes, reason: str | None
+) -> None:
+    stats = RoomStats()
+    core = RoomCore(Role.SENDER, stats)
+    commands = core.handle(DestinationReceived(dst, aux, state=state, part=part))
+    if reason is None:
+        assert core.state is KVPoll.WaitingForInput
+        assert commands == ()
+        assert stats.rejected_events == 0
+        return
+    assert core.state is KVPoll.Failed
+    assert reason in core.reason
+    assert stats.rejected_events == 1
+    assert ReportOutcome(KVPoll.Failed, core.reason) in commands
+
+
+@pytest.mark.parametrize(("part", "dst", "aux", "state", "reason"), PART_RULES)
+def test_a_receiver_checks_the_part_of_its_metadata_and_sends_it_on(
+    part: int, dst: bytes, aux: int, state: bytes, reason: str | None
+) -> None:
+    stats = RoomStats()
+    core = receiver_at("waiting", stats, strict=False)
+    commands = core.handle(MetadataSubmitted(dst, aux, state, part))
+    if reason is None:
+        assert commands == (SendMetadata(dst, aux, state, part),)
+        assert core.state is KVPoll.Transferring
+        assert not core.settled  # exposed to its sender, whatever the part
+        return
+    assert core.state is KVPoll.Failed
+    assert reason in core.reason
+    assert stats.rejected_events == 1
+    assert not any(isinstance(c, SendMetadata) for c in commands)
+
+
+def test_a_strict_core_raises_on_a_part_that_names_what_it_must_not() -> None:
+    core = receiver_at("waiting")
+    with pytest.raises(IllegalEventError, match="dummy leg names destinations"):
+        core.handle(MetadataSubmitted(DST, -1, b"", Part.NONE))
+    assert core.state is KVPoll.WaitingForInput
+
+
+def test_a_kv_leg_sender_writes_pages_and_no_aux_or_state_row() -> None:
+    core = RoomCore(Role.SENDER, strict=True)
+    core.handle(DestinationReceived(pages(10, 11), -1, part=Part.KV))
+    core.handle(Initialized(num_pages=2, aux_index=-1))
+    (post,) = core.handle(ChunkSubmitted(pages(3, 4)))
+    assert post == PostChunk(0, pages(3, 4), pages(10, 11), is_last=True)
+    assert core.handle(ChunkDone(0)) == (ReportOutcome(KVPoll.Success),)
+    assert core.settled
+
+
+def test_a_dummy_sender_completes_with_one_empty_last_chunk() -> None:
+    core = RoomCore(Role.SENDER, strict=True)
+    assert core.handle(DestinationReceived(b"", -1, part=Part.NONE)) == ()
+    core.handle(Initialized(num_pages=0, aux_index=-1))
+    (post,) = core.handle(ChunkSubmitted(b""))
+    assert post == PostChunk(0, b"", b"", is_last=True)
+    assert core.handle(ChunkDone(0)) == (ReportOutcome(KVPoll.Success),)
+    assert core.state is KVPoll.Success
+    assert core.settled
+
+
+def test_a_dummy_sender_that_fails_still_tells_its_receiver_it_settled() -> None:
+    # The dummy's receiver leg sent metadata (it is exposed) and holds the request's shared
+    # claim until this sender's ReportSettled: without it the leg is reaped unsettled and the
+    # request's pages stay held for the life of the engine.
+    core = RoomCore(Role.SENDER, strict=True)
+    core.handle(DestinationReceived(b"", -1, part=Part.NONE))
+    assert core.handle(AbortRequested("decode aborted", origin="peer")) == (ReportSettled(),)
+
+    core = RoomCore(Role.SENDER, strict=True)
+    core.handle(DestinationReceived(b"", -1, part=Part.NONE))
+    assert core.handle(AbortRequested("prefill aborted")) == (
+        ReportOutcome(KVPoll.Failed, core.reason),
+        ReportSettled(),
+    )
+
+    core = RoomCore(Role.SENDER, strict=True)
+    core.handle(DestinationReceived(b"", -1, part=Part.NONE))
+    core.handle(Initialized(num_pages=0, aux_index=-1))
+    core.handle(ChunkSubmitted(b""))  # the empty last chunk is in flight
+    assert core.handle(AbortRequested("prefill aborted")) == (
+        ReleaseHandles(),
+        ReportOutcome(KVPoll.Failed, core.reason),
+    )
+    assert core.handle(ChunkDone(0)) == (ReportSettled(),)
+    assert core.settled

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
-from kvfsm.rooms import KVTransferError, RoomConfig, RoomEngine
+from kvfsm.rooms import KVTransferError, Publication, RoomConfig, RoomEngine
+from kvfsm.rooms import _engine as engine_module
 from kvfsm.rooms._loopback import LoopbackSink
-from kvfsm.states import DestinationReceived, KVPoll, PeerResolved, SendMetadata
-from tests.rooms.helpers import DST, ScriptedSink, wait_until
+from kvfsm.states import DestinationReceived, KVPoll, Part, PeerResolved, SendMetadata
+from tests.rooms.helpers import DST, ScriptedSink, pages, wait_until
 
 
 @pytest.fixture
@@ -230,3 +232,85 @@ def test_the_default_limit_is_what_a_control_frame_holds(engine: RoomEngine) -> 
     assert "4000001 pages: more than max_pages (4000000)" in receiver.reason
     with pytest.raises(ValueError, match="max_pages"):
         RoomConfig(max_pages=0)
+
+
+# -- legs: the part a sender carries -------------------------------------------------------
+
+
+class PartAtStatus(Publication):
+    """Records, at every status write, the part already published (what a caller that reads
+    the status and then the part could see)."""
+
+    __slots__ = ()
+    seen: ClassVar[list[tuple[KVPoll, int]]] = []
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "status" and hasattr(self, "part"):
+            PartAtStatus.seen.append((value, self.part))  # type: ignore[arg-type]
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("part", [Part.KV, Part.NONE])
+def test_a_senders_part_is_visible_when_it_first_polls_waiting_for_input(
+    monkeypatch: pytest.MonkeyPatch, part: Part
+) -> None:
+    PartAtStatus.seen.clear()
+    monkeypatch.setattr(engine_module, "Publication", PartAtStatus)
+    with RoomEngine(ScriptedSink(), RoomConfig(strict=True)) as engine:
+        sender = engine.sender(12)
+        assert sender.part is Part.WHOLE  # before its destination arrived
+        dst, aux = (pages(3, 4), -1) if part is Part.KV else (b"", -1)
+        engine.post(sender.key, DestinationReceived(dst, aux, part=part))
+        wait_until(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        assert sender.poll() is KVPoll.WaitingForInput
+        assert sender.part is part
+        assert engine.registry_on_loop().errors == []
+    # The status write that made the room WaitingForInput found the part already there.
+    assert PartAtStatus.seen[0] == (KVPoll.WaitingForInput, part)
+    # A whole sender stays WHOLE.
+    with RoomEngine(ScriptedSink(), RoomConfig(strict=True)) as engine:
+        whole = engine.sender(13)
+        engine.post(whole.key, DestinationReceived(DST, 5))
+        wait_until(lambda: whole.poll() is KVPoll.WaitingForInput)
+        assert whole.part is Part.WHOLE
+
+
+def test_send_metadata_of_a_kv_or_dummy_leg_needs_no_aux_row(engine: RoomEngine) -> None:
+    sink: ScriptedSink = engine._sink  # type: ignore[assignment]
+    rooms = [engine.receiver(14, leg=leg, group=1) for leg in range(3)]
+    for leg, room in enumerate(rooms):
+        room.init(leg)
+        engine.post(room.key, PeerResolved(leg))
+    wait_until(lambda: all(r.poll() is KVPoll.WaitingForInput for r in rooms))
+    rooms[0].send_metadata([5, 6], 2, [1])
+    rooms[1].send_metadata([5, 6], -1, None, Part.KV)
+    rooms[2].send_metadata([], -1, None, Part.NONE)
+    wait_until(lambda: all(r.poll() is KVPoll.Transferring for r in rooms))
+    sent = [c for r in rooms for c in sink.of(r.key, SendMetadata)]
+    assert sent == [
+        SendMetadata(pages(5, 6), 2, pages(1), Part.WHOLE),
+        SendMetadata(pages(5, 6), -1, b"", Part.KV),
+        SendMetadata(b"", -1, b"", Part.NONE),
+    ]
+    # A whole leg still needs its aux row, at once.
+    whole = engine.receiver(15)
+    whole.send_metadata([1], -1)
+    assert whole.poll() is KVPoll.Failed
+    for room in rooms:
+        room.abort()
+
+
+@pytest.mark.parametrize("part", [Part.KV, Part.NONE])
+def test_the_loopback_carries_a_legs_part_to_its_sender(loopback: RoomEngine, part: Part) -> None:
+    sender, receiver = loopback.sender(16), loopback.receiver(16)
+    receiver.init(0)
+    wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+    dst = [4, 5] if part is Part.KV else []
+    receiver.send_metadata(dst, -1, None, part)
+    wait_until(lambda: sender.poll() is not KVPoll.Bootstrapping)
+    assert sender.poll() is KVPoll.WaitingForInput, sender.reason
+    assert sender.part is part
+    sender.init(len(dst))
+    sender.send(np.arange(len(dst)))
+    wait_until(lambda: receiver.poll() is KVPoll.Success and sender.poll() is KVPoll.Success)
+    wait_until(lambda: sender.settled and receiver.settled)

@@ -32,7 +32,7 @@ def test_the_receiver_sends_its_prefix_with_its_page_list() -> None:
     core.handle(Initialized(peer_rank=0))
     core.handle(PeerResolved(0))
     commands = core.handle(MetadataSubmitted(DST, 5, prefix=48))
-    assert commands == (SendMetadata(DST, 5, b"", 48),)
+    assert commands == (SendMetadata(DST, 5, b"", prefix=48),)
     assert core.prefix == 48
     assert core.state is KVPoll.Transferring
 

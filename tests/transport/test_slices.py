@@ -13,12 +13,18 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvfsm.states import Part
 from kvfsm.transport._layout import LayoutError
 from kvfsm.transport._nixl import nixl_agent, nixl_agent_config
 from kvfsm.transport._slices import (
+    NO_KV,
     HeadShard,
     HeadSlice,
+    KvPiece,
     RowSlice,
+    dummy_of,
+    legs,
+    link_piece,
     sliced_descs,
     sliced_index,
     sources,
@@ -224,3 +230,142 @@ def test_head_slices_land_from_the_right_prefill_rank(total: int, tp_p: int, tp_
     finally:
         for rank in (*prefill, *decode):
             rank.close()
+
+
+# -- legs: which rooms a decode rank opens (prefill TP a multiple of decode TP) -----------------
+
+#: Every shape with one attention TP a multiple of the other, up to TP 16 (prefill's the larger:
+#: decode requests of several legs; decode's the larger: prefill rooms of several legs), with
+#: any head count up to 64 that both TPs can split (or replicate).
+LEG_SHAPES = [
+    (total, tp_p, tp_d)
+    for tp_d in range(1, 17)
+    for tp_p in range(1, 17)
+    if tp_p % tp_d == 0 or tp_d % tp_p == 0
+    for total in range(1, 65)
+    if all(total % tp == 0 or tp % total == 0 for tp in (tp_p, tp_d))
+]
+WRITES_KV = (Part.WHOLE, Part.KV)
+
+
+def _piece(total: int, tp_p: int, p: int, tp_d: int, d: int) -> KvPiece | str | None:
+    return link_piece(
+        total_heads=total,
+        head_bytes=3,
+        rows=4,
+        prefill_tp=tp_p,
+        prefill_rank=p,
+        decode_tp=tp_d,
+        decode_rank=d,
+    )
+
+
+def test_leg_shapes_cover_the_interesting_cases() -> None:
+    shapes = set(LEG_SHAPES)
+    assert (1, 16, 1) in shapes  # MLA
+    assert (8, 16, 2) in shapes  # GQA replicated on prefill
+    assert (2, 8, 4) in shapes  # replicated on both sides
+    assert (12, 6, 3) in shapes  # a TP that is no power of two
+    assert (4, 2, 8) in shapes  # decode's TP the larger
+    assert (6, 4, 2) not in shapes  # 6 heads cannot be split over TP 4
+    assert (8, 4, 6) not in shapes  # neither TP a multiple of the other
+    assert len(LEG_SHAPES) > 600
+
+
+def test_every_prefill_rank_gets_a_leg_and_every_decode_rank_one_whole_leg() -> None:
+    for total, tp_p, tp_d in LEG_SHAPES:
+        shape = (total, tp_p, tp_d)
+        heard: dict[int, list[tuple[int, Part]]] = {p: [] for p in range(tp_p)}
+        for d in range(tp_d):
+            plan = legs(total, tp_p, tp_d, d)
+            ranks = [p for p, _ in plan]
+            assert len(ranks) == len(set(ranks)), (shape, d, plan)  # one leg per prefill rank
+            assert [part for _, part in plan].count(Part.WHOLE) == 1, (shape, d, plan)
+            # Writers first, in prefill rank order, the first of them WHOLE; then the dummies.
+            writers = [p for p, part in plan if part in WRITES_KV]
+            assert plan[0][1] is Part.WHOLE, (shape, d, plan)
+            assert writers == sorted(writers)
+            assert [part for _, part in plan] == sorted(part for _, part in plan), (shape, d)
+            for p, part in plan:
+                heard[p].append((d, part))
+        for p, got in heard.items():
+            assert got, (shape, f"prefill rank {p} has no leg: its room would never end")
+            dummies = [d for d, part in got if part is Part.NONE]
+            if any(part in WRITES_KV for _, part in got):
+                assert dummies == [], (shape, p, got)  # a writer is never also a dummy
+            else:
+                assert dummies == [dummy_of(tp_d, p)], (shape, p, got)  # exactly one partner
+
+
+def test_the_legs_agree_with_link_piece_and_tile_every_decode_row() -> None:
+    for total, tp_p, tp_d in LEG_SHAPES:
+        for d in range(tp_d):
+            parts = dict(legs(total, tp_p, tp_d, d))
+            decode = HeadShard(total, tp_d, d)
+            row_bytes = decode.heads * 3
+            covered: list[tuple[int, int]] = []
+            for p in range(tp_p):
+                piece = _piece(total, tp_p, p, tp_d, d)
+                where = (total, tp_p, tp_d, d, p, piece, parts.get(p))
+                # A NONE leg (or no leg) exactly where the link carries no KV.
+                assert (piece == "none") == (parts.get(p) in (None, Part.NONE)), where
+                if piece == "none":
+                    continue
+                if piece is None:  # whole rows: the two sides hold the same heads
+                    assert HeadShard(total, tp_p, p).heads == decode.heads, where
+                    covered.append((0, row_bytes))
+                    continue
+                assert isinstance(piece, KvPiece), where
+                assert piece.rows == 4
+                assert piece.dst.row_bytes == row_bytes, where
+                assert piece.src.row_bytes == HeadShard(total, tp_p, p).heads * 3, where
+                assert piece.src.length == piece.dst.length > 0, where
+                assert piece.src.offset + piece.src.length <= piece.src.row_bytes, where
+                assert piece.page_bytes(2) == 2 * 4 * piece.src.length
+                covered.append((piece.dst.offset, piece.dst.length))
+            # The KV legs' slices tile the decode row: every byte written, by one leg only.
+            at = 0
+            for offset, length in sorted(covered):
+                assert offset == at, (total, tp_p, tp_d, d, covered)
+                at += length
+            assert at == row_bytes, (total, tp_p, tp_d, d, covered)
+
+
+def test_mla_has_exactly_one_kv_writer_per_decode_rank() -> None:
+    for _, tp_p, tp_d in [s for s in LEG_SHAPES if s[0] == 1]:
+        writers_of = []
+        for d in range(tp_d):
+            plan = legs(1, tp_p, tp_d, d)
+            writers = [p for p, part in plan if part in WRITES_KV]
+            assert len(writers) == 1, (tp_p, tp_d, d, plan)
+            assert plan[0] == (writers[0], Part.WHOLE)
+            assert _piece(1, tp_p, writers[0], tp_d, d) is None  # the whole latent row
+            writers_of.append(writers[0])
+        dummies = [
+            p for d in range(tp_d) for p, part in legs(1, tp_p, tp_d, d) if part is Part.NONE
+        ]
+        if tp_p >= tp_d:
+            assert len(set(writers_of)) == tp_d  # spread over the replicas, one each
+            assert sorted(dummies + writers_of) == list(range(tp_p))  # the rest: dummies
+        else:  # each prefill rank feeds tp_d // tp_p decode ranks, and none is a dummy
+            assert sorted(writers_of) == sorted(list(range(tp_p)) * (tp_d // tp_p))
+            assert dummies == []
+
+
+def test_equal_tp_is_one_whole_leg_of_whole_rows() -> None:
+    for total, tp, _ in [s for s in LEG_SHAPES if s[1] == s[2]]:
+        for d in range(tp):
+            assert legs(total, tp, tp, d) == [(d, Part.WHOLE)]
+            assert _piece(total, tp, d, tp, d) is None
+            assert all(_piece(total, tp, p, tp, d) == "none" for p in range(tp) if p != d)
+
+
+def test_a_known_split_in_bytes() -> None:
+    # 8 heads, prefill TP 4 (2 heads a rank) into decode TP 2 (4 heads a rank), decode rank 1:
+    # prefill ranks 2 and 3 write its first and second halves.
+    assert legs(8, 4, 2, 1) == [(2, Part.WHOLE), (3, Part.KV)]
+    assert _piece(8, 4, 3, 2, 1) == KvPiece(4, RowSlice(6, 0, 6), RowSlice(12, 6, 6))
+    # MLA, prefill TP 4 into decode TP 2: ranks 2 and 3 are dummies, one per decode rank.
+    assert legs(1, 4, 2, 0) == [(0, Part.WHOLE), (2, Part.NONE)]
+    assert legs(1, 4, 2, 1) == [(1, Part.WHOLE), (3, Part.NONE)]
+    assert NO_KV.page_bytes(4) == 0

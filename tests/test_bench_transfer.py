@@ -1,0 +1,69 @@
+"""benchmarks/transfer.py's unequal-TP cases at toy sizes: every runner verifies, and a slice
+written at the wrong offset fails the run instead of reporting a figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+SMALL = ["--tp-pages", "32", "--tp-regions", "2", "--repeat", "1"]
+
+
+def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{BENCH}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, str(BENCH / "transfer.py")]
+    return subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=100, env=env, check=False
+    )
+
+
+@pytest.mark.slow
+def test_sliced_cases_verify_and_report_the_ratio() -> None:
+    proc = _run("--cases", "tp2to1_rooms_16,tp2to1_large", "--json", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    results = report["results"]
+    assert {(r["case"], r["runner"]) for r in results} == {
+        (case, runner)
+        for case in ("tp2to1_rooms_16", "tp2to1_large")
+        for runner in ("copy", "raw_nixl", "kvfsm")
+    }
+    assert all(r["verified"] for r in results)
+    # 2 buffers x 32 pages x 16 rows of 1 KiB: the source's whole rows.
+    assert all(r["bytes"] == 2 * 32 * 16 * 1024 for r in results)
+    case = report["cases"]["tp2to1_large"]
+    assert (case["src_row_bytes"], case["dst_row_bytes"], case["dst_offset"]) == (1024, 2048, 1024)
+    assert case["descriptors_per_side"] == 2 * 32 * 16
+    ratios = {(r["case"], r["ratio"]) for r in report["ratios"]}
+    assert ("tp2to1_rooms_16", "kvfsm/raw_nixl") in ratios
+
+
+# The raw runner's destination list at offset 0 (the first half of each decode row, which
+# prefill rank 0 owns) instead of the second half.
+_WRONG_HALF = """
+import sys
+import transfer
+
+right = transfer._row_descs
+
+def wrong(base, geometry):
+    regions, pages, rows, row_bytes, offset, length = geometry
+    return right(base, (regions, pages, rows, row_bytes, 0, length))
+
+transfer._row_descs = wrong
+sys.exit(transfer.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_slice_at_the_wrong_offset_fails_the_run() -> None:
+    proc = _run("--cases", "tp2to1_rooms_16", "--runners", "raw_nixl", *SMALL, code=_WRONG_HALF)
+    assert proc.returncode != 0
+    assert "written outside the head slice" in proc.stderr
