@@ -212,16 +212,9 @@ class DestinationOwners:
                 return f"aux row {aux_index} already held by {self._name(holder)}"
         page_idx, state_idx = _indices(pages), _indices(state)
         slot = self._free[-1] if self._free else len(self._claims)
-        if page_idx.size:
-            problem = self._pages.take(page_idx, slot)
-            if problem is not None:
-                return self._refusal(self._pages, page_idx, problem)
-        if state_idx.size:
-            problem = self._state.take(state_idx, slot)
-            if problem is not None:
-                if page_idx.size:
-                    self._pages.owner[page_idx] = _FREE  # all or nothing
-                return self._refusal(self._state, state_idx, problem)
+        problem = self._take(slot, page_idx, state_idx)
+        if problem is not None:
+            return problem
         if self._free:
             self._free.pop()
         else:
@@ -264,6 +257,23 @@ class DestinationOwners:
                 return f"aux row {aux_index} already held by {self._name(holder)}"
         if state_idx.size and claim.state.size:
             return "state rows: another leg of the room already holds its state rows"
+        problem = self._take(slot, page_idx, state_idx)
+        if problem is not None:
+            return problem
+        if state_idx.size:
+            claim.state = state_idx
+        if page_idx.size:
+            claim.pages, claim.packed = page_idx, pages
+            self.held_pages += page_idx.size
+        if aux_index >= 0:
+            claim.aux = aux_index
+            self._aux[aux_index] = slot
+        claim.members.add(owner)
+        self._by_owner[owner] = slot
+        return None
+
+    def _take(self, slot: int, page_idx: _Indices, state_idx: _Indices) -> str | None:
+        """Hold pages and state rows for ``slot``, both or neither; else why not."""
         if page_idx.size:
             problem = self._pages.take(page_idx, slot)
             if problem is not None:
@@ -274,15 +284,6 @@ class DestinationOwners:
                 if page_idx.size:
                     self._pages.owner[page_idx] = _FREE  # all or nothing
                 return self._refusal(self._state, state_idx, problem)
-            claim.state = state_idx
-        if page_idx.size:
-            claim.pages, claim.packed = page_idx, pages
-            self.held_pages += page_idx.size
-        if aux_index >= 0:
-            claim.aux = aux_index
-            self._aux[aux_index] = slot
-        claim.members.add(owner)
-        self._by_owner[owner] = slot
         return None
 
     def release(self, owner: RoomKey) -> bool:

@@ -453,6 +453,13 @@ class Request:
         return prefill_done and self.decode_outcome is not None
 
 
+def _chunked(rng: random.Random, pages: list[int]) -> list[list[int]]:
+    """``pages`` cut into consecutive chunks at random places (none when there are none)."""
+    k = len(pages)
+    cuts = sorted(rng.sample(range(1, k), rng.randint(0, k - 1))) if k > 1 else []
+    return [pages[a:b] for a, b in zip([0, *cuts], [*cuts, k], strict=True)]
+
+
 def random_requests(
     rng: random.Random, n: int, *, first_room: int = 1, max_pages: int = 6
 ) -> list[Request]:
@@ -469,8 +476,7 @@ def random_requests(
         k = 0 if rng.random() < 0.15 else rng.randint(1, max_pages)
         src = src_pool[i * max_pages : i * max_pages + k]
         dst = dst_pool[i * max_pages : i * max_pages + k]
-        cuts = sorted(rng.sample(range(1, k), rng.randint(0, k - 1))) if k > 1 else []
-        chunks = [src[a:b] for a, b in zip([0, *cuts], [*cuts, k], strict=True)]
+        chunks = _chunked(rng, src)
         out.append(
             Request(
                 room=first_room + i,
@@ -977,8 +983,7 @@ def prefix_requests(rng: random.Random, *, first_room: int = 1) -> list[Request]
         prefix_src, src = src_pool[at : at + p], src_pool[at + p : at + p + n]
         prefix_dst, dst = dst_pool[at : at + p], dst_pool[at + p : at + p + n]
         at += p + n
-        cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
-        chunks = [src[a:b] for a, b in zip([0, *cuts], [*cuts, n], strict=True)] or [[]]
+        chunks = _chunked(rng, src) or [[]]
         out.append(
             Request(
                 room=first_room + i,
