@@ -1,0 +1,70 @@
+"""Bytes each prefill rank moves, per attention-TP shape (issue 14's figures).
+
+For each shape it runs SGLang 0.5.23's scheduler sequences (the conformance replay of
+``tests/sglang/scheduler.py``, which checks every head slice of every page on decode) with 12
+random requests over real NIXL, and prints one line: requests that succeeded, violations and
+leaks the replay found, and each prefill rank's ``bytes_done``. Equal TP moves the reference
+amount; unequal MHA must move the same KV bytes (each decode head written once), MLA one
+replica per decode rank.
+
+Run from the repository root (it uses the test rig): ``python -m benchmarks.tp_shapes``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+from kvfsm.sglang import KvfsmKVBootstrapServer, configure
+from tests.sglang import scheduler as rig
+from tests.sglang.conftest import CONFIG
+
+#: (prefill attention TP, decode attention TP, KV heads, MLA)
+SHAPES = [
+    (2, 2, 4, False),
+    (2, 1, 4, False),
+    (4, 2, 4, False),
+    (1, 2, 4, False),
+    (2, 4, 4, False),
+    (2, 1, 1, True),
+    (4, 2, 1, True),
+    (1, 2, 1, True),
+]
+
+
+def run(prefill_tp: int, decode_tp: int, heads: int, mla: bool) -> dict[str, object]:
+    boot = KvfsmKVBootstrapServer(host="127.0.0.1", port=0)
+    shape = {"heads": heads, "head_bytes": 64, "mla": mla, "state": False}
+    prefill = rig.Instance.start("prefill", boot.port, prefill_tp, head_counts="before", **shape)
+    decode = rig.Instance.start("decode", boot.port, decode_tp, head_counts="never", **shape)
+    try:
+        requests = rig.random_requests(random.Random(5), 12)
+        out = rig.Pair(prefill, decode, boot.port).run(requests, timeout=60)
+        done = [s["bytes_done"] for s in prefill.transport_snapshots()]
+    finally:
+        decode.close()
+        prefill.close()
+        boot.close()
+    return {
+        "shape": f"{'MLA' if mla else 'MHA'} {heads} heads, TP {prefill_tp} -> {decode_tp}",
+        "succeeded": sum(r.prefill_outcome == r.decode_outcome == "Success" for r in requests),
+        "requests": len(requests),
+        "pages": sum(len(r.src_pages) for r in requests),
+        "violations": out.violations,
+        "leaks": out.leaks,
+        "bytes_per_prefill_rank": done,
+        "bytes": sum(done),
+    }
+
+
+def main() -> int:
+    configure(CONFIG)
+    rows = [run(*shape) for shape in SHAPES]
+    json.dump(rows, sys.stdout, indent=1)
+    print()
+    return 0 if all(r["succeeded"] == r["requests"] and not r["violations"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
