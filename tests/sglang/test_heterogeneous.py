@@ -30,6 +30,7 @@ on hand-made deliveries, correct and corrupted: the rig itself is tested.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +40,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm.sglang import KvfsmKVBootstrapServer
+from kvfsm.chaos._plan import FaultPlan, TransferRates
+from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.sglang import KvfsmKVBootstrapServer, configure
+from tests.sglang.conftest import CONFIG
 from tests.sglang.scheduler import (
     PAGES,
     Checker,
@@ -123,7 +127,11 @@ REFUSED = [
 
 
 @contextlib.contextmanager
-def started(bootstrap: KvfsmKVBootstrapServer, shape: Shape) -> Iterator[Pair]:
+def started(
+    bootstrap: KvfsmKVBootstrapServer, shape: Shape, prefill_faults: TransportFaults | None = None
+) -> Iterator[Pair]:
+    """A pair of ``shape``; ``prefill_faults``: every prefill rank's NIXL calls go through
+    them (decode's stay real)."""
     port = bootstrap.port
 
     def start(mode: str, tp: int) -> Instance:
@@ -138,7 +146,12 @@ def started(bootstrap: KvfsmKVBootstrapServer, shape: Shape) -> Iterator[Pair]:
             state=shape.has_state,
         )
 
-    prefill = start("prefill", shape.prefill_tp)
+    if prefill_faults is not None:
+        configure(dataclasses.replace(CONFIG, agent=faulty_agent_config(prefill_faults)))
+    try:
+        prefill = start("prefill", shape.prefill_tp)
+    finally:
+        configure(CONFIG)
     try:
         decode = start("decode", shape.decode_tp)
     except BaseException:
@@ -485,4 +498,29 @@ def test_aborts_on_an_unequal_pair_end_every_request(
         aborted = {r.room for r in by_decode + by_prefill}
         assert_all_succeeded([r for r in requests if r.room not in aborted])
         assert {r.room for r in pair.d.released} >= aborted
+        assert stray_writes(requests, pair.prefill, pair.decode) == []
+
+
+@pytest.mark.parametrize("shape", [Shape(2, 1, heads=4), Shape(1, 2, heads=4)], ids=str)
+def test_a_stalled_chunk_on_one_leg_fails_its_request_and_every_leg_settles(
+    bootstrap: KvfsmKVBootstrapServer, shape: Shape
+) -> None:
+    """NIXL handles that report PROC forever on prefill (contract §8 #11, #14), on an unequal
+    pair: the stalled leg fails by its chunk deadline, its request fails on every rank of both
+    sides (the first failure ends the other legs), every leg settles, nothing leaks, and no
+    page decode released is written again (canaries checked by ``Pair.finish``)."""
+    faults = TransportFaults(FaultPlan(23, TransferRates(never_complete=0.25)))
+    with started(bootstrap, shape, prefill_faults=faults) as pair:
+        requests = random_requests(random.Random(23), 12)
+        out = pair.run(requests, timeout=90)
+        assert_clean(out)
+        assert faults.plan.counts[("xfer", "never_complete")] > 0, faults.plan.counts
+        failed = [r for r in requests if r.decode_outcome == "Failed"]
+        assert failed
+        for req in failed:
+            assert req.prefill_outcome == "Failed", req.room
+            assert any("stall" in r or "deadline" in r for r in req.prefill_reasons), req
+            assert all(req.decode_reasons), req.decode_reasons
+        assert_all_succeeded([r for r in requests if r not in failed])
+        assert {r.room for r in pair.d.released} >= {r.room for r in failed}
         assert stray_writes(requests, pair.prefill, pair.decode) == []
