@@ -300,6 +300,66 @@ def test_after_a_reconnect_the_rooms_still_writing_settle_on_the_new_link(
     assert idle(prefill) == {}
 
 
+# -- prefill: legs (decode's attention TP larger: one sender room per decode rank) -----------
+
+
+@pytest.fixture
+def legs() -> PrefillRouting:
+    """Links A and B are decode ranks 0 and 1 of one prefill rank's two: legs 0 and 1 of 2."""
+    core = PrefillRouting(CONFIG)
+    core.link_opened(A, "decode-0-1", now=0.0, hello_sent=0.0, lease_ms=2000, leg=0, legs=2)
+    core.link_opened(B, "decode-1-1", now=0.0, hello_sent=0.0, lease_ms=2000, leg=1, legs=2)
+    return core
+
+
+def test_each_legs_claim_binds_its_own_sender_and_tells_it_how_many_legs(
+    legs: PrefillRouting,
+) -> None:
+    # Both decode ranks claim room 7 (their own generations); neither is a duplicate.
+    assert legs.on_metadata(A, metadata(gen=1), 0.0) == []
+    assert legs.on_metadata(B, metadata(gen=4), 0.0) == []
+    ((key, event),) = delivered(legs.sender_spawned(S1, 0.1))  # leg 0
+    assert key == S1
+    assert isinstance(event, DestinationReceived)
+    assert (event.fence, event.legs) == (A, 2)
+    assert legs.bound_to(B) == []  # leg 1's claim waits for leg 1's sender, not leg 0's
+    ((key, event),) = delivered(legs.sender_spawned(S2, 0.2, leg=1))
+    assert key == S2
+    assert isinstance(event, DestinationReceived)
+    assert (event.fence, event.legs) == (B, 2)
+    assert legs.bound_to(A) == [S1]
+    assert legs.bound_to(B) == [S2]
+
+
+def test_a_second_claim_for_the_same_leg_is_still_a_duplicate(legs: PrefillRouting) -> None:
+    legs.link_opened(3, "decode-9-1", now=0.0, hello_sent=0.0, lease_ms=2000, leg=1, legs=2)
+    legs.sender_spawned(S2, 0.0, leg=1)
+    legs.on_metadata(B, metadata(gen=4), 0.0)
+    outcome, _settled = sends(legs.on_metadata(3, metadata(gen=5), 0.1), 3)
+    assert isinstance(outcome, RoomOutcome)
+    assert "duplicate room id 7" in outcome.reason
+    assert legs.bound_to(B) == [S2]
+
+
+def test_an_early_abort_marks_only_its_own_leg(legs: PrefillRouting) -> None:
+    assert legs.on_abort(B, RoomAbort(7, 4, "client gone"), 0.0) == [Send(B, RoomSettled(7, 4))]
+    assert delivered(legs.sender_spawned(S1, 0.1)) == []  # leg 0 is not aborted by leg 1's
+    assert delivered(legs.sender_spawned(S2, 0.2, leg=1)) == [
+        (S2, AbortRequested("client gone", origin="peer"))
+    ]
+
+
+def test_a_legs_tombstone_answers_only_that_legs_claim(legs: PrefillRouting) -> None:
+    legs.sender_spawned(S2, 0.0, leg=1)
+    legs.sender_outcome(S2, KVPoll.Failed, "deadline", 0.1)  # failed before any claim
+    legs.sender_reaped(S2)
+    assert legs.on_metadata(A, metadata(gen=1), 0.2) == []  # leg 0: held, not answered
+    outcome, settled = sends(legs.on_metadata(B, metadata(gen=4), 0.3), B)
+    assert isinstance(outcome, RoomOutcome)
+    assert outcome.reason == "deadline"
+    assert settled == RoomSettled(7, 4)
+
+
 def test_leases_count_from_prefills_own_send_time() -> None:
     core = PrefillRouting(CONFIG)
     # Decode's Hello answers prefill's and grants its lease length (decode's, not prefill's).
