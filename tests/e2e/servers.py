@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -94,10 +95,30 @@ def write_model(directory: Path) -> Path:
     return directory
 
 
+#: Ports handed out by ``free_port``, never handed out twice in one test process.
+_GIVEN: set[int] = set()
+#: Below Linux's ephemeral range (32768-60999): a port the kernel picked for a ``bind(0)``
+#: (``free_port`` itself, once, or any server's own listeners: kvfsm's control plane, NIXL,
+#: SGLang's ZMQ sockets) can be handed to the next ``bind(0)`` before a server binds it, which
+#: failed a clean-clone run with "address already in use" (decode then waited 300 s for nothing).
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nobody listens on now, outside the ephemeral range, not given out before."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.choice(_PORTS)
+        if port in _GIVEN or port + 1 in _GIVEN or port - 1 in _GIVEN:
+            continue  # (a server may use its port's neighbour: KVFSM_STATUS_PORT + rank)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _die_with_parent() -> None:
