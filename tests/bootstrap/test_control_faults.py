@@ -90,6 +90,62 @@ def test_a_prefill_frozen_longer_than_the_grace_never_writes_into_reused_pages()
         prefill.close()
 
 
+# -- law 3: a stall of one's own is not the peer's silence ----------------------------------
+
+
+def _stall(decode: Decode, seconds: float) -> None:
+    """Hold decode's loop thread (as a long GIL hold by SGLang's scheduler would)."""
+    decode.engine.loop.call_soon_threadsafe(time.sleep, seconds)
+
+
+@pytest.mark.parametrize("stall_s", [0.0, 1.5])
+def test_a_decode_stalled_past_its_silence_limit_keeps_its_healthy_links(stall_s: float) -> None:
+    """Decode's loop is held for nearly four times its silence limit while prefill keeps
+    sending heartbeats (prefill is patient: it does not drop decode meanwhile). On waking, the
+    heartbeats are in decode's socket, and the readers see them before the watchdog judges:
+    the link must survive and the room finish (a regression guard: a watchdog that judged
+    first would fail every room of a decode whose scheduler held the GIL too long)."""
+    patient = ChannelConfig(heartbeat_s=0.1, liveness_factor=100.0, lease_s=10.0)
+    strict = ChannelConfig(heartbeat_s=0.1, liveness_factor=4.0, lease_s=10.0)
+    prefill = PrefillProcess(patient)
+    decode = Decode({"port": prefill.port}, strict)
+    try:
+        receiver = decode.receive(7, [0, 1, 2, 3], aux_row=0)
+        if stall_s:
+            _stall(decode, stall_s)
+            time.sleep(stall_s + 0.3)  # stall over, and a few watchdog ticks after it
+        prefill.ask("send", 7, [10, 11, 12, 13], 2, 1)
+        wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
+        assert receiver.poll() is KVPoll.Success, receiver.reason
+        assert decode.landed([10, 11, 12, 13], [0, 1, 2, 3], 1, 0)
+        assert decode.control.stats["links_lost"] == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_dead_peer_is_still_lost_after_a_stall_of_ones_own() -> None:
+    """A stall of one's own does not hide a peer that is really gone: a prefill stopped for good
+    is declared lost once decode runs again."""
+    strict = ChannelConfig(heartbeat_s=0.1, liveness_factor=4.0, lease_s=10.0)
+    prefill = PrefillProcess(strict)
+    decode = Decode({"port": prefill.port}, strict)
+    try:
+        receiver = decode.receive(8, [0, 1], aux_row=0)
+        os.kill(prefill.pid, signal.SIGSTOP)
+        try:
+            _stall(decode, 1.0)
+            wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
+            assert receiver.poll() is KVPoll.Failed
+            assert "silent for more than" in receiver.reason, receiver.reason
+            assert decode.control.stats["links_lost"] == 1
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
+    finally:
+        decode.close()
+        prefill.close()
+
+
 # -- law 3: claims -----------------------------------------------------------------------------
 
 
