@@ -36,6 +36,7 @@ from typing import Any
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
 from kvfsm.bootstrap._fingerprint import Fingerprint
+from kvfsm.bootstrap._pipeline import PipelineStage
 from kvfsm.bootstrap._registry import (
     BootstrapClient,
     BootstrapError,
@@ -224,10 +225,15 @@ class PrefillManager(_Manager):
         dp_rank: int = 0,
         dp_size: int = 1,
         pp_rank: int = 0,
+        pp_size: int = 1,
+        stage_root: int | None = None,
         host: str | None = None,
         config: ManagerConfig | None = None,
         name: str | None = None,
     ) -> None:
+        """``pp_size > 1``: this rank is pipeline stage ``pp_rank``; ``stage_root`` is the
+        registry rank of stage 0 of its pipeline (same DP and TP rank), whom a later stage
+        reports its rooms' statuses to (``kvfsm.bootstrap._pipeline``)."""
         super().__init__(
             "prefill",
             layout,
@@ -243,6 +249,7 @@ class PrefillManager(_Manager):
             self.agent, config=self.config.transfer, observer=self.metrics, leases=Leases()
         )
         self._registration_task: asyncio.Task[None] | None = None
+        self.pipeline: PipelineStage | None = None
         try:
             control = ControlPlane(
                 "prefill",
@@ -262,9 +269,23 @@ class PrefillManager(_Manager):
                 dp_rank=dp_rank,
                 dp_size=dp_size,
                 pp_rank=pp_rank,
+                pp_size=pp_size,
                 host=host,
                 interval_s=self.config.register_interval_s,
             )
+            if pp_size > 1:
+                if stage_root is None:
+                    raise ValueError("a pipeline stage needs stage_root: stage 0's registry rank")
+                self.pipeline = PipelineStage(
+                    stage=pp_rank,
+                    stages=pp_size,
+                    group=f"{engine_id}/dp{dp_rank}/tp{tp_rank}",
+                    root_rank=stage_root,
+                    engine_id=engine_id,
+                    channel=control.config,
+                    secret=control.config.secret,
+                )
+                self._engine().call(self.pipeline.start(registration, self._bootstrap_client()))
             self._registration_task = self._engine().call(
                 self._keep_registered(registration), timeout=self.config.register_wait_s + 30.0
             )
@@ -305,6 +326,11 @@ class PrefillManager(_Manager):
         task, engine = self._registration_task, self.engine
         if task is not None and engine is not None and not self._closed:
             engine.loop.call_soon_threadsafe(task.cancel)
+        if self.pipeline is not None and engine is not None and not self._closed:
+            try:
+                engine.call(self.pipeline.aclose(), timeout=10)
+            except Exception:
+                _log.exception("stopping the pipeline stage failed")
         super().close()
 
     def _close_data_path(self) -> None:

@@ -49,7 +49,13 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
-from kvfsm.bootstrap._fingerprint import Fingerprint, link_plan, link_slot, mismatch
+from kvfsm.bootstrap._fingerprint import (
+    Fingerprint,
+    link_plan,
+    link_slot,
+    mismatch,
+    stage_buffers,
+)
 from kvfsm.bootstrap._frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -751,6 +757,13 @@ class ControlPlane:
         assert self.transport is not None
         try:
             summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
+            # A pipeline stage: its buffers pair with its span of decode's layers only.
+            local_kv = len(self.agent.layout.kv)
+            buffers = stage_buffers(self.fingerprint, theirs.fingerprint, local_kv, len(summary.kv))
+            if isinstance(buffers, str):
+                raise ValueError(buffers)
+            if buffers is not None:
+                summary = summary.select_kv(buffers)
             # Unequal attention TP: the head slice of each page this rank writes there.
             plan = link_plan(self.fingerprint, theirs.fingerprint)
             piece = NO_KV if plan == "none" else plan

@@ -46,6 +46,7 @@ class Registration:
         dp_rank: int = 0,
         dp_size: int = 1,
         pp_rank: int = 0,
+        pp_size: int = 1,
         host: str | None = None,
         interval_s: float = 5.0,
     ) -> None:
@@ -60,7 +61,10 @@ class Registration:
             "dp_rank": dp_rank,
             "pp_rank": pp_rank,
             "dp_size": dp_size,
+            "pp_size": pp_size,
         }
+        #: Pipeline stage 0: the port its stage hub listens on, once bound (``_stages``).
+        self.stage_port = 0
         self._host = host
 
     def info(self) -> RankInfo:
@@ -72,6 +76,7 @@ class Registration:
             agent=control.agent.name,
             layout=msgspec.msgpack.encode(control.agent.layout.summary()),
             incarnation=control.incarnation,
+            stage_port=self.stage_port,
         )
 
     async def register_once(self) -> None:

@@ -12,8 +12,9 @@ for that rank fail at once with it (never a deadline, never wrong bytes).
 Rules
 -----
 
-1. **Layout fields must be equal** (:data:`MUST_MATCH`): layers, dtype, page size in tokens,
-   MLA or not, and the state types. A field left at its default (0 or empty: "not declared")
+1. **Layout fields must be equal** (:data:`MUST_MATCH`): dtype, page size in tokens, MLA or
+   not, and the state types; and the layers, except that a prefill pipeline stage holds only
+   its own span of them (rule 5). A field left at its default (0 or empty: "not declared")
    is compared like any other value, so a side that declares nothing pairs only with a side
    that declares nothing; the layout check of the data path (item sizes,
    ``Layout.compatible_with``) still applies to those.
@@ -25,17 +26,24 @@ Rules
 3. **Parallel shapes must be a pair the data path supports** (:data:`SHAPE_RULES`): one
    attention TP a multiple of the other (prefill's larger: several prefill ranks feed each
    decode rank; decode's larger: each prefill rank writes every room into several decode
-   ranks) and no pipeline parallelism on either side.
+   ranks) and no pipeline parallelism on decode.
 4. **Unequal attention TP must split** (:func:`mismatch`): the model's KV heads split over
    both TPs (one divides the other, ``_slices.HeadShard``); if prefill replicates heads (its
    TP above the head count), decode must declare the head count too, since which replica
    writes depends on it. State pools (Mamba, ...) are sharded over attention TP as well and
    move as whole rows, so a model with one pairs only at equal attention TP.
-5. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
+5. **A prefill pipeline stage writes its span of layers** (``first_layer``, ``layers``) into
+   decode's whole model: the span must lie inside decode's layers, stage 0 must start at
+   layer 0 and the last stage must end at decode's last layer (SGLang splits layers into
+   contiguous spans in stage order, so the stages then cover decode's layers exactly, whatever
+   their sizes). Pipeline parallelism pairs only with equal attention TP and no state pools
+   (the combinations are refused by name, not guessed at).
+6. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
    version may not even have one.
 
 :func:`link_plan` then says what prefill writes of each page over the link: whole pages, a
-head slice (``KvPiece``), or no KV at all (a dummy link), by the rules of ``_slices``.
+head slice (``KvPiece``), or no KV at all (a dummy link), by the rules of ``_slices``, and
+:func:`stage_buffers` which of decode's KV buffers a pipeline stage's buffers land in.
 
 The rules are data and :func:`mismatch` is pure: it is tested directly, and the control plane
 only carries its answer.
@@ -58,6 +66,7 @@ __all__ = [
     "link_plan",
     "link_slot",
     "mismatch",
+    "stage_buffers",
 ]
 
 _Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
@@ -86,15 +95,21 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pp: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 1
     #: This rank's index in its attention-TP group (which heads it holds).
     attn_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
+    #: This rank's pipeline stage, and the first (global) layer of its span: with ``pp > 1``
+    #: ``layers`` counts the stage's own layers, ``first_layer`` to ``first_layer + layers``.
+    pp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
+    first_layer: _Small = 0
 
     def __post_init__(self) -> None:
-        if self.attn_tp >= 1 and self.attn_rank >= self.attn_tp:  # (attn_tp < 1: msgspec says)
+        # (attn_tp or pp < 1: msgspec says so on decode; Python callers get it from here)
+        if self.attn_tp >= 1 and self.attn_rank >= self.attn_tp:
             raise ValueError(f"attention-TP rank {self.attn_rank} of attention TP {self.attn_tp}")
+        if self.pp >= 1 and self.pp_rank >= self.pp:
+            raise ValueError(f"pipeline rank {self.pp_rank} of pipeline size {self.pp}")
 
 
 #: Rule 1: the fields that must be equal, with how a reason names each.
 MUST_MATCH: Final[tuple[tuple[str, str], ...]] = (
-    ("layers", "layers"),
     ("dtype", "KV dtype"),
     ("page_tokens", "page size (tokens)"),
     ("mla", "MLA"),
@@ -112,8 +127,8 @@ def _multiple(prefill: int, decode: int) -> bool:
     return prefill % decode == 0 or decode % prefill == 0
 
 
-def _both_one(prefill: int, decode: int) -> bool:
-    return prefill == decode == 1
+def _decode_one(prefill: int, decode: int) -> bool:
+    return decode == 1
 
 
 #: Rule 3: (field, supported(prefill value, decode value), what an unsupported pair is).
@@ -123,7 +138,7 @@ SHAPE_RULES: Final[tuple[tuple[str, Callable[[int, int], bool], str], ...]] = (
         _multiple,
         "one attention TP must be a multiple of the other",
     ),
-    ("pp", _both_one, "pipeline parallelism is not supported"),
+    ("pp", _decode_one, "pipeline parallelism on decode is not supported"),
 )
 
 
@@ -131,6 +146,9 @@ def mismatch(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     """``None`` if a prefill rank declaring ``prefill`` may serve a decode rank declaring
     ``decode``; otherwise the first reason, naming the field and both values. Both sides call
     it with the roles in this order, so both refuse with the same words."""
+    problem = _layers_problem(prefill, decode)
+    if problem is not None:
+        return problem
     for name, label in MUST_MATCH:
         mine, theirs = getattr(prefill, name), getattr(decode, name)
         if mine != theirs:
@@ -148,7 +166,79 @@ def mismatch(prefill: Fingerprint, decode: Fingerprint) -> str | None:
         mine, theirs = getattr(prefill, name), getattr(decode, name)
         if not supported(mine, theirs):
             return f"fingerprint mismatch: {what} ({name}): prefill has {mine}, decode has {theirs}"
-    return _split_problem(prefill, decode)
+    return _stage_problem(prefill, decode) or _split_problem(prefill, decode)
+
+
+def _layers_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
+    """Rules 1 and 5 for ``layers``: equal without pipeline parallelism, a stage's span inside
+    decode's layers (and the first and last stages at its ends) with it."""
+    if prefill.pp == 1:
+        if prefill.layers != decode.layers:
+            return (
+                f"fingerprint mismatch: layers (layers): prefill has {_show(prefill.layers)}, "
+                f"decode has {_show(decode.layers)}"
+            )
+        return None
+    first, end = prefill.first_layer, prefill.first_layer + prefill.layers
+    stage = f"prefill pipeline stage {prefill.pp_rank} of {prefill.pp}"
+    if not prefill.layers:
+        return f"fingerprint mismatch: {stage} declares no layers (layers: 0)"
+    if end > decode.layers:
+        return (
+            f"fingerprint mismatch: layers (first_layer, layers): {stage} holds layers "
+            f"{first} to {end - 1}, decode has {_show(decode.layers)}"
+        )
+    if prefill.pp_rank == 0 and first:
+        return f"fingerprint mismatch: layers (first_layer): {stage} starts at layer {first}, not 0"
+    if prefill.pp_rank == prefill.pp - 1 and end != decode.layers:
+        return (
+            f"fingerprint mismatch: layers (first_layer, layers): {stage}, the last, ends at "
+            f"layer {end - 1} but decode has {decode.layers} layers"
+        )
+    return None
+
+
+def _stage_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
+    """Rule 5: what pipeline parallelism on prefill does not combine with."""
+    if prefill.pp == 1:
+        return None
+    if prefill.attn_tp != decode.attn_tp:
+        return (
+            f"fingerprint mismatch: prefill pipeline parallelism (pp {prefill.pp}) with unequal "
+            f"attention TP (prefill {prefill.attn_tp}, decode {decode.attn_tp}) is not "
+            "supported (pp, attn_tp)"
+        )
+    if prefill.state_types:
+        return (
+            f"fingerprint mismatch: prefill pipeline parallelism (pp {prefill.pp}) with state "
+            f"pools ({', '.join(prefill.state_types)}) is not supported (pp, state_types)"
+        )
+    return None
+
+
+def stage_buffers(
+    prefill: Fingerprint, decode: Fingerprint, local_kv: int, remote_kv: int
+) -> tuple[int, ...] | str | None:
+    """For a pair that passed :func:`mismatch`: which of decode's ``remote_kv`` KV buffers each
+    of this prefill rank's ``local_kv`` buffers lands in, or None when they pair one to one (no
+    pipeline parallelism), or why they cannot pair. Both sides order buffers as SGLang's pools
+    register them: each kind of per-layer buffer (K, then V; MLA's one latent) for every
+    layer in turn, so local buffer ``k * layers + i`` is decode's ``k * decode.layers +
+    first_layer + i``."""
+    if prefill.pp == 1:
+        return None
+    per_layer, rest = divmod(local_kv, prefill.layers)
+    if rest or not per_layer or remote_kv != per_layer * decode.layers:
+        return (
+            f"prefill pipeline stage {prefill.pp_rank}: {local_kv} KV buffers for "
+            f"{prefill.layers} layers, decode {remote_kv} for {decode.layers}: not the same "
+            "number of buffers per layer"
+        )
+    return tuple(
+        kind * decode.layers + prefill.first_layer + i
+        for kind in range(per_layer)
+        for i in range(prefill.layers)
+    )
 
 
 def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:

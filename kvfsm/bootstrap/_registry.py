@@ -199,6 +199,11 @@ class RankInfo(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True
     incarnation: _Incarnation
     #: Data-parallel width of the engine, so a decode rank can pick the DP rank serving a room.
     dp_size: _Size = 1
+    #: Pipeline-parallel depth of the engine: decode reads each request from every stage.
+    pp_size: _Size = 1
+    #: Pipeline stage 0 only (``pp_size > 1``): where the other stages of its pipeline report
+    #: their rooms' statuses (``_stages``); 0 otherwise.
+    stage_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
     def __post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
@@ -208,6 +213,10 @@ class RankInfo(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True
         if self.dp_rank >= self.dp_size:
             raise ValueError(
                 f"dp_rank {self.dp_rank} out of range: 0 <= dp_rank < dp_size ({self.dp_size})"
+            )
+        if self.pp_rank >= self.pp_size:
+            raise ValueError(
+                f"pp_rank {self.pp_rank} out of range: 0 <= pp_rank < pp_size ({self.pp_size})"
             )
 
     @property

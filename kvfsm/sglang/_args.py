@@ -127,21 +127,33 @@ class Topology:
     tp_rank: int  # within the attention TP group
     dp_size: int
     dp_rank: int
+    #: Pipeline stages, and this rank's (prefill only: decode refuses ``pp_size > 1``).
+    pp_size: int = 1
+    pp_rank: int = 0
 
     @property
     def rank(self) -> int:
-        """The registry rank: unique per (dp_rank, tp_rank) within the instance."""
-        return self.dp_rank * self.attn_tp_size + self.tp_rank
+        """The registry rank: unique per (dp_rank, pp_rank, tp_rank) within the instance."""
+        return self.rank_of(self.dp_rank, self.pp_rank, self.tp_rank)
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """The registry rank of the rank at those coordinates of this rank's instance (decode
+        computes a prefill instance's with its sizes: :meth:`of_instance`)."""
+        return (dp_rank * self.pp_size + pp_rank) * self.attn_tp_size + tp_rank
+
+    @classmethod
+    def of_instance(cls, dp_size: int, attn_tp_size: int, pp_size: int) -> Topology:
+        """Rank 0 of an instance of these sizes (for :meth:`rank_of`)."""
+        return cls(attn_tp_size, 0, dp_size, 0, pp_size, 0)
 
     @classmethod
     def of(cls, args: Any, server_args: Any) -> Topology:
         tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         dp_size = int(getattr(server_args, "dp_size", 1) or 1)
         pp_size = int(getattr(server_args, "pp_size", 1) or 1)
-        if pp_size > 1:
-            raise UnsupportedError(
-                f"pipeline parallelism (pp_size={pp_size}) is not supported by kvfsm yet"
-            )
+        pp_rank = int(getattr(args, "pp_rank", 0) or 0)
+        if not 0 <= pp_rank < pp_size:
+            raise UnsupportedError(f"pp_rank {pp_rank} out of range (pp_size {pp_size})")
         dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
         if dp_attention and tp_size % dp_size:
             raise UnsupportedError(f"tp_size {tp_size} is not a multiple of dp_size {dp_size}")
@@ -153,7 +165,7 @@ class Topology:
         else:
             # One scheduler group per DP rank, each with the full TP; the scheduler tells us which.
             dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
-        return cls(attn_tp, engine_rank % attn_tp, dp_size, dp_rank)
+        return cls(attn_tp, engine_rank % attn_tp, dp_size, dp_rank, pp_size, pp_rank)
 
 
 def _kind(name: str, value: object) -> MemKind:
@@ -192,7 +204,13 @@ def single_state_type(args: Any) -> int | None:
 
 
 def fingerprint_from_kv_args(
-    args: Any, *, is_mla: bool, attn_tp_size: int, pp_size: int, attn_rank: int = 0
+    args: Any,
+    *,
+    is_mla: bool,
+    attn_tp_size: int,
+    pp_size: int,
+    attn_rank: int = 0,
+    pp_rank: int = 0,
 ) -> Fingerprint:
     """What this rank declares in its handshakes, from what SGLang's scheduler put in
     ``KVArgs`` *before* it built the manager: a peer whose pool has other layers, dtype, page
@@ -204,7 +222,8 @@ def fingerprint_from_kv_args(
     manager, its decode only afterwards (and only with heterogeneous-TP staging), so decode
     usually declares 0, which the rules accept (they compare head fields only where both sides
     declare them). Prefill needs them to plan the head slices it writes under unequal attention
-    TP. MHA pools hold a K and a V buffer per layer, MLA pools one latent buffer per layer."""
+    TP. MHA pools hold a K and a V buffer per layer, MLA pools one latent buffer per layer.
+    A prefill pipeline stage declares its own layers, from ``prefill_start_layer``."""
     item_lens = list(getattr(args, "kv_item_lens", None) or [])
     which = single_state_type(args)
     types = getattr(args, "state_types", None) or []
@@ -228,6 +247,8 @@ def fingerprint_from_kv_args(
         attn_tp=attn_tp_size,
         pp=pp_size,
         attn_rank=attn_rank,
+        pp_rank=pp_rank,
+        first_layer=int(getattr(args, "prefill_start_layer", 0) or 0) if pp_size > 1 else 0,
     )
 
 

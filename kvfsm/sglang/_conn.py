@@ -166,6 +166,10 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         self._room = self._legs
         self._spawned = False
         self._prefix_popped = False
+        # A later pipeline stage reports this room's status to stage 0, whose scheduler alone
+        # polls (poll_pp_consensus). A pipeline pairs only with equal attention TP, so leg 0
+        # is the whole request; its published status is read there, never polled for it.
+        mgr.stage_track(bootstrap_room, self._sender)
 
     def pop_decode_prefix_len(self) -> int:
         """Prompt tokens decode already holds (its radix cache), which prefill must not send:
@@ -237,6 +241,28 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         if status is RoomStatus.Success and self._finished is None:
             self._finished = time.monotonic()
         return status
+
+    def poll_pp_consensus(self) -> int:
+        """Pipeline stage 0 (SGLang's bootstrap queue with ``--pp-size > 1``): the MIN of this
+        room's status on every stage, a stage that has not reported it yet counting as
+        Bootstrapping, as SGLang's ``check_status_pp_consensus`` does. A failure on another
+        stage (or the loss of a stage) fails this room too, so decode hears of it and every
+        leg ends; the scheduler then fails the request on every stage. Without pipeline
+        parallelism, ``poll()``."""
+        own = self.poll()
+        if own in TERMINAL:
+            return own
+        status, reason = self.kv_mgr.stage_consensus(self.bootstrap_room, RoomStatus(own))
+        if status is RoomStatus.Failed:
+            self._legs.abort(reason)
+            return self.poll()
+        return status
+
+    def clear(self) -> None:
+        already = self._cleared
+        super().clear()
+        if not already:
+            self.kv_mgr.stage_release(self.bootstrap_room, self._sender)
 
     def _spawn_legs(self) -> None:
         """Once leg 0's destination arrived it says how many decode ranks this request goes
@@ -316,7 +342,7 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         if isinstance(plan, str):
             self._legs.reject(plan)
             return
-        peers = [mgr.peer_for(addr, dp_rank, rank) for rank, _part in plan]
+        peers = [mgr.peer_for(addr, dp_rank, leg.tp_rank, leg.pp_rank) for leg in plan]
         problem = next((peer for peer in peers if isinstance(peer, str)), None)
         if problem is not None:
             self._legs.reject(problem)
@@ -325,8 +351,9 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
             return  # refused already (a duplicate room id): no more legs for it
         for leg in range(1, len(plan)):
             self._legs.add(mgr.new_receiver(self.bootstrap_room, leg=leg, group=self._group))
-        self._parts = [part for _rank, part in plan]
-        self._legs.ranks = [rank for rank, _part in plan]
+        self._parts = [leg.part for leg in plan]
+        pp_size = mgr.prefill_info_table[addr].pp_size
+        self._legs.sources = [leg.source(pp_size) for leg in plan]
         self.bootstrap_infos = [(addr, dp_rank)] * len(plan)
         for room, peer in zip(self._legs.rooms, peers, strict=True):
             assert isinstance(peer, int)

@@ -35,12 +35,13 @@ class Legs(Generic[_Room]):
     room per prefill rank that feeds the request. Prefill (decode's attention TP larger): one
     sender room per decode rank the request goes to."""
 
-    __slots__ = ("_ended", "_first", "ranks", "rooms")
+    __slots__ = ("_ended", "_first", "rooms", "sources")
 
     def __init__(self, first: _Room) -> None:
         self.rooms: list[_Room] = [first]
-        #: The prefill attention-TP rank each leg hears from (known once ``init`` ran).
-        self.ranks: list[int] = []
+        #: Decode: which prefill rank each leg hears from, in words (known once ``init`` ran):
+        #: "prefill attention-TP rank 2", "prefill pipeline stage 1, attention-TP rank 0".
+        self.sources: list[str] = []
         self._ended = False
         self._first = ""
 
@@ -72,8 +73,8 @@ class Legs(Generic[_Room]):
             if room.poll() is KVPoll.Failed:
                 if len(self.rooms) == 1:
                     return room.reason
-                if i < len(self.ranks):  # decode: named by the prefill rank it hears from
-                    return f"{room.reason} (leg from prefill attention-TP rank {self.ranks[i]})"
+                if i < len(self.sources):  # decode: named by the prefill rank it hears from
+                    return f"{room.reason} (leg from {self.sources[i]})"
                 return f"{room.reason} (leg {i} of {len(self.rooms)})"
         return ""
 

@@ -28,6 +28,7 @@ from kvfsm.sglang._args import (
     ENGINE,
     ServerConfig,
     Topology,
+    UnsupportedError,
     advertised_host,
     bootstrap_url,
     fingerprint_from_kv_args,
@@ -37,10 +38,12 @@ from kvfsm.sglang._args import (
 )
 from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
 from kvfsm.sglang._settings import manager_config
+from kvfsm.states import KVPoll as RoomStatus
 from kvfsm.states import Part
 from kvfsm.transport._slices import legs
 
 if TYPE_CHECKING:
+    from kvfsm.bootstrap._pipeline import PipelineStage
     from kvfsm.rooms import ReceiverRoom, SenderRoom
     from kvfsm.sglang._legs import Legs
 
@@ -56,6 +59,21 @@ class PrefillInfo(NamedTuple):
     tp_size: int  # attention TP of the prefill instance
     #: SGLang routes a request to prefill DP rank ``bootstrap_room % dp_size``.
     follow_bootstrap_room: bool = True
+    #: Pipeline stages of the prefill instance: a request is read from every one.
+    pp_size: int = 1
+
+
+class Leg(NamedTuple):
+    """One prefill rank a decode request hears from, and what it carries."""
+
+    tp_rank: int  # attention-TP rank of the prefill instance
+    pp_rank: int  # its pipeline stage
+    part: Part
+
+    def source(self, pp_size: int) -> str:
+        if pp_size > 1:
+            return f"prefill pipeline stage {self.pp_rank}, attention-TP rank {self.tp_rank}"
+        return f"prefill attention-TP rank {self.tp_rank}"
 
 
 class KvfsmKVManager(BaseKVManager):
@@ -85,6 +103,11 @@ class KvfsmKVManager(BaseKVManager):
         #: SGLang's configuration as its own backends read it (runtime context first).
         self.server_config = ServerConfig.read(server_args)
         self.topology = Topology.of(args, self.server_config)
+        if self.mode != "prefill" and self.topology.pp_size > 1:
+            raise UnsupportedError(
+                f"pipeline parallelism on decode (pp_size={self.topology.pp_size}) is not "
+                "supported by kvfsm (prefill may use it)"
+            )
         self.layout = layout_from_kv_args(args, self.server_config.device)
         self.state_type = single_state_type(args)
         self.bootstrap_url = bootstrap_url(self.server_config)
@@ -148,8 +171,9 @@ class KvfsmKVManager(BaseKVManager):
                 self.kv_args,
                 is_mla=self.is_mla_backend,
                 attn_tp_size=self.topology.attn_tp_size,
-                pp_size=self.server_config.pp_size,
+                pp_size=self.topology.pp_size,
                 attn_rank=self.topology.tp_rank,
+                pp_rank=self.topology.pp_rank,
             )
             config = dataclasses.replace(config, fingerprint=fingerprint)
         return config
@@ -165,6 +189,9 @@ class KvfsmKVManager(BaseKVManager):
             tp_size=topo.attn_tp_size,
             dp_rank=topo.dp_rank,
             dp_size=topo.dp_size,
+            pp_rank=topo.pp_rank,
+            pp_size=topo.pp_size,
+            stage_root=topo.rank_of(topo.dp_rank, 0, topo.tp_rank),
             host=advertised_host(self.config.channel.host, self.bootstrap_url),
             config=self.config,
         )
@@ -173,6 +200,35 @@ class KvfsmKVManager(BaseKVManager):
         if not isinstance(self.kvfsm, PrefillManager):
             raise RuntimeError("a decode-mode kvfsm manager has no senders")
         return self.kvfsm.sender(room, leg=leg)
+
+    # -- prefill pipeline stages (any thread; no-ops without pipeline parallelism) -------------
+
+    def _stage(self) -> PipelineStage | None:
+        kvfsm = self.kvfsm
+        return kvfsm.pipeline if isinstance(kvfsm, PrefillManager) else None
+
+    def stage_track(self, room: int, sender: SenderRoom) -> None:
+        stage = self._stage()
+        if stage is not None:
+            stage.track(room, sender)
+
+    def stage_release(self, room: int, sender: SenderRoom) -> None:
+        stage = self._stage()
+        if stage is not None:
+            stage.release(room, sender)
+
+    def stage_consensus(self, room: int, own: RoomStatus) -> tuple[RoomStatus, str]:
+        stage = self._stage()
+        return (own, "") if stage is None else stage.consensus(room, own)
+
+    def stage_ready(self) -> bool:
+        """Every stage of this rank's pipeline can be heard (True without a pipeline)."""
+        stage = self._stage()
+        return stage is None or stage.ready
+
+    def stage_entries(self) -> int:
+        stage = self._stage()
+        return 0 if stage is None else stage.entries()
 
     def new_receiver(self, room: int, *, leg: int = 0, group: int | None = None) -> ReceiverRoom:
         if not isinstance(self.kvfsm, DecodeManager):
@@ -183,21 +239,36 @@ class KvfsmKVManager(BaseKVManager):
         """A fresh id for the legs of one request (they share its pages)."""
         return next(self._groups)
 
-    def legs_for(self, bootstrap_addr: str) -> list[tuple[int, Part]] | str:
-        """The prefill attention-TP ranks a request of this decode rank hears from, with what
-        each carries (``_slices.legs``), or why this pair cannot be served. Equal TP: this
-        rank's own, whole. Prefill TP a multiple of decode's: the ranks holding this rank's
-        heads (the first also sends the aux and state rows) and the ranks this one tells they
-        are dummies. The model's head count comes from ``KVArgs`` when the scheduler set it;
+    def legs_for(self, bootstrap_addr: str) -> list[Leg] | str:
+        """The prefill ranks a request of this decode rank hears from, with what each carries
+        (``_slices.legs``), or why this pair cannot be served. Equal TP: this rank's own,
+        whole. Prefill TP a multiple of decode's: the ranks holding this rank's heads (the
+        first also sends the aux and state rows) and the ranks this one tells they are
+        dummies. The model's head count comes from ``KVArgs`` when the scheduler set it;
         SGLang's decode usually has not, and then any count the TPs split gives the same plan
-        unless prefill replicates heads, which the handshake refuses without one."""
+        unless prefill replicates heads, which the handshake refuses without one.
+
+        Prefill pipeline stages (equal TP only): this rank's counterpart in every stage, each
+        writing its span of layers; the last stage, which samples the first output token, also
+        sends the aux row (and is leg 0, which carries it by convention)."""
         info = self.prefill_info_table.get(bootstrap_addr)
         if info is None:
             return f"prefill instance {bootstrap_addr} is unknown (no parallel info yet)"
         mine, theirs = self.topology.attn_tp_size, info.tp_size
         rank = self.topology.tp_rank
+        if info.pp_size > 1:
+            if theirs != mine:
+                return (
+                    f"prefill {bootstrap_addr} has {info.pp_size} pipeline stages and attention "
+                    f"TP {theirs}, this decode {mine}: pipeline parallelism needs equal "
+                    "attention TP"
+                )
+            last = info.pp_size - 1
+            return [Leg(rank, last, Part.WHOLE)] + [
+                Leg(rank, stage, Part.KV) for stage in range(last)
+            ]
         if theirs == mine:
-            return [(rank, Part.WHOLE)]
+            return [Leg(rank, 0, Part.WHOLE)]
         if theirs % mine and mine % theirs:
             return (
                 f"unequal attention TP: prefill {bootstrap_addr} has attention TP {theirs}, this "
@@ -209,7 +280,7 @@ class KvfsmKVManager(BaseKVManager):
         if heads <= 0:
             heads = theirs
         try:
-            return legs(heads, theirs, mine, rank)
+            return [Leg(tp, 0, part) for tp, part in legs(heads, theirs, mine, rank)]
         except ValueError as exc:
             return f"unequal attention TP ({theirs} to {mine}): {exc}"
 
@@ -247,7 +318,9 @@ class KvfsmKVManager(BaseKVManager):
     async def _fetch_info(self, addr: str) -> None:
         try:
             info = await self._client(addr).rank(ENGINE, 0)
-            self.prefill_info_table[addr] = PrefillInfo(info.dp_size, info.tp_size)
+            self.prefill_info_table[addr] = PrefillInfo(
+                info.dp_size, info.tp_size, pp_size=info.pp_size
+            )
         except Exception as exc:
             _log.warning("prefill instance %s: parallel info not available yet: %s", addr, exc)
         finally:
@@ -255,10 +328,15 @@ class KvfsmKVManager(BaseKVManager):
                 self._fetching.discard(addr)
 
     def peer_for(
-        self, bootstrap_addr: str, prefill_dp_rank: int, prefill_tp_rank: int | None = None
+        self,
+        bootstrap_addr: str,
+        prefill_dp_rank: int,
+        prefill_tp_rank: int | None = None,
+        prefill_pp_rank: int = 0,
     ) -> int | str:
-        """The peer id a receiver names for ``(instance, DP rank, attention-TP rank)`` (by
-        default its own attention-TP rank: equal TP), or a reason why there is none."""
+        """The peer id a receiver names for ``(instance, DP rank, attention-TP rank, pipeline
+        stage)`` (by default its own attention-TP rank: equal TP), or a reason why there is
+        none."""
         info = self.prefill_info_table.get(bootstrap_addr)
         if info is None:
             return f"prefill instance {bootstrap_addr} is unknown (no parallel info yet)"
@@ -271,7 +349,10 @@ class KvfsmKVManager(BaseKVManager):
             )
         if not 0 <= prefill_dp_rank < info.dp_size:
             return f"prefill DP rank {prefill_dp_rank} out of range (dp_size {info.dp_size})"
-        target = (bootstrap_addr, prefill_dp_rank * info.tp_size + prefill_tp_rank)
+        if not 0 <= prefill_pp_rank < info.pp_size:
+            return f"prefill pipeline stage {prefill_pp_rank} out of range (pp {info.pp_size})"
+        shape = Topology.of_instance(info.dp_size, info.tp_size, info.pp_size)
+        target = (bootstrap_addr, shape.rank_of(prefill_dp_rank, prefill_pp_rank, prefill_tp_rank))
         with self._lock:
             peer = self._peer_ids.get(target)
             if peer is None:

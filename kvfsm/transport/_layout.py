@@ -709,6 +709,19 @@ class LayoutSummary(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields
     def state_row_bytes(self) -> int:
         return sum(spec[2] for spec in self.state)
 
+    def select_kv(self, buffers: Sequence[int]) -> LayoutSummary:
+        """This summary with only the KV regions ``buffers``, in that order: what a writer that
+        holds some of the layers (a pipeline stage) pairs its own KV buffers with, one to one.
+        ``LayoutError`` if an index is out of range or repeated (two local buffers would land
+        in one remote region)."""
+        picked = list(buffers)
+        if len(set(picked)) != len(picked):
+            raise LayoutError(f"KV buffers selected twice: {picked}")
+        for index in picked:
+            if not 0 <= index < len(self.kv):
+                raise LayoutError(f"KV buffer {index} out of range (the layout has {len(self.kv)})")
+        return msgspec.structs.replace(self, kv=tuple(self.kv[i] for i in picked))
+
     def kv_descs(self) -> Descs:
         return _descs(self.kv)
 

@@ -19,6 +19,7 @@ from kvfsm.bootstrap._fingerprint import (
     link_plan,
     link_slot,
     mismatch,
+    stage_buffers,
 )
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
@@ -54,10 +55,13 @@ def test_equal_declarations_pair() -> None:
 
 
 def test_every_must_match_field_is_covered() -> None:
-    assert {name for name, _ in (*MUST_MATCH, *DECLARED_MATCH)} == set(OTHER)
+    # layers has its own rule (a pipeline stage holds a span of them).
+    assert {name for name, _ in (*MUST_MATCH, *DECLARED_MATCH)} | {"layers"} == set(OTHER)
     shaped = {name for name, _, _ in SHAPE_RULES}
-    # attn_rank is no rule's: it says which heads the rank holds (link_plan).
-    assert set(Fingerprint.__struct_fields__) == set(OTHER) | shaped | {"attn_rank"}
+    # attn_rank says which heads the rank holds (link_plan); pp_rank and first_layer which
+    # layers (the layers rule, stage_buffers).
+    placed = {"attn_rank", "pp_rank", "first_layer"}
+    assert set(Fingerprint.__struct_fields__) == set(OTHER) | shaped | placed
 
 
 def test_head_fields_are_compared_only_where_both_sides_declare_them() -> None:
@@ -69,7 +73,7 @@ def test_head_fields_are_compared_only_where_both_sides_declare_them() -> None:
     )
 
 
-@pytest.mark.parametrize(("name", "label"), [*MUST_MATCH, *DECLARED_MATCH])
+@pytest.mark.parametrize(("name", "label"), [("layers", "layers"), *MUST_MATCH, *DECLARED_MATCH])
 def test_a_layout_difference_names_the_field_and_both_values(name: str, label: str) -> None:
     theirs = msgspec.structs.replace(LLAMA, **{name: OTHER[name]})
     reason = mismatch(LLAMA, theirs)
@@ -116,10 +120,81 @@ def test_unsupported_parallel_shapes_are_named() -> None:
     )
     assert mismatch(LLAMA, _tp(LLAMA, 4)) is None  # decode's the larger: each prefill rank
     assert mismatch(_tp(LLAMA, 4), LLAMA) is None  # writes 2 decode ranks, or the reverse
-    assert mismatch(msgspec.structs.replace(LLAMA, pp=2), msgspec.structs.replace(LLAMA, pp=2)) == (
-        "fingerprint mismatch: pipeline parallelism is not supported (pp): "
+    assert mismatch(_stage(0, 2, 16), msgspec.structs.replace(LLAMA, pp=2)) == (
+        "fingerprint mismatch: pipeline parallelism on decode is not supported (pp): "
         "prefill has 2, decode has 2"
     )
+
+
+def _stage(rank: int, stages: int, layers: int, first: int | None = None) -> Fingerprint:
+    """LLAMA's prefill pipeline stage ``rank`` of ``stages``, holding ``layers`` layers."""
+    first = rank * layers if first is None else first
+    return msgspec.structs.replace(LLAMA, pp=stages, pp_rank=rank, layers=layers, first_layer=first)
+
+
+def test_pipeline_stages_that_tile_decode_layers_pair() -> None:
+    assert mismatch(_stage(0, 2, 16), LLAMA) is None
+    assert mismatch(_stage(1, 2, 16), LLAMA) is None
+    # Unequal spans (SGLang gives the remainder to some stages) pair as long as they tile.
+    assert mismatch(_stage(0, 3, 11), LLAMA) is None
+    assert mismatch(_stage(1, 3, 11, 11), LLAMA) is None
+    assert mismatch(_stage(2, 3, 10, 22), LLAMA) is None
+
+
+@pytest.mark.parametrize(
+    ("stage", "words"),
+    [
+        (
+            _stage(1, 2, 20, 16),
+            "prefill pipeline stage 1 of 2 holds layers 16 to 35, decode has 32",
+        ),
+        (_stage(0, 2, 16, 4), "prefill pipeline stage 0 of 2 starts at layer 4, not 0"),
+        (_stage(1, 2, 15, 16), "stage 1 of 2, the last, ends at layer 30 but decode has 32"),
+        (_stage(0, 2, 0), "prefill pipeline stage 0 of 2 declares no layers (layers: 0)"),
+    ],
+)
+def test_a_stage_whose_layers_do_not_fit_decode_is_refused_by_name(
+    stage: Fingerprint, words: str
+) -> None:
+    reason = mismatch(stage, LLAMA)
+    assert reason is not None
+    assert reason.startswith("fingerprint mismatch: ")
+    assert words in reason
+
+
+def test_pipeline_stages_refuse_the_combinations_not_built_by_name() -> None:
+    unequal = mismatch(_stage(0, 2, 16), _tp(LLAMA, 1))
+    assert unequal == (
+        "fingerprint mismatch: prefill pipeline parallelism (pp 2) with unequal attention TP "
+        "(prefill 2, decode 1) is not supported (pp, attn_tp)"
+    )
+    mamba = msgspec.structs.replace(LLAMA, state_types=("mamba",))
+    stage = msgspec.structs.replace(mamba, pp=2, pp_rank=1, layers=16, first_layer=16)
+    assert mismatch(stage, mamba) == (
+        "fingerprint mismatch: prefill pipeline parallelism (pp 2) with state pools (mamba) is "
+        "not supported (pp, state_types)"
+    )
+
+
+def test_stage_buffers_map_each_stage_buffer_to_decodes_layer() -> None:
+    assert stage_buffers(LLAMA, LLAMA, 64, 64) is None  # no pipeline: one to one
+    # MHA: K of layers 0..31 then V of layers 0..31 on decode; stage 1 holds layers 16..31.
+    assert stage_buffers(_stage(1, 2, 16), LLAMA, 32, 64) == (
+        *range(16, 32),
+        *range(48, 64),
+    )
+    assert stage_buffers(_stage(0, 2, 16), LLAMA, 32, 64) == (*range(0, 16), *range(32, 48))
+    mla = msgspec.structs.replace(LLAMA, mla=True, kv_heads=1)
+    stage = msgspec.structs.replace(mla, pp=3, pp_rank=2, layers=10, first_layer=22)
+    assert stage_buffers(stage, mla, 10, 32) == tuple(range(22, 32))
+    problem = stage_buffers(_stage(1, 2, 16), LLAMA, 32, 60)
+    assert isinstance(problem, str)
+    assert "not the same number of buffers per layer" in problem
+
+
+def test_a_pipeline_rank_must_be_below_the_pipeline_size() -> None:
+    with pytest.raises(ValueError, match="pipeline rank 2 of pipeline size 2"):
+        msgspec.structs.replace(LLAMA, pp=2, pp_rank=2)
 
 
 def test_unequal_attention_tp_pairs_when_heads_split() -> None:

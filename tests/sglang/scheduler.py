@@ -159,11 +159,12 @@ class RankBuffers:
         head_bytes: int = HEAD_BYTES,
         mla: bool = False,
         state: bool = True,
+        layers: int = LAYERS,
     ) -> RankBuffers:
         """``seed``: the prefill fill's generation (KV bytes by :func:`kv_bytes`, the same on
         every replica; state rows also by rank, so a rank mix-up shows); None: zeros
-        (decode). ``state``: with a hybrid-state pool."""
-        n_kv = LAYERS if mla else 2 * LAYERS
+        (decode). ``state``: with a hybrid-state pool. ``layers``: of the whole model."""
+        n_kv = layers if mla else 2 * layers
         row = PAGE_TOKENS * len(heads) * head_bytes
         if seed is None:
             kv = [np.zeros((PAGES, row), np.uint8) for _ in range(n_kv)]
@@ -286,6 +287,7 @@ class Instance:
         mla: bool = False,
         head_counts: HeadCounts = "before",
         state: bool = True,
+        layers: int = LAYERS,
     ) -> Instance:
         """``heads``: the model's KV heads, split over the ranks as SGLang does
         (:func:`rank_heads`); default one per rank, so a page is ``PAGE_BYTES`` per buffer.
@@ -293,7 +295,7 @@ class Instance:
         ``head_counts``: when the MHA head counts land in ``KVArgs``: "before" the manager is
         built (SGLang's prefill), "after" it (SGLang's decode with heterogeneous-TP staging), or
         "never" (SGLang's decode without staging). ``state``: with a hybrid-state pool (one
-        Mamba-like state type) or none."""
+        Mamba-like state type) or none. ``layers``: the model's."""
         total = 1 if mla else (tp_size if heads is None else heads)
         fill = generation if mode == "prefill" else None
         buffers = [
@@ -305,6 +307,7 @@ class Instance:
                 head_bytes=head_bytes,
                 mla=mla,
                 state=state,
+                layers=layers,
             )
             for r in range(tp_size)
         ]

@@ -9,6 +9,7 @@ import ipaddress
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvfsm.bootstrap import Fingerprint
@@ -90,6 +91,22 @@ def test_the_fingerprint_declares_what_both_schedulers_set_before_the_manager() 
     declared = fingerprint_from_kv_args(prefill, is_mla=False, attn_tp_size=2, pp_size=1)
     assert (declared.kv_heads, declared.head_bytes) == (8, prefill.kv_item_lens[0] // 16 // 4)
     assert mismatch(declared, got) is None
+
+
+def test_a_pipeline_stage_declares_its_own_span_of_layers() -> None:
+    # Each stage's pool holds its own layers (3 here); prefill_start_layer says where they sit.
+    stage = kv_args(kv_cache_dtype_str="bfloat16")
+    stage.prefill_start_layer = 3
+    got = fingerprint_from_kv_args(stage, is_mla=False, attn_tp_size=1, pp_size=2, pp_rank=1)
+    assert (got.pp, got.pp_rank, got.first_layer, got.layers) == (2, 1, 3, 3)
+    whole = msgspec.structs.replace(got, pp=1, pp_rank=0, first_layer=0, layers=6)
+    # (the rig's KVArgs have a Mamba pool, which a pipeline refuses by name)
+    assert "with state pools (mamba)" in str(mismatch(got, whole))
+    got, whole = (msgspec.structs.replace(f, state_types=()) for f in (got, whole))
+    assert mismatch(got, whole) is None
+    # Without pipeline parallelism prefill_start_layer is ignored (SGLang sets it to 0 anyway).
+    flat = fingerprint_from_kv_args(stage, is_mla=False, attn_tp_size=1, pp_size=1)
+    assert flat.first_layer == 0
 
 
 def test_the_fingerprint_tells_mla_and_mha_and_dtypes_apart() -> None:
@@ -256,8 +273,8 @@ def server(**fields: Any) -> SimpleNamespace:
     return SimpleNamespace(**base)
 
 
-def ranks(engine_rank: int, system_dp_rank: int | None = 0) -> SimpleNamespace:
-    return SimpleNamespace(engine_rank=engine_rank, system_dp_rank=system_dp_rank)
+def ranks(engine_rank: int, system_dp_rank: int | None = 0, pp_rank: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(engine_rank=engine_rank, system_dp_rank=system_dp_rank, pp_rank=pp_rank)
 
 
 def test_tp_only() -> None:
@@ -295,9 +312,23 @@ def test_registry_ranks_are_unique_over_dp_and_tp() -> None:
     assert seen == set(range(6))
 
 
-def test_pipeline_parallelism_is_refused() -> None:
-    with pytest.raises(UnsupportedError, match=r"pipeline parallelism \(pp_size=2\)"):
-        Topology.of(ranks(0), server(tp_size=2, pp_size=2))
+def test_registry_ranks_are_unique_over_dp_pp_and_tp() -> None:
+    args = server(tp_size=2, dp_size=2, pp_size=3)
+    seen = set()
+    for d in range(2):
+        for p in range(3):
+            for t in range(2):
+                topo = Topology.of(ranks(t, system_dp_rank=d, pp_rank=p), args)
+                assert (topo.pp_size, topo.pp_rank) == (3, p)
+                seen.add(topo.rank)
+                # stage 0 of the rank's pipeline: same DP and TP rank
+                assert topo.rank_of(d, 0, t) == topo.rank - p * 2
+    assert seen == set(range(12))
+
+
+def test_a_pipeline_rank_out_of_range_is_refused() -> None:
+    with pytest.raises(UnsupportedError, match=r"pp_rank 2 out of range \(pp_size 2\)"):
+        Topology.of(ranks(0, pp_rank=2), server(tp_size=2, pp_size=2))
 
 
 def test_tp_not_a_multiple_of_dp_is_refused() -> None:

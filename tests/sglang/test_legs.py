@@ -49,7 +49,7 @@ def request(engine: RoomEngine, room: int, n: int = 3) -> Legs[ReceiverRoom]:
     legs = Legs(engine.receiver(room, group=room))
     for leg in range(1, n):
         legs.add(engine.receiver(room, leg=leg, group=room))
-    legs.ranks = RANKS[:n]
+    legs.sources = [f"prefill attention-TP rank {rank}" for rank in RANKS[:n]]
     return legs
 
 

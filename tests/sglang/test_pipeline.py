@@ -1,0 +1,238 @@
+"""Conformance with pipeline parallelism on prefill (``--pp-size``): SGLang's PP scheduler
+sequence (:mod:`tests.sglang.pipeline`) against kvfsm's adapter over real NIXL, several stages
+of real ranks in one process, every byte checked on decode.
+
+What the adapter does (the feature's contract):
+
+* Each stage writes its own span of layers into decode's whole-model pools (the handshake
+  fingerprint maps its buffers onto decode's: ``_fingerprint.stage_buffers``); decode's request
+  is one leg per stage, the last stage's also carrying the aux row.
+* Stage 0's ``poll_pp_consensus()`` is the MIN over every stage, a stage that has not reported
+  the room counting as Bootstrapping (SGLang's ``check_status_pp_consensus``): when the
+  scheduler's consensus says WaitingForInput, every stage's sender really is (the replay checks
+  it at ``init``). A failure on any stage, or a lost stage, fails the request everywhere.
+* Refused by name: PP on decode, PP with unequal attention TP, stages whose layers do not tile
+  decode's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvfsm.sglang import KvfsmKVBootstrapServer, KvfsmKVReceiver, KvfsmKVSender, UnsupportedError
+from kvfsm.sglang._bases import DisaggregationMode, KVPoll
+from kvfsm.sglang._manager import KvfsmKVManager
+from tests.sglang.pipeline import Pipeline, PipelinePair, spans
+from tests.sglang.scheduler import (
+    Instance,
+    Outcome,
+    RankBuffers,
+    Request,
+    random_requests,
+    server_args,
+    stray_writes,
+)
+
+
+@contextlib.contextmanager
+def started(
+    bootstrap: KvfsmKVBootstrapServer,
+    *,
+    tp: int,
+    pp: int,
+    layers: int,
+    decode_tp: int | None = None,
+) -> Iterator[PipelinePair]:
+    port = bootstrap.port
+    pipeline = Pipeline.start(port, tp, pp, layers=layers)
+    try:
+        decode = Instance.start("decode", port, decode_tp or tp, state=False, layers=layers)
+    except BaseException:
+        pipeline.close()
+        raise
+    try:
+        pair = PipelinePair(pipeline, decode, port)
+        pair.wait_for_stages()
+        yield pair
+    finally:
+        decode.close()
+        pipeline.close()
+
+
+def assert_clean(out: Outcome) -> None:
+    assert out.violations == []
+    assert out.leaks == []
+    assert out.timed_out == []
+
+
+def assert_all_succeeded(requests: list[Request]) -> None:
+    for req in requests:
+        outcome = (req.prefill_outcome, req.decode_outcome)
+        assert outcome == ("Success", "Success"), (
+            req.room,
+            req.prefill_reasons,
+            req.decode_reasons,
+        )
+
+
+def with_empty_request(requests: list[Request]) -> list[Request]:
+    requests[0].src_pages = requests[0].dst_pages = []
+    requests[0].chunks = [[]]
+    return requests
+
+
+def test_sglang_splits_layers_over_stages_as_the_rig_does() -> None:
+    assert spans(2, 2) == [(0, 1), (1, 1)]
+    assert spans(4, 3) == [(0, 1), (1, 1), (2, 2)]
+    assert spans(7, 2) == [(0, 3), (3, 4)]
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "layers"),
+    [(1, 2, 2), (2, 2, 2), (1, 3, 4), (1, 2, 5)],
+    ids=["tp1-pp2", "tp2-pp2", "tp1-pp3-uneven", "tp1-pp2-uneven"],
+)
+def test_requests_succeed_with_every_layer_from_its_stage(
+    bootstrap: KvfsmKVBootstrapServer, tp: int, pp: int, layers: int
+) -> None:
+    with started(bootstrap, tp=tp, pp=pp, layers=layers) as pair:
+        requests = with_empty_request(random_requests(random.Random(50 + pp + layers), 12))
+        out = pair.run(requests)
+        assert_clean(out)
+        assert_all_succeeded(requests)
+        assert stray_writes(requests, pair.pipeline.view, pair.decode) == []
+        # Each stage moved its own layers of every page and nothing else; only the last stage
+        # the aux rows.
+        snaps = pair.pipeline.transport_snapshots()
+        pages = sum(len(r.src_pages) for r in requests)
+        for s, stage in enumerate(pair.pipeline.stages):
+            for r, b in enumerate(stage.buffers):
+                want = pages * b.page_bytes()
+                if s == pp - 1:
+                    want += len(requests) * b.aux_row_bytes()
+                assert snaps[s][r]["bytes_done"] == want, (s, r)
+
+
+def test_the_consensus_waits_for_a_stage_that_has_not_reported(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """Stage 0's own sender is WaitingForInput, but stage 1 has not built its sender yet (its
+    scheduler is behind): the consensus stays Bootstrapping until stage 1's sender has its
+    destination too, then says WaitingForInput."""
+    with started(bootstrap, tp=1, pp=2, layers=2) as pair:
+        addr = pair.addr
+        m0, m1 = pair.pipeline.managers
+        decode = pair.decode.managers[0]
+        receiver = KvfsmKVReceiver(decode, addr, 77)
+        first = KvfsmKVSender(m0, addr, 77)
+        deadline = time.monotonic() + 10
+        while not decode.try_ensure_parallel_info(addr):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        receiver.init(0)
+        while receiver.poll() != KVPoll.WaitingForInput:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        receiver.send_metadata(np.asarray([3, 4], np.int32), 1)
+        while first.poll() != KVPoll.WaitingForInput:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)  # long enough for any report stage 1 would have sent
+        assert first.poll_pp_consensus() == KVPoll.Bootstrapping
+        second = KvfsmKVSender(m1, addr, 77)
+        while first.poll_pp_consensus() != KVPoll.WaitingForInput:
+            assert time.monotonic() < deadline, second.poll()
+            time.sleep(0.005)
+        assert second.poll() == KVPoll.WaitingForInput
+        for conn in (first, second, receiver):
+            conn.abort()
+            conn.clear()
+
+
+def test_aborts_on_any_stage_end_the_request_everywhere(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """A later stage aborts after the first chunk, or decode aborts mid-transfer: every request
+    ends, Failed with reasons, decode's pages go back only once no stage can write them
+    (canaries checked by ``Pair.finish``), nothing leaks on any stage."""
+    with started(bootstrap, tp=1, pp=2, layers=2) as pair:
+        requests = random_requests(random.Random(61), 10, max_pages=8)
+        aborted = []
+        for i, req in enumerate(r for r in requests if len(r.src_pages) >= 3):
+            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
+            if i % 2:
+                req.prefill_abort_after, req.prefill_abort_rank = 1, 1  # stage 1
+            else:
+                req.decode_abort_after = 1
+            aborted.append(req)
+        assert len(aborted) >= 2
+        out = pair.run(requests)
+        assert_clean(out)
+        for req in aborted:
+            assert req.decode_outcome == "Failed", req.room
+            assert all(req.decode_reasons), req.decode_reasons
+            if req.prefill_abort_after is not None:
+                assert req.prefill_outcome == "Failed", req.room
+                assert any("AbortReq" in r for r in req.prefill_reasons), req.prefill_reasons
+        assert_all_succeeded([r for r in requests if r not in aborted])
+        assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
+        assert stray_writes(requests, pair.pipeline.view, pair.decode) == []
+
+
+def test_a_lost_stage_fails_the_requests_it_had_not_joined(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """Stage 1 goes away while requests wait for their destination: stage 0's consensus says
+    Failed, naming the lost stage, well before any deadline."""
+    with started(bootstrap, tp=1, pp=2, layers=2) as pair:
+        requests = random_requests(random.Random(62), 4)
+        for req in requests:
+            req.decode_waits_for_prefill = True  # decode holds its page lists back
+        pair.submit(requests)
+        for _ in range(50):
+            pair.step()
+            time.sleep(0.002)
+        pair.pipeline.stages[1].close()
+        started_at = time.monotonic()
+        deadline = started_at + 15
+        while not all(r.prefill_outcome for r in requests):
+            assert time.monotonic() < deadline, [r.prefill_outcome for r in requests]
+            pair.step()
+            time.sleep(0.002)
+        for req in requests:
+            assert req.prefill_outcome == "Failed"
+            assert any("PP stage 1 lost" in r for r in req.prefill_reasons), req.prefill_reasons
+        # then decode's requests end too (their prefill legs were told), and nothing leaks
+        while not all(r.done for r in requests) or pair.d.busy:
+            assert time.monotonic() < deadline + 30
+            pair.step()
+            time.sleep(0.002)
+        assert all(r.decode_outcome == "Failed" for r in requests)
+
+
+def test_pipeline_parallelism_on_decode_is_refused_by_name(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    args = RankBuffers.make(None, state=False).kv_args(0)
+    sargs = server_args(bootstrap.port, 1)
+    sargs.pp_size = 2
+    with pytest.raises(UnsupportedError, match="pipeline parallelism on decode"):
+        KvfsmKVManager(args, DisaggregationMode("decode"), sargs, False)
+
+
+def test_a_pipeline_with_unequal_attention_tp_is_refused_with_a_reason(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    with started(bootstrap, tp=2, pp=2, layers=2, decode_tp=1) as pair:
+        requests = random_requests(random.Random(63), 3)
+        out = pair.run(requests, timeout=30)
+        assert out.violations == []
+        for req in requests:
+            assert req.decode_outcome == "Failed"
+            assert any("equal attention TP" in r for r in req.decode_reasons), req.decode_reasons
