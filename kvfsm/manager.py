@@ -17,8 +17,10 @@ first registration) and belong to setup and teardown.
 
 Tensor parallelism: each TP rank runs its own manager; rank ``r`` of prefill serves rank ``r`` of
 decode (equal TP), and the caller all-reduces ``poll()`` over its ranks with MIN, as SGLang does.
-The room id travels on every frame, so unequal TP (a decode rank reading from several prefill
-ranks) only needs the receiver to wait for several confirmations; that is not done yet.
+Unequal attention TP is one room per prefill/decode rank pair that moves something (a leg,
+``receiver(room, leg=, group=)``, ``sender(room, leg=)``; docs/heterogeneous-tp.md). Pipeline
+stages on prefill: each stage runs its own manager (``pp_rank``, ``pp_size``, ``stage_root``),
+and stage 0 learns the others' room statuses (``pipeline``; docs/pipeline.md).
 """
 
 from __future__ import annotations

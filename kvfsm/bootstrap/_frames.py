@@ -148,8 +148,9 @@ __all__ = [
 #: The version this module speaks. Peers with another version are refused at ``Hello``.
 #: 2: leases, claims, reconciliation; 3: session keys, sequence numbers; 4: the handshake
 #: fingerprint (Hello.fingerprint); 5: legs (RoomMetadata.part), the attention-TP rank, and
-#: decode prefix caching (RoomMetadata.prefix).
-PROTOCOL_VERSION: Final = 5
+#: decode prefix caching (RoomMetadata.prefix); 6: pipeline stages in the fingerprint
+#: (``pp_rank``, ``first_layer``).
+PROTOCOL_VERSION: Final = 6
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20

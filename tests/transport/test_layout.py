@@ -581,6 +581,24 @@ def test_summary_round_trips_through_msgpack() -> None:
     assert np.array_equal(decoded.state_index(2), layout.state_index(2))
 
 
+def test_select_kv_keeps_the_chosen_buffers_in_the_order_asked() -> None:
+    """A pipeline stage pairs its buffers with some of decode's, in its own order."""
+    summary = Layout.from_tensors(make_kv(), make_aux(), make_state()).summary()
+    assert len(summary.kv) >= 3
+    picked = summary.select_kv([2, 0])
+    assert picked.kv == (summary.kv[2], summary.kv[0])
+    assert (picked.aux, picked.state) == (summary.aux, summary.state)
+    assert picked.num_pages == summary.num_pages
+    assert np.array_equal(
+        picked.kv_descs()[: summary.num_pages],
+        summary.kv_descs()[2 * summary.num_pages : 3 * summary.num_pages],
+    )
+    with pytest.raises(LayoutError, match="out of range"):
+        summary.select_kv([len(summary.kv)])
+    with pytest.raises(LayoutError, match="selected twice"):
+        summary.select_kv([1, 1])
+
+
 def test_summary_carries_kinds_devices_and_high_addresses() -> None:
     """VRAM kv on device 7 at a top-of-address-space pointer (> 2**63), DRAM aux."""
     top = 2**64 - 2 * GIB
