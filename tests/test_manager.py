@@ -1,63 +1,34 @@
-"""The engine API end to end in one test process: a real bootstrap registry (its own process),
-a PrefillManager and a DecodeManager (each its own NIXL agent, loop thread and control channel),
-rooms driven through both sides' facades, bytes checked."""
+"""The engine API end to end in one test process: a real bootstrap registry, a PrefillManager and
+a DecodeManager (each its own NIXL agent, loop thread and control channel; ``kvfsm.testing``'s
+pair, whose teardown fails the test on anything left behind), rooms driven through both sides'
+facades, bytes checked."""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 
 from kvfsm import KVPoll
 from kvfsm.bootstrap import ChannelConfig
-from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager, default_agent_name
+from kvfsm.manager import DecodeManager, ManagerConfig, default_agent_name
 from kvfsm.states import TERMINAL
+from kvfsm.testing import KvfsmPair
 from kvfsm.transport._peer import make_buffers, make_layout, wait_for
-from tests.bootstrap.prefill_process import SHAPE, fill_sources
-from tests.registry import running_registry
+from tests.bootstrap.prefill_process import SHAPE
 
 CONFIG = ManagerConfig(channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5)
 
 
-@pytest.fixture(scope="module")
-def registry() -> Iterator[str]:
-    """A real bootstrap registry in its own process."""
-    with running_registry(ttl_s=3) as url:
-        yield url
-
-
-class Pair:
-    def __init__(self, url: str) -> None:
-        self.src_kv, self.src_aux = make_buffers(SHAPE)
-        fill_sources(self.src_kv, self.src_aux)
-        self.dst_kv, self.dst_aux = make_buffers(SHAPE)
-        self.prefill = PrefillManager(
-            make_layout(self.src_kv, self.src_aux), url, engine_id="t", config=CONFIG
-        )
-        self.decode = DecodeManager(
-            make_layout(self.dst_kv, self.dst_aux), url, engine_id="t", config=CONFIG
-        )
-
-    def close(self) -> None:
-        self.decode.close()
-        self.prefill.close()
-
-
-@pytest.fixture
-def pair(registry: str) -> Iterator[Pair]:
-    p = Pair(registry)
-    yield p
-    p.close()
-
-
-def test_a_room_through_both_managers(pair: Pair) -> None:
-    src, dst = [3, 4, 5, 6], [100, 90, 80, 70]
-    receiver = pair.decode.receiver(42)
+def test_a_room_through_both_managers(kvfsm_pair: KvfsmPair) -> None:
+    """Both facades driven by hand (kvfsm.testing's pair: a real registry, through which decode
+    finds prefill, and both managers over real NIXL)."""
+    prefill, decode = kvfsm_pair.prefill, kvfsm_pair.decode
+    src, dst = [3, 4, 5, 6], [60, 50, 40, 30]
+    receiver = decode.receiver(42)
     receiver.init(0)
-    sender = pair.prefill.sender(42)
+    sender = prefill.sender(42)
     wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
     receiver.send_metadata(np.asarray(dst, np.int32), aux_index=7)
     wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
@@ -67,22 +38,20 @@ def test_a_room_through_both_managers(pair: Pair) -> None:
     wait_for(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=10)
     assert receiver.poll() is KVPoll.Success, receiver.reason
     assert sender.poll() is KVPoll.Success, sender.reason
-    for b in range(len(pair.src_kv)):
-        for s, d in zip(src, dst, strict=True):
-            assert np.array_equal(pair.dst_kv[b][d], pair.src_kv[b][s])
-    assert np.array_equal(pair.dst_aux[7], pair.src_aux[2])
+    assert kvfsm_pair.landed(src, dst, 2, 7)
     receiver.clear()
     sender.clear()
-    wait_for(lambda: pair.prefill.stats()["rooms"]["live"] == 0, timeout=10)
-    wait_for(lambda: pair.decode.stats()["rooms"]["live"] == 0, timeout=10)
+    wait_for(lambda: prefill.stats()["rooms"]["live"] == 0, timeout=10)
+    wait_for(lambda: decode.stats()["rooms"]["live"] == 0, timeout=10)
 
 
-def test_aborts_from_either_side_end_both_rooms(pair: Pair) -> None:
+def test_aborts_from_either_side_end_both_rooms(kvfsm_pair: KvfsmPair) -> None:
+    prefill, decode = kvfsm_pair.prefill, kvfsm_pair.decode
     rooms = []
     for room in range(6):
-        receiver = pair.decode.receiver(room)
+        receiver = decode.receiver(room)
         receiver.init(0)
-        sender = pair.prefill.sender(room)
+        sender = prefill.sender(room)
         rooms.append((sender, receiver))
     wait_for(lambda: all(r.poll() is KVPoll.WaitingForInput for _, r in rooms), timeout=10)
     for room, (sender, receiver) in enumerate(rooms):
@@ -92,9 +61,11 @@ def test_aborts_from_either_side_end_both_rooms(pair: Pair) -> None:
         lambda: all(s.poll() is KVPoll.Failed and r.poll() is KVPoll.Failed for s, r in rooms),
         timeout=10,
     )
-    wait_for(lambda: all(r.settled for _, r in rooms), timeout=10)
+    wait_for(lambda: all(r.settled and s.settled for s, r in rooms), timeout=10)
     for room, (sender, receiver) in enumerate(rooms):
         assert f"abort {room}" in (receiver.reason if room % 2 else sender.reason)
+        sender.clear()
+        receiver.clear()
 
 
 def test_default_agent_names_are_unique_per_manager_and_name_the_process() -> None:
