@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KvfsmKVReceiver", "KvfsmKVSender", "SGLangTransferError"]
 
+#: The clock of the transfer metric (a module attribute, so a test can hand it a virtual one).
+_now = time.monotonic
+
 
 class SGLangTransferError(KVTransferError):
     """What ``failure_exception()`` raises. SGLang's scheduler reads ``failure_reason`` and
@@ -218,7 +221,7 @@ class KvfsmKVSender(_Conn, BaseKVSender):
                 )
             return
         if self._started is None and (len(kv_indices) or rows or not self._num_pages):
-            self._started = time.monotonic()
+            self._started = _now()
         self._sent_pages += len(kv_indices)
         self._chunks += 1
         last = self._sent_pages >= self._num_pages
@@ -239,7 +242,7 @@ class KvfsmKVSender(_Conn, BaseKVSender):
             self._spawn_legs()
         status = self._legs.poll()
         if status is RoomStatus.Success and self._finished is None:
-            self._finished = time.monotonic()
+            self._finished = _now()
         return status
 
     def poll_pp_consensus(self) -> int:

@@ -14,6 +14,7 @@ adapter's own doing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvfsm.sglang._conn
 from kvfsm.rooms import KVTransferError
 from kvfsm.sglang import (
     KvfsmKVBootstrapServer,
@@ -40,6 +42,7 @@ from kvfsm.sglang import (
 )
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
 from kvfsm.sglang._conn import prefix_problem
+from kvfsm.testing import VirtualClock
 from tests.sglang.scheduler import (
     AUX_ROWS,
     LAYERS,
@@ -85,6 +88,21 @@ def frozen(mgr: KvfsmKVManager) -> Iterator[None]:
         yield
     finally:
         release.set()
+
+
+def quiesced(*managers: KvfsmKVManager) -> None:
+    """Every event already posted to these managers' loops has been handled: a round trip on
+    each loop, twice (an event handled in the first may post another). What a test then reads
+    is what the rooms decided, not a sample of how far they got in some time."""
+
+    async def nothing() -> None:
+        return None
+
+    for _ in range(2):
+        for mgr in managers:
+            engine = mgr.kvfsm.engine
+            assert engine is not None
+            engine.call(nothing())
 
 
 @dataclass
@@ -176,12 +194,11 @@ def test_polls_before_init_are_pre_init_values(pair: Pair) -> None:
     assert sender.poll() in PRE_INIT
     receiver.send_metadata(np.array([1, 2], np.int32), 0, [[0]])
     assert wait_poll(sender, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
-    # Without init, prefill can go no further, whatever time it is given.
-    end = time.monotonic() + 0.3
-    while time.monotonic() < end:
-        assert sender.poll() == KVPoll.WaitingForInput
-        assert receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
-        time.sleep(0.01)
+    # Without init, prefill can go no further: once both loops handled everything they were
+    # sent, the rooms are still where the page list left them.
+    quiesced(pair.pm, pair.dm)
+    assert sender.poll() == KVPoll.WaitingForInput
+    assert receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
     sender.clear()
     receiver.clear()
 
@@ -192,11 +209,9 @@ def test_receiver_polls_stay_pre_init_until_send_metadata(pair: Pair) -> None:
     sender, receiver = pair.sender(room), pair.receiver(room)
     receiver.init(0)
     assert wait_poll(receiver, KVPoll.WaitingForInput, KVPoll.Failed) == KVPoll.WaitingForInput
-    end = time.monotonic() + 0.3
-    while time.monotonic() < end:
-        assert receiver.poll() == KVPoll.WaitingForInput
-        assert sender.poll() in PRE_INIT
-        time.sleep(0.01)
+    quiesced(pair.pm, pair.dm)
+    assert receiver.poll() == KVPoll.WaitingForInput
+    assert sender.poll() in PRE_INIT
     receiver.clear()
     sender.clear()
 
@@ -500,18 +515,21 @@ def test_transfer_metric(pair: Pair) -> None:
     sender.clear()
 
 
-def test_transfer_latency_starts_at_the_first_send_not_at_init(pair: Pair) -> None:
+def test_transfer_latency_starts_at_the_first_send_not_at_init(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # SGLang's senders time "first enqueue -> Success"; the prefill forward between init() and
     # the first send() is not transfer time (it made kv_transfer_speed_gb_s read ~0 on CPU).
+    # The adapter's clock is a virtual one here: the figure is exact, whatever the machine does.
     sender, receiver, src, _dst = pair.handshake(pages=2)
-    initialised = time.monotonic()
+    clock = VirtualClock()
+    monkeypatch.setattr(kvfsm.sglang._conn, "_now", clock)
     sender.init(2, 5)
-    time.sleep(0.5)  # the "forward pass"
+    clock.advance(30.0)  # the "forward pass"
     sender.send(src, [[6]])
+    clock.advance(0.25)  # the transfer, as far as the clock is concerned
     assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success
-    latency = sender.get_transfer_metric().transfer_latency_s
-    assert latency is not None
-    assert 0 <= latency <= time.monotonic() - initialised - 0.5
+    assert sender.get_transfer_metric().transfer_latency_s == 0.25
     receiver.clear()
     sender.clear()
 
@@ -565,11 +583,9 @@ def test_is_abort_release_safe_only_once_prefill_can_no_longer_write(pair: Pair)
     with frozen(pair.pm):
         receiver.abort()
         receiver.clear()  # the scheduler clears before it asks (failure_exception does)
-        end = time.monotonic() + 0.3
-        while time.monotonic() < end:
-            assert not pair.dm.is_abort_release_safe(room, 1)
-            assert not receiver.is_abort_release_safe()
-            time.sleep(0.01)
+        quiesced(pair.dm)  # decode has handled the abort and everything it led to
+        assert not pair.dm.is_abort_release_safe(room, 1)
+        assert not receiver.is_abort_release_safe()
         assert pair.dm.tracked_rooms() == 1
     wait_for("the release to be safe", lambda: pair.dm.is_abort_release_safe(room, 1))
     assert receiver.is_abort_release_safe()
@@ -603,19 +619,27 @@ def test_tracked_rooms_return_to_zero_once_cleared_and_settled(pair: Pair) -> No
 
 
 def test_try_ensure_parallel_info_never_blocks(pair: Pair) -> None:
+    """The lookup runs on kvfsm's loop: with the registry's answer held back, the call still
+    returns (False), as many times as the scheduler asks, and True once the answer landed."""
     dm = pair.dm
     assert pair.addr not in dm.prefill_info_table
-    answers: list[bool] = []
-    slowest = 0.0
-    deadline = time.monotonic() + WAIT_S
-    while not answers or not answers[-1]:
-        assert time.monotonic() < deadline, "parallel info never arrived"
-        start = time.perf_counter()
-        answers.append(dm.try_ensure_parallel_info(pair.addr))
-        slowest = max(slowest, time.perf_counter() - start)
-        time.sleep(0.001)
-    assert answers[0] is False  # the lookup runs on kvfsm's loop, not in the call
-    assert slowest < 0.02, f"try_ensure_parallel_info took {slowest * 1e3:.1f} ms"
+    client = dm._client(pair.addr)
+    real_rank = client.rank
+    answer = threading.Event()
+
+    async def held_back(engine: str, rank: int) -> Any:
+        while not answer.is_set():  # an answer that has not come (polled: another thread)
+            await asyncio.sleep(0.001)
+        return await real_rank(engine, rank)
+
+    client.rank = held_back  # type: ignore[method-assign]
+    try:
+        assert [dm.try_ensure_parallel_info(pair.addr) for _ in range(5)] == [False] * 5
+        assert pair.addr in dm._fetching  # one lookup in flight, not five
+        answer.set()
+        wait_for("the parallel info", lambda: dm.try_ensure_parallel_info(pair.addr))
+    finally:
+        client.rank = real_rank  # type: ignore[method-assign]
     assert dm.prefill_info_table[pair.addr] == PrefillInfo(dp_size=1, tp_size=1)
     assert dm.prefill_info_table[pair.addr].follow_bootstrap_room is True
     assert dm.try_ensure_parallel_info(pair.addr) is True
@@ -626,10 +650,7 @@ def test_try_ensure_parallel_info_for_an_unreachable_instance_stays_false(pair: 
         probe.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{probe.getsockname()[1]}"
     dm = pair.dm
-    end = time.monotonic() + 0.5
-    while time.monotonic() < end:
-        assert dm.try_ensure_parallel_info(addr) is False
-        time.sleep(0.05)
+    assert dm.try_ensure_parallel_info(addr) is False
     wait_for("the lookup to give up", lambda: addr not in dm._fetching)
     assert dm.try_ensure_parallel_info(addr) is False  # and a new lookup starts
     assert addr not in dm.prefill_info_table
