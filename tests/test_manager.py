@@ -15,9 +15,10 @@ from kvfsm import KVPoll
 from kvfsm.bootstrap import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager, default_agent_name
 from kvfsm.states import TERMINAL
-from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.registry import running_registry
+from tests.waiting import wait_for
 
 CONFIG = ManagerConfig(channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5)
 
