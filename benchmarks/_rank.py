@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.rooms import RoomEngine
 from kvfsm.transport import Agent, Leases, NixlTransport
-from kvfsm.transport._peer import Shape, make_buffers, make_layout
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 
 
 @dataclass

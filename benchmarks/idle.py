@@ -37,7 +37,7 @@ from kvfsm._child import ChildProcess
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.rooms import ReceiverRoom, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll
-from kvfsm.transport._peer import Shape
+from kvfsm.workload.buffers import Shape
 
 SHAPE = Shape(layers=2, num_pages=4096, page_bytes=1024, aux_rows=512, aux_row_bytes=64)
 PAGES_PER_ROOM = 4

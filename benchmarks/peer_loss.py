@@ -29,7 +29,7 @@ from kvfsm._child import ChildProcess
 from kvfsm.bootstrap._control import ChannelConfig
 from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll
-from kvfsm.transport._peer import Shape
+from kvfsm.workload.buffers import Shape
 
 SHAPE = Shape(layers=2, num_pages=1024, page_bytes=1024, aux_rows=256, aux_row_bytes=64)
 CHANNEL = ChannelConfig()

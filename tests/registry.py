@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from kvfsm.transport._peer import wait_for
+from tests.waiting import wait_for
 
 
 def _listening(port: int) -> bool:

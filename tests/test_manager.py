@@ -15,8 +15,9 @@ from kvfsm.bootstrap import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, default_agent_name
 from kvfsm.states import TERMINAL
 from kvfsm.testing import KvfsmPair
-from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE
+from tests.waiting import wait_for
 
 CONFIG = ManagerConfig(channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5)
 

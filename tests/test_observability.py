@@ -18,9 +18,10 @@ from kvfsm.bootstrap import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.metrics import reason_kind
 from kvfsm.states import TERMINAL
-from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.test_manager import registry  # noqa: F401 - the module-scoped registry fixture
+from tests.waiting import wait_for
 
 CONFIG = ManagerConfig(
     channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5, status_port=0, metrics=True

@@ -27,15 +27,12 @@ connections come from a helper process in the decode namespace, across the veth.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import random
-import re
 import secrets
 import signal
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -43,12 +40,13 @@ from multiprocessing.connection import Connection
 from typing import Any, Final, Protocol
 
 from kvfsm._child import ChildProcess, spawn_quietly
-from kvfsm.bootstrap import BootstrapServer
 from kvfsm.chaos._hostile import HOSTILE_KINDS, HostileResult, send_hostile
 from kvfsm.chaos._netns import CutMode, TwoHosts
 from kvfsm.chaos._options import CampaignOptions, RoomPlan, episode_plan
-from kvfsm.chaos._rank import ABORT_REASON, rank_main
+from kvfsm.chaos._rank import CAMPAIGN_ABORT, rank_main
 from kvfsm.states import KVPoll, Role
+from kvfsm.workload.registry_thread import RegistryThread
+from kvfsm.workload.report import reason_class
 
 __all__ = ["ok", "run_campaign"]
 
@@ -65,65 +63,15 @@ class _AnyRegistry(Protocol):
     def close(self) -> None: ...
 
 
-class _Registry:
-    """The bootstrap registry on its own loop thread; :meth:`restart` keeps the port."""
-
-    def __init__(self, secret: bytes | None, host: str = "127.0.0.1") -> None:
-        self.secret = secret
-        self.host = host
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = 0
-        self.server: BootstrapServer | None = None
-        self.start()
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def start(self) -> None:
-        server = BootstrapServer(
-            self.host, self.port, expected_ranks=1, ttl_s=5.0, secret=self.secret
-        )
-        self._call(server.start())
-        self.server, self.port = server, server.port
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self._call(self.server.stop())
-            self.server = None
-
-    def restart(self, down_s: float) -> None:
-        self.stop()
-        time.sleep(down_s)
-        for _ in range(50):  # the port may linger for a moment
-            try:
-                self.start()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("the registry could not be restarted on its port")
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stop()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
 def _helper_main(conn: Connection, host: str, secret: bytes | None, serve_registry: bool) -> None:
     """A helper process inside a namespace (two hosts): the registry on ``host``
     (``("restart", down_s)``), or a source of hostile connections (``("hostile", kind, host,
     port)``). Quits when told or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the campaign process stops us
     parent = os.getppid()
-    registry = _Registry(secret, host) if serve_registry else None
+    registry = (
+        RegistryThread(host, secret=secret, ttl_s=5.0, quiet=True) if serve_registry else None
+    )
     try:
         conn.send(registry.url if registry is not None else "")
         while os.getppid() == parent:
@@ -629,7 +577,7 @@ class _Campaign:
             if opts.two_hosts:
                 self._enter_two_hosts()
             else:
-                self.registry = _Registry(self.secret)
+                self.registry = RegistryThread(secret=self.secret, ttl_s=5.0, quiet=True)
             while True:
                 if opts.duration_s is None and episodes >= opts.episodes:
                     break
@@ -746,9 +694,7 @@ class _Campaign:
 def _reason_class(reason: str) -> str:
     """A reason with numbers and peer ids blanked, for counting; the campaign's own aborts
     are one class."""
-    if ABORT_REASON in reason:
-        return f"aborted ({'peer' if '(peer)' in reason else 'local'}): campaign abort"
-    return re.sub(r"\d+(\.\d+)?", "#", reason)[:160]
+    return reason_class(reason, own_abort=CAMPAIGN_ABORT, own_name="campaign abort", width=160)
 
 
 def _options_json(opts: CampaignOptions) -> dict[str, Any]:

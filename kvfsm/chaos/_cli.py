@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from kvfsm.chaos._options import CampaignOptions
+from kvfsm.workload.command import run_command
 
 __all__ = ["add_parser", "print_text", "run"]
 
@@ -128,7 +129,6 @@ def print_text(s: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvfsm.chaos._campaign import ok, run_campaign  # noqa: PLC0415 - NIXL import
-    from kvfsm.cli import run_command  # noqa: PLC0415 - kvfsm.cli imports this module
 
     opts = options(args)
     if not args.json:

@@ -71,13 +71,16 @@ from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, PrefillManager
 from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll, Role
-from kvfsm.transport._peer import Shape, compare_room, make_buffers, make_layout
+from kvfsm.workload.buffers import Shape, compare_room, make_buffers, make_layout
+from kvfsm.workload.loop import Phase
 
-__all__ = ["ABORT_REASON", "ENGINE", "rank_main"]
+__all__ = ["CAMPAIGN_ABORT", "ENGINE", "rank_main"]
 
 _log = logging.getLogger("kvfsm.chaos")
 ENGINE: Final = "chaos"
-ABORT_REASON: Final = "chaos campaign abort"
+#: The reason the campaign's planned aborts give (``kvfsm run``'s and the demo's is
+#: :data:`kvfsm.workload.options.ABORT_REASON`).
+CAMPAIGN_ABORT: Final = "chaos campaign abort"
 _CANARY: Final = 0x5A
 _POISON: Final = 0xA5
 #: A gap this long between two loop iterations means the process was stopped (or starved).
@@ -139,7 +142,7 @@ class _Live:
     frozen_at_start: float
     #: 0: the room's first generation; 1: the next room of the same id (``plan.reuse``).
     gen: int = 0
-    phase: int = 0  # 0 bootstrap, 1 sending / metadata sent, 2 finishing, 3 settling
+    phase: Phase = Phase.BOOTSTRAP
     step: int = 0
     status: int = 0
     reason: str = ""
@@ -308,7 +311,7 @@ class _Rank:
             progressed = True
         for item in self.live:
             progressed |= self._step(item, now)
-        self.live = [item for item in self.live if item.phase < 4]
+        self.live = [item for item in self.live if item.phase is not Phase.DONE]
         if self.spawned:
             self.live += self.spawned
             self.spawned = []
@@ -321,11 +324,11 @@ class _Rank:
 
     def _step(self, item: _Live, now: float) -> bool:
         room = item.room
-        if item.phase == 3:
+        if item.phase is Phase.SETTLING:
             waited_out = now - item.ended > self.settle_wait + self.frozen_since(item)
             if room.settled or waited_out:
                 self._finish(item, settled=room.settled)
-                item.phase = 4
+                item.phase = Phase.DONE
                 return True
             return False
         status = self._timed("poll", room.poll)
@@ -338,7 +341,7 @@ class _Rank:
                 self._landed(item)
             self._check_oversized(item)
             self._timed("clear", room.clear)
-            item.phase = 3
+            item.phase = Phase.SETTLING
             if self.role == "prefill" and item.plan.reuse and item.gen == 0:
                 # Decode reuses the id after aborting it: serve its next receiver, whatever the
                 # first sender became (it may have finished before decode's abort came, or
@@ -352,7 +355,7 @@ class _Rank:
             item.status, item.reason, item.ended = int(KVPoll.Failed), "wedged", now
             item.frozen_s = self.frozen_since(item)
             item.wedged = True
-            item.phase = 3
+            item.phase = Phase.SETTLING
             return True
         if self.role == "prefill":
             return self._advance_sender(item, status)
@@ -367,7 +370,7 @@ class _Rank:
             sender = self._timed("create", self.manager.sender, plan.room)
             item = _Live(plan, sender, now, self.frozen, gen=gen)
             if item.abort_side == "prefill" and plan.abort_at == -1:
-                self._timed("abort", sender.abort, ABORT_REASON)
+                self._timed("abort", sender.abort, CAMPAIGN_ABORT)
             return item
         # An oversized room names pages past the pool (see _oversized_pages), none of it.
         dst = self.pages.take(0 if plan.oversized else len(plan.src), self.rng)
@@ -397,25 +400,25 @@ class _Rank:
         sender, plan = item.room, item.plan
         assert isinstance(sender, SenderRoom)
         mine = item.abort_side == "prefill"
-        if item.phase == 0 and status is KVPoll.WaitingForInput:
+        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
             if mine and plan.abort_at == 0:
-                self._timed("abort", sender.abort, ABORT_REASON)
+                self._timed("abort", sender.abort, CAMPAIGN_ABORT)
             else:
                 self._timed("init", sender.init, len(plan.src), plan.src_aux)
-                item.phase = 1
+                item.phase = Phase.SENDING
             return True
-        if item.phase == 1:
+        if item.phase is Phase.SENDING:
             bounds = (0, *plan.cuts, len(plan.src))
             chunk = np.asarray(plan.src[bounds[item.step] : bounds[item.step + 1]], np.int32)
             self._timed("send", sender.send, chunk)
             item.step += 1
             if item.step == plan.chunks:
-                item.phase = 2
+                item.phase = Phase.FINISHING
             if mine and plan.abort_at == item.step:
                 # Right after a chunk was handed over: it is in flight (the seed race when it
                 # is not the last one).
-                self._timed("abort", sender.abort, ABORT_REASON)
-                item.phase = 2
+                self._timed("abort", sender.abort, CAMPAIGN_ABORT)
+                item.phase = Phase.FINISHING
             return True
         return False
 
@@ -424,30 +427,30 @@ class _Rank:
         assert isinstance(receiver, ReceiverRoom)
         assert item.dst is not None
         mine = item.abort_side == "decode"
-        if item.phase == 0 and status is KVPoll.WaitingForInput:
+        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
             if mine and plan.abort_at == -1:
-                self._timed("abort", receiver.abort, ABORT_REASON)
+                self._timed("abort", receiver.abort, CAMPAIGN_ABORT)
                 return True
             if plan.oversized and item.gen == 0:
                 self._send_oversized(item, receiver, now)
-                item.phase = 1
+                item.phase = Phase.SENDING
                 return True
             for buf in self.kv:  # a page that is never written cannot pass the check
                 buf[item.dst] = _POISON
             self.aux[item.dst_aux] = _POISON
             self._timed("send_metadata", receiver.send_metadata, item.dst, item.dst_aux)
-            item.phase = 1
+            item.phase = Phase.SENDING
             if mine and plan.abort_at == 0:
                 self._abort_receiver(item, receiver, now)
             return True
-        if item.phase == 1:
+        if item.phase is Phase.SENDING:
             item.step += 1
             if mine and plan.abort_at == item.step:
                 self._abort_receiver(item, receiver, now)
         return False
 
     def _abort_receiver(self, item: _Live, receiver: ReceiverRoom, now: float) -> None:
-        self._timed("abort", receiver.abort, ABORT_REASON)
+        self._timed("abort", receiver.abort, CAMPAIGN_ABORT)
         if item.plan.reuse and item.gen == 0:
             # At once, before the aborted generation settled: the next receiver of the id,
             # on fresh pages (the aborted room's stay held until it settles).

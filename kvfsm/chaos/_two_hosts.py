@@ -22,7 +22,6 @@ the same kind of namespaces, with link cuts as one more fault.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -30,7 +29,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -40,22 +39,17 @@ import numpy as np
 from kvfsm._child import ChildProcess, spawn_quietly
 from kvfsm.bootstrap._control import ChannelConfig
 from kvfsm.chaos._netns import CutMode, TwoHosts
-from kvfsm.cli import _reason_class, _sigint_deferred
-from kvfsm.demo import (
-    STARVED,
-    DemoOptions,
-    Outcome,
-    Site,
-    _collect,
-    _rank_main,
-    _Registry,
-    make_plan,
-    run_demo,
-)
+from kvfsm.demo import run_demo
 from kvfsm.manager import ManagerConfig
 from kvfsm.rooms import RoomConfig
 from kvfsm.states import KVPoll, Role
 from kvfsm.transport import TransferConfig
+from kvfsm.workload.options import DemoOptions
+from kvfsm.workload.pair import Site, collect, running_ranks
+from kvfsm.workload.plan import make_plan
+from kvfsm.workload.ranks import STARVED, Outcome
+from kvfsm.workload.registry_thread import RegistryThread
+from kvfsm.workload.report import reason_class
 
 __all__ = ["CutReport", "Tuning", "TwoHostSite", "run_demo_two_hosts", "run_link_cut"]
 
@@ -133,7 +127,7 @@ def _registry_main(conn: Connection, host: str) -> None:
     or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us
     parent = os.getppid()
-    registry = _Registry(host)
+    registry = RegistryThread(host)
     try:
         conn.send(registry.url)
         while os.getppid() == parent:
@@ -288,36 +282,6 @@ def largest_chunk_bytes(opts: DemoOptions) -> int:
     return opts.max_room_pages * opts.total_page_bytes + opts.aux_row_bytes
 
 
-@contextlib.contextmanager
-def _ranks(
-    site: TwoHostSite, opts: DemoOptions, seed: int
-) -> Iterator[tuple[ChildProcess, ChildProcess]]:
-    level = logging.getLogger("kvfsm").getEffectiveLevel()
-    url, stop_registry = site.start_registry()
-    children: list[ChildProcess] = []
-    try:
-
-        def factory(role: str) -> Callable[[], ChildProcess]:
-            prefix, configure = site.rank(role)
-            return lambda: ChildProcess(
-                _rank_main, role, opts, seed, url, level, configure, what=role, prefix=prefix
-            )
-
-        children = spawn_quietly([factory("prefill"), factory("decode")])
-        site.started()
-        yield children[0], children[1]
-    finally:
-        with _sigint_deferred():
-            for child in children:
-                with contextlib.suppress(Exception):
-                    child.ask("stopping", timeout=5)
-            for child in sorted(children, key=lambda c: c.what != "prefill"):
-                with contextlib.suppress(Exception):
-                    child.close()
-            with contextlib.suppress(Exception):
-                stop_registry()
-
-
 def _batch(
     prefill: ChildProcess,
     decode: ChildProcess,
@@ -335,8 +299,8 @@ def _batch(
     starved = False
     while len(dec) < opts.requests or (len(pre) < opts.requests and not starved):
         time.sleep(0.02)
-        _collect(prefill, pre, "prefill")
-        starved |= _collect(decode, dec, "decode")
+        collect(prefill, pre, "prefill")
+        starved |= collect(decode, dec, "decode")
         if during is not None:
             during(pre, dec)
     return pre, dec
@@ -378,7 +342,7 @@ def run_link_cut(
     problems = report.problems
     with TwoHosts() as hosts:
         site = TwoHostSite(hosts, tuning)
-        with _ranks(site, opts, seed) as (prefill, decode):
+        with running_ranks(site, opts, seed) as (prefill, decode):
             cut_at: list[float] = []
             restored_at: list[float] = []
             in_flight_at_cut: list[int] = []
@@ -496,7 +460,7 @@ def _check_cut_batch(
             if o.status == KVPoll.Failed:
                 if not o.reason:
                     problems.append(f"room {req.room}: {side} room Failed without a reason")
-                reasons[side][_reason_class(o.reason)] += 1
+                reasons[side][reason_class(o.reason)] += 1
                 started = o.ended_at - o.elapsed_ms / 1e3
                 if started < t_cut < o.ended_at:  # live when the link went
                     cut_to_failed[side].append(o.ended_at - t_cut)

@@ -24,7 +24,7 @@ from kvfsm.bootstrap._control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll
-from kvfsm.transport._peer import make_buffers, make_layout
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 
 

@@ -38,7 +38,7 @@ from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import KVPoll
 from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport
-from kvfsm.transport._peer import Shape, make_buffers, make_layout
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 
 SHAPE = Shape(layers=2, num_pages=256, page_bytes=2048, aux_rows=32, aux_row_bytes=128)
 

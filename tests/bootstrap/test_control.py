@@ -17,9 +17,10 @@ from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
 from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.transport import Agent
-from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, PrefillProcess, fill_sources
 from tests.registry import running_registry
+from tests.waiting import wait_for
 
 FAST = ChannelConfig(heartbeat_s=0.2)
 

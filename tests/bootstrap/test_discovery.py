@@ -23,7 +23,7 @@ from kvfsm.bootstrap import (
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
 from kvfsm.rooms import RoomEngine
 from kvfsm.transport import Agent, Leases, NixlTransport
-from kvfsm.transport._peer import Shape, make_buffers, make_layout
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 
 SHAPE = Shape(layers=1, num_pages=4, page_bytes=256, aux_rows=2, aux_row_bytes=64)
 

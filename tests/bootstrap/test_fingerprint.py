@@ -24,10 +24,11 @@ from kvfsm.bootstrap._fingerprint import (
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
-from kvfsm.transport._peer import make_buffers, make_layout, wait_for
 from kvfsm.transport._slices import KvPiece, RowSlice
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.registry import running_registry
+from tests.waiting import wait_for
 
 LLAMA = Fingerprint(
     layers=32, kv_heads=8, head_bytes=256, dtype="bfloat16", page_tokens=16, attn_tp=2

@@ -16,9 +16,10 @@ from kvfsm.chaos._control_proxy import ControlProxy, ProxyThread
 from kvfsm.chaos._plan import ControlRates, FaultPlan
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
-from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.registry import running_registry
+from tests.waiting import wait_for
 
 FRAMES = [struct.pack(">I", 5) + bytes([i]) * 5 for i in range(6)]
 

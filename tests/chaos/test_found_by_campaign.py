@@ -20,9 +20,10 @@ from kvfsm.chaos._plan import FaultPlan, TransferRates
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import RoomConfig
-from kvfsm.transport._peer import make_buffers, make_layout, wait_for
+from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
 from tests.registry import running_registry
+from tests.waiting import wait_for
 
 CHANNEL = ChannelConfig(heartbeat_s=0.25, connect_timeout_s=2.0)
 #: Short, so that a room that cannot settle gives up within the test.

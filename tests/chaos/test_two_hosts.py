@@ -23,7 +23,8 @@ from kvfsm.chaos._netns import NetnsError, TwoHosts, check_environment
 from kvfsm.chaos._options import CampaignOptions
 from kvfsm.chaos._plan import ControlRates, TransferRates
 from kvfsm.chaos._two_hosts import run_demo_two_hosts, run_link_cut
-from kvfsm.demo import DemoOptions, ok
+from kvfsm.workload.demo_report import ok
+from kvfsm.workload.options import DemoOptions
 
 
 @pytest.fixture

@@ -34,7 +34,9 @@ from kvfsm._child import ChildProcess
 from kvfsm.rooms import RoomConfig, RoomEngine
 from kvfsm.states import TERMINAL, DestinationReceived
 from kvfsm.transport import Agent, AgentConfig, LayoutSummary, Leases, NixlTransport
-from kvfsm.transport._peer import PeerProcess, Shape, make_buffers, make_layout, wait_for
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout
+from kvfsm.workload.peer import PeerProcess
+from tests.waiting import wait_for
 
 FENCE = 1
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvfsm.transport._agent import Agent, AgentConfig
 from kvfsm.transport._layout import Layout, Region
-from kvfsm.transport._peer import Shape, make_buffers, make_layout
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 
 SHAPE = Shape(layers=2, num_pages=8, page_bytes=512, aux_rows=4, aux_row_bytes=64)
 _NAMES = itertools.count()

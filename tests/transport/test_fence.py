@@ -19,15 +19,10 @@ from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport, TransferConfig
 from kvfsm.transport._fence import REVOKED_KEPT
-from kvfsm.transport._peer import (
-    PeerProcess,
-    Shape,
-    make_buffers,
-    make_layout,
-    page_digests,
-    wait_for,
-)
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
+from kvfsm.workload.peer import PeerProcess
 from tests.transport.test_transport import RecordingControl
+from tests.waiting import wait_for
 
 SHAPE = Shape(layers=2, num_pages=64, page_bytes=1024, aux_rows=8, aux_row_bytes=64)
 CANARY = 0xAB

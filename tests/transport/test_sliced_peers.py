@@ -17,16 +17,11 @@ from kvfsm.rooms import SenderRoom
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll, Part, ReportOutcome
 from kvfsm.transport._agent import Agent
 from kvfsm.transport._layout import Layout, Region
-from kvfsm.transport._peer import (
-    PeerProcess,
-    Shape,
-    make_buffers,
-    make_layout,
-    page_digests,
-    wait_for,
-)
 from kvfsm.transport._slices import NO_KV, KvPiece, RowSlice, link_piece
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
+from kvfsm.workload.peer import PeerProcess
 from tests.transport.test_transport import Prefill
+from tests.waiting import wait_for
 
 HEAD_BYTES, ROWS = 64, 4  # a page is ROWS token rows of (heads x HEAD_BYTES) bytes
 CANARY = 0xAB

@@ -22,16 +22,10 @@ from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
 from kvfsm.rooms._actor import Inbox, RoomKey
 from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, ReportOutcome
 from kvfsm.transport._agent import Agent
-from kvfsm.transport._peer import (
-    PeerProcess,
-    Shape,
-    make_buffers,
-    make_layout,
-    make_state,
-    page_digests,
-    wait_for,
-)
 from kvfsm.transport._transport import NixlTransport, TransferConfig
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout, make_state, page_digests
+from kvfsm.workload.peer import PeerProcess
+from tests.waiting import wait_for
 
 SHAPE = Shape()
 

@@ -1,0 +1,18 @@
+"""The workloads that drive kvfsm end to end: ``kvfsm run``, ``kvfsm demo`` and the chaos ranks.
+
+* ``options``: the workload's knobs and flags (``WorkloadOptions``, ``RunOptions``,
+  ``DemoOptions``), defined once for both commands.
+* ``buffers``: a rank's KV, aux and state buffers as numpy arrays, their NIXL layout, the checks.
+* ``peer``: a passive decode rank in its own process (``kvfsm run``, benchmarks, tests).
+* ``loop``: the scheduler loop of a rank and the phases of a room in it (``Phase``).
+* ``peer_run``: ``kvfsm run``'s job: prefill rooms here, the passive decode process there.
+* ``plan``, ``ranks``, ``pair``, ``progress``, ``demo_report``: the demo's pieces: the plan
+  made from the seed, the two rank processes, starting and stopping them, the progress line,
+  the summary.
+* ``registry_thread``: the bootstrap registry on a thread of its own.
+* ``report``: percentiles, reason classes, sizes and the layout in words.
+* ``command``, ``interrupts``: the exit statuses every workload command shares, and a teardown
+  that Ctrl-C cannot cut short.
+
+Nothing here imports :mod:`kvfsm.chaos`, :mod:`kvfsm.cli` or :mod:`kvfsm.demo`.
+"""
