@@ -37,14 +37,16 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.bootstrap import BootstrapServer, ChannelConfig, registry_resolver
+from kvfsm.bootstrap import ChannelConfig, registry_resolver
 from kvfsm.chaos._control_proxy import ProxyThread
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import ReceiverRoom, RoomConfig, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll, Role
 from kvfsm.testing._faults import Faults, ScriptedPlan
-from kvfsm.transport import Layout, Region, TransferConfig
+from kvfsm.transport import TransferConfig
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout
+from kvfsm.workload.registry_thread import RegistryThread
 
 __all__ = ["CANARY", "AbortAt", "KvfsmPair", "PairOptions", "Transfer"]
 
@@ -132,43 +134,15 @@ class Transfer:
         return self.prefill is KVPoll.Success and self.decode is KVPoll.Success
 
 
-class _RegistryThread:
-    """The bootstrap registry on a daemon thread with its own loop."""
-
-    def __init__(self, secret: bytes | None) -> None:
-        self.server = BootstrapServer("127.0.0.1", 0, expected_ranks=1, ttl_s=30.0, secret=secret)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kvfsm-testing-registry", daemon=True
-        )
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(10)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
-
-
 def _buffers(options: PairOptions) -> tuple[list[npt.NDArray[np.uint8]], npt.NDArray[np.uint8]]:
-    kv = [
-        np.zeros((options.pages, options.page_bytes), np.uint8) for _ in range(2 * options.layers)
-    ]
-    return kv, np.zeros((options.aux_rows, options.aux_row_bytes), np.uint8)
-
-
-def _layout(kv: list[npt.NDArray[np.uint8]], aux: npt.NDArray[np.uint8]) -> Layout:
-    return Layout(
-        kv=tuple(Region(f"kv{i}", b.ctypes.data, b.nbytes, b.shape[1]) for i, b in enumerate(kv)),
-        aux=(Region("aux0", aux.ctypes.data, aux.nbytes, aux.shape[1]),),
-        keepalive=(*kv, aux),
+    return make_buffers(
+        Shape(
+            layers=options.layers,
+            num_pages=options.pages,
+            page_bytes=options.page_bytes,
+            aux_rows=options.aux_rows,
+            aux_row_bytes=options.aux_row_bytes,
+        )
     )
 
 
@@ -198,13 +172,13 @@ class KvfsmPair:
         _fill(self.prefill_kv, self.prefill_aux)
         self._released: list[int] = []
         self._rooms = 0
-        self._registry = _RegistryThread(options.secret)
+        self._registry = RegistryThread(secret=options.secret, ttl_s=30.0, quiet=True)
         self.proxy: ProxyThread | None = None
         self._prefill: PrefillManager | None = None
         self._decode: DecodeManager | None = None
         try:
             self._prefill = PrefillManager(
-                _layout(self.prefill_kv, self.prefill_aux),
+                make_layout(self.prefill_kv, self.prefill_aux),
                 self._registry.url,
                 engine_id=_ENGINE,
                 config=options.manager_config(Role.SENDER, nixl_faults),
@@ -215,7 +189,7 @@ class KvfsmPair:
                 self.proxy = ProxyThread(self.plan).start()
                 resolver = self.proxy.resolver(self._via_registry)
             self._decode = DecodeManager(
-                _layout(self.decode_kv, self.decode_aux),
+                make_layout(self.decode_kv, self.decode_aux),
                 self._registry.url,
                 engine_id=_ENGINE,
                 resolver=resolver,
