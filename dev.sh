@@ -7,15 +7,39 @@
 #   ./dev.sh lint     ruff and mypy (strict on kvfsm/)
 #   ./dev.sh bench    the benchmarks
 #
-# Extra arguments go to the underlying command (kvfsm run / pytest / the benchmark).
+# Extra arguments go to the underlying command (kvfsm run / pytest / the benchmark). The set-up
+# prints one line per step; pip's output goes to $VENV/kvfsm-setup.log. VENV=path and PYTHON=exe
+# choose another virtualenv and the interpreter that creates it (defaults .venv, python3).
 set -euo pipefail
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
+# What the set-up prints: one line per step on stderr, nothing from pip. pip's own output (its
+# progress, and the dozens of "WARNING: Location ... is ignored" lines these machines' find-links
+# give it) goes to a log in the virtualenv, named, with its last lines, if a step fails.
+say() {
+    printf 'dev.sh: %s\n' "$*" >&2
+}
+
+step() {  # step WHAT COMMAND...: run COMMAND with its output appended to $log
+    say "  $1"
+    local what=$1 rc=0
+    shift
+    printf '\n== %s\n$ %s\n' "$what" "$*" >>"$log"
+    "$@" >>"$log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        say "set-up failed: $what (exit status $rc); the end of its log:"
+        tail -n 25 "$log" | sed 's/^/    /' >&2
+        say "full log: $log"
+        exit "$rc"
+    fi
+}
+
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
+        say "creating a virtualenv in $VENV"
         "$PYTHON" -m venv "$VENV"
     fi
     # shellcheck disable=SC1091
@@ -24,20 +48,27 @@ setup() {
     local sglang_reqs=tests/sglang/requirements-cpu.txt
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$sglang_reqs" -nt "$stamp" ] \
         || [ "$0" -nt "$stamp" ]; then
-        python -m pip install --quiet --upgrade pip
+        log="$VENV/kvfsm-setup.log"
+        local started=$SECONDS
+        : >"$log"
+        say "installing kvfsm and its tools into $VENV (a few minutes; pip's output: $log)"
+        step "pip" python -m pip install --upgrade pip
         # SGLang 0.5.23's own torch pins (local wheels on these machines; pip is capped at
         # torch<=2.14.1 here). The CUDA build imports and runs on a CPU-only machine, which is
         # what lets tests/e2e run real SGLang servers (docs/sglang-import.md). First, so the
         # editable install below finds its torch requirement met.
-        python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
-        python -m pip install --quiet -e '.[dev]'
+        step "torch 2.14.1, torchvision 0.29.1" \
+            python -m pip install "torch==2.14.1" "torchvision==0.29.1"
+        step "kvfsm, editable, with its dev extras" python -m pip install -e '.[dev]'
         # SGLang 0.5.23 and its serving stack, for tests/sglang and tests/e2e: the packages a
         # CPU machine needs, pinned in $sglang_reqs, then SGLang itself without its
         # dependencies (they also pin flashinfer, CUDA kernels and more, unusable on a CPU).
-        # pip's resolver warnings about those are expected.
-        python -m pip install --quiet -r "$sglang_reqs"
-        python -m pip install --quiet --no-deps "sglang==0.5.23"
+        # pip's resolver warnings about those are expected (they are in the log).
+        step "SGLang's CPU serving stack ($sglang_reqs)" python -m pip install -r "$sglang_reqs"
+        step "sglang 0.5.23, without its dependencies" \
+            python -m pip install --no-deps "sglang==0.5.23"
         touch "$stamp"
+        say "set up in $((SECONDS - started)) s"
     fi
 }
 

@@ -9,19 +9,17 @@ from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
 from kvfsm.bootstrap._fingerprint import Fingerprint
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameError, FrameReader
-from kvfsm.bootstrap._registry import (
+from kvfsm.bootstrap._registry_client import (
     BootstrapClient,
     BootstrapError,
-    BootstrapServer,
-    Health,
     NotFoundError,
     NotReadyError,
-    RankInfo,
-    Registered,
     RejectedError,
     UnauthorizedError,
     UnreachableError,
 )
+from kvfsm.bootstrap._registry_server import BootstrapServer
+from kvfsm.bootstrap._schemas import ConnectionStats, Health, RankInfo, Registered
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -30,6 +28,7 @@ __all__ = [
     "BootstrapError",
     "BootstrapServer",
     "ChannelConfig",
+    "ConnectionStats",
     "ControlPlane",
     "Fingerprint",
     "FrameCodec",

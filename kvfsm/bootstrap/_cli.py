@@ -10,7 +10,7 @@ e.g. ``python -c "import secrets; print(secrets.token_hex(32))" > secret``. The 
 taken on the command line, where other users could read it in the process list.
 
 ``--max-connections``, ``--idle-timeout`` and ``--request-timeout`` bound what clients can hold
-open and for how long (kvfsm/bootstrap/_registry.py, "Connections").
+open and for how long (kvfsm/bootstrap/_connections.py, "Connections").
 
 One log line per registration, replacement, removal and expiry goes to stderr (heartbeats only
 with ``-v``). Exit status: 0 after Ctrl-C/SIGTERM, 2 for a bad argument or secret file, 1 if the
@@ -32,13 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfsm.bootstrap._auth import check_secret
-from kvfsm.bootstrap._registry import (
-    DEFAULT_PORT,
-    IDLE_TIMEOUT_S,
-    MAX_CONNECTIONS,
-    REQUEST_TIMEOUT_S,
-    BootstrapServer,
-)
+from kvfsm.bootstrap._connections import IDLE_TIMEOUT_S, MAX_CONNECTIONS
+from kvfsm.bootstrap._registry_server import DEFAULT_PORT, REQUEST_TIMEOUT_S, BootstrapServer
 
 __all__ = ["add_parser", "main", "run"]
 

@@ -15,7 +15,8 @@ import anyio
 import msgspec
 
 from kvfsm.bootstrap._control import ControlPlane, Resolver
-from kvfsm.bootstrap._registry import BootstrapClient, BootstrapError, RankInfo
+from kvfsm.bootstrap._registry_client import BootstrapClient, BootstrapError
+from kvfsm.bootstrap._schemas import RankInfo
 
 __all__ = ["Registration", "registry_resolver"]
 

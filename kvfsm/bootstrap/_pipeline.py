@@ -26,7 +26,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from kvfsm.bootstrap._registry import BootstrapClient, BootstrapError
+from kvfsm.bootstrap._registry_client import BootstrapClient, BootstrapError
 from kvfsm.bootstrap._stages import StageBook, StageFeed, StageHub, StageLink
 from kvfsm.states import KVPoll
 

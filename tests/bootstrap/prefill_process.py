@@ -77,8 +77,8 @@ def _register(control: ControlPlane, url: str) -> Any:
     """Start keeping this rank registered (on the engine loop); returns the task."""
     import asyncio
 
+    from kvfsm.bootstrap import BootstrapClient
     from kvfsm.bootstrap._discovery import Registration
-    from kvfsm.bootstrap._registry import BootstrapClient
 
     async def start() -> Any:
         client = BootstrapClient(url)

@@ -134,8 +134,8 @@ class RegistryDecode(Decode):
     """A decode rank that finds prefill ranks through the bootstrap registry."""
 
     def __init__(self, url: str) -> None:
+        from kvfsm.bootstrap import BootstrapClient
         from kvfsm.bootstrap._discovery import registry_resolver
-        from kvfsm.bootstrap._registry import BootstrapClient
 
         self.client = BootstrapClient(url)
         super().__init__({"port": 0})

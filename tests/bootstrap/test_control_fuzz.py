@@ -2,7 +2,8 @@
 Hello, after a valid Hello and, with a secret, after a complete handshake (the mutations then
 start from frames sealed with the connection's session key). Every test runs without a secret and
 with one. Whatever arrives, the engine keeps serving: afterwards a real decode rank (with the same
-secret) still completes a room through it, and nothing raised inside the engine."""
+secret) still completes a room through it, nothing raised inside the engine, and every hostile
+connection was counted for what it became: a failed handshake, or a link opened and then lost."""
 
 from __future__ import annotations
 
@@ -83,17 +84,23 @@ class LivePrefill:
         """Our side of a valid handshake on ``sock``: the Hello and, with a secret, the key
         confirmation (unless ``confirm`` is false). Returns the codec that seals what follows:
         the connection's session with a secret (the confirmation, when sent, took its first
-        sequence number), the shared codec without."""
+        sequence number), the shared codec without. With a secret and ``confirm``, prefill's own
+        confirmation is read too: it comes before prefill registers the link, so a connection
+        closed with it unread (a reset) could not fail the handshake that we mean to complete."""
         if self.secret is None:
             sock.sendall(self.hello())
             return self.codec
         nonce = secrets.token_bytes(NONCE_BYTES)
         sock.sendall(self.hello(nonce))
-        theirs = read_frame(sock, FrameReader(self.codec))
+        reader = FrameReader(self.codec)
+        theirs = read_frame(sock, reader)
         assert isinstance(theirs, Hello), theirs
         session = self.codec.session("decode", nonce, theirs.nonce)
         if confirm:
             sock.sendall(session.encode(Heartbeat(0)))
+            reader.codec = session
+            confirmation = read_frame(sock, reader)
+            assert isinstance(confirmation, Heartbeat), confirmation
         return session
 
     def close(self) -> None:
@@ -128,6 +135,12 @@ def live(request: pytest.FixtureRequest) -> Iterator[LivePrefill]:
 #: (with a secret: in place of the key confirmation), after a complete handshake (with a secret:
 #: confirmed, so that prefill registers the link; without, the same as after the Hello).
 STAGES = ("before the Hello", "after the Hello", "after the handshake")
+
+
+def authenticated(live: LivePrefill, stage: str) -> bool:
+    """Whether prefill registers a link before the hostile bytes come: after a complete
+    handshake, and without a secret already after the Hello (there is nothing more to it)."""
+    return stage == STAGES[2] or (stage == STAGES[1] and live.secret is None)
 
 
 def blast(live: LivePrefill, stage: str, payload: Hostile | bytes) -> None:
@@ -205,6 +218,19 @@ def test_hostile_bytes_never_hurt_the_listener(
     before = dict(live.control.stats)
     blast(live, stage, payload)
     stats = live.control.stats
+
+    def moved(name: str) -> int:
+        return stats[name] - before[name]
+
+    # The connection went down the path its stage puts it on, and was counted there once: a
+    # handshake that the bytes (or the hang-up after them) failed, or a link that prefill
+    # registered and then lost (the bytes were fatal, or the peer hung up after them).
+    if authenticated(live, stage):
+        wait_for(lambda: moved("links_lost") >= 1, timeout=10)
+        assert (moved("links_opened"), moved("links_lost"), moved("handshakes_failed")) == (1, 1, 0)
+    else:
+        wait_for(lambda: moved("handshakes_failed") >= 1, timeout=10)
+        assert (moved("handshakes_failed"), moved("links_opened")) == (1, 0)
     # Whatever the bytes were, they were the peer's fault or nothing: no exception that the
     # control plane does not expect from a peer (a bug) was raised, on the handshake path or on
     # a registered link, and the control plane still runs.

@@ -1,6 +1,7 @@
 """The bootstrap registry: the table's rules, the HTTP surface, auth, hostile input, the CLI.
 
-Servers bind 127.0.0.1 on a free port; expiry tests use a ttl of 0.2 s and short real sleeps.
+Servers bind 127.0.0.1 on a free port. Expiry is the table's rule, driven with explicit ``now``
+values; one server test checks the server's own clock and sweep, without measuring time.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from kvfsm.bootstrap import (
 from kvfsm.bootstrap._auth import (
     request_headers,
 )
-from kvfsm.bootstrap._registry import MAX_BODY_BYTES, RefusedError, Registry
+from kvfsm.bootstrap._rank_table import RankTable, RefusedError
+from kvfsm.bootstrap._registry_server import MAX_BODY_BYTES
 
 ENGINE = "prefill-a"
 SECRET = b"0123456789abcdef-test-secret"
@@ -100,7 +102,7 @@ def test_rank_info_validates_its_fields() -> None:
 
 
 def test_registry_rules_without_io() -> None:
-    reg = Registry(expected_ranks=2, ttl_s=10.0)
+    reg = RankTable(expected_ranks=2, ttl_s=10.0)
     assert reg.register(info(0), now=0.0) == "registered"
     assert reg.register(info(0), now=5.0) == "refreshed"
     assert reg.register(info(0, incarnation=2, port=9), now=6.0) == "replaced"
@@ -117,13 +119,13 @@ def test_registry_rules_without_io() -> None:
     assert len(reg) == 0
     assert reg.health(now=17.0).detail == "not ready: no ranks registered"
     with pytest.raises(ValueError, match="expected_ranks"):
-        Registry(expected_ranks=0, ttl_s=1.0)
+        RankTable(expected_ranks=0, ttl_s=1.0)
     with pytest.raises(ValueError, match="ttl_s"):
-        Registry(expected_ranks=1, ttl_s=float("nan"))
+        RankTable(expected_ranks=1, ttl_s=float("nan"))
 
 
 def test_registry_refuses_clashes_and_bounds_engines() -> None:
-    reg = Registry(expected_ranks=4, ttl_s=10.0, max_engines=2)
+    reg = RankTable(expected_ranks=4, ttl_s=10.0, max_engines=2)
     reg.register(info(0), now=0.0)
     cases = [
         (info(0, port=1), 409, "different fields"),  # same incarnation, other fields
@@ -140,6 +142,29 @@ def test_registry_refuses_clashes_and_bounds_engines() -> None:
     with pytest.raises(RefusedError, match="registry full") as exc:
         reg.register(info(0, engine="c"), now=1.0)
     assert exc.value.status == 429
+
+
+def test_entries_expire_unless_refreshed() -> None:
+    reg = RankTable(expected_ranks=2, ttl_s=10.0)
+    reg.register(info(0), now=0.0)
+    reg.register(info(1), now=0.0)
+    assert len(reg.ranks(ENGINE, now=0.0)) == 2
+    # Heartbeats keep rank 0 alive across several ttls; rank 1 goes silent (expires at 10.0).
+    for beat in (4.0, 8.0, 12.0, 16.0, 20.0):
+        assert reg.register(info(0), now=beat) == "refreshed"
+    assert reg.rank(ENGINE, 0, now=20.0).rank == 0
+    with pytest.raises(RefusedError, match="rank 1 of engine 'prefill-a' is not registered") as exc:
+        reg.rank(ENGINE, 1, now=20.0)
+    assert exc.value.status == 404
+    with pytest.raises(RefusedError, match="1 of 2") as exc:
+        reg.ranks(ENGINE, now=20.0)
+    assert exc.value.status == 503
+    # Nobody reads now: the sweep's expire() alone empties the table (rank 0 expires at 30.0).
+    assert reg.expire(now=29.9) == []
+    assert [i.rank for i in reg.expire(now=30.0)] == [0]
+    assert len(reg) == 0
+    # An expired rank registers afresh.
+    assert reg.register(info(1), now=31.0) == "registered"
 
 
 # -- over HTTP -------------------------------------------------------------------------------------
@@ -193,28 +218,25 @@ async def test_not_ready_until_expected_ranks(http: aiohttp.ClientSession) -> No
 
 
 @pytest.mark.asyncio
-async def test_entries_expire_unless_refreshed() -> None:
+async def test_the_server_expires_entries_on_its_own_clock() -> None:
+    """The server's wiring of the table: registrations and reads share its clock, and its sweep
+    task drops entries that nobody reads. (How long an entry lives is the table's rule, tested
+    with explicit ``now`` values above; nothing here measures time.)"""
     async with (
-        BootstrapServer(expected_ranks=2, ttl_s=0.2) as server,
+        BootstrapServer(expected_ranks=2, ttl_s=0.5) as server,
         BootstrapClient(server.url) as client,
     ):
         await client.register(info(0))
-        await client.register(info(1))
-        assert len(await client.ranks(ENGINE)) == 2
-        # Heartbeats keep rank 0 alive across several ttls; rank 1 goes silent.
-        for _ in range(5):
-            await asyncio.sleep(0.08)
-            await client.register(info(0))
         assert (await client.rank(ENGINE, 0)).rank == 0
-        with pytest.raises(NotFoundError):
-            await client.rank(ENGINE, 1)
-        with pytest.raises(NotReadyError, match="1 of 2"):
-            await client.ranks(ENGINE)
         # Nobody reads now: the sweep task alone empties the table.
-        await asyncio.sleep(0.35)
-        assert len(server.registry) == 0
+        deadline = time.monotonic() + 30.0
+        while len(server.table) != 0:
+            assert time.monotonic() < deadline, "the sweep never expired the entry"
+            await asyncio.sleep(0.02)
+        with pytest.raises(NotFoundError):
+            await client.rank(ENGINE, 0)
         # An expired rank registers afresh.
-        assert (await client.register(info(1))).outcome == "registered"
+        assert (await client.register(info(0))).outcome == "registered"
 
 
 @pytest.mark.asyncio
@@ -289,7 +311,7 @@ async def test_auth_refuses_unsigned_wrong_and_stale_writes(http: aiohttp.Client
         headers = request_headers(SECRET, "PUT", "/v1/ranks", b"{}")
         async with http.put(f"{server.url}/v1/ranks", data=body, headers=headers) as resp:
             assert resp.status == 401
-        assert len(server.registry) == 0
+        assert len(server.table) == 0
         assert (await signed.health()).engines == {}
 
         assert (await signed.register(info(0, tp_size=1))).outcome == "registered"
@@ -305,7 +327,7 @@ async def test_auth_refuses_unsigned_wrong_and_stale_writes(http: aiohttp.Client
             assert resp.status == 401
         assert (await unsigned.rank(ENGINE, 0)).rank == 0
         assert await signed.deregister(ENGINE, 0, incarnation=1)
-        assert len(server.registry) == 0
+        assert len(server.table) == 0
 
 
 def test_server_refuses_a_short_secret() -> None:
@@ -393,7 +415,7 @@ async def test_hostile_registrations_are_refused(
         assert resp.status == status
         error = (await resp.json())["error"]
         assert words in error
-    assert len(server.registry) == 0
+    assert len(server.table) == 0
     async with http.put(f"{server.url}/v1/ranks", json=GOOD) as resp:
         assert resp.status == 200
 

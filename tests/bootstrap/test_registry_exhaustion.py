@@ -26,8 +26,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from kvfsm.bootstrap import BootstrapClient, BootstrapServer, RankInfo
-from kvfsm.bootstrap._registry import ConnectionStats
+from kvfsm.bootstrap import BootstrapClient, BootstrapServer, ConnectionStats, RankInfo
 
 ENGINE = "prefill-a"
 HELPER = Path(__file__).with_name("registry_process.py")
@@ -362,7 +361,7 @@ async def test_a_slow_request_body_gets_408_and_the_connection_closed() -> None:
         # Closed with the answer, not later for idleness (aiohttp would have lingered over the
         # rest of the body).
         assert server.stats.idle_closed == 0
-        assert len(server.registry) == 0
+        assert len(server.table) == 0
         assert (await client.register(info(0))).outcome == "registered"
         slow.close()
 
