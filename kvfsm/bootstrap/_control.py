@@ -301,6 +301,7 @@ class ControlPlane(CommandSink):
         self.incarnation = secrets.randbits(62)
         self._resolver = resolver
         self._codec = FrameCodec(self.config.secret)
+        #: The engine's rooms as sinks see them (the registry, through the Inbox port).
         self._registry: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task[None] | None = None

@@ -42,6 +42,11 @@ class AgentProgress:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvfsm-nixl-progress")
         self._task.add_done_callback(_progress_ended)
 
+    @property
+    def running(self) -> bool:
+        """The loop's task is alive (started and neither closed nor crashed)."""
+        return self._task is not None and not self._task.done()
+
     async def _run(self) -> None:
         progress, expecting = self.agent.nixl.get_new_notifs, self._expecting
         busy, idle = self._busy_s, self._idle_s
