@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
+from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine
 from kvfsm.transport import Agent, Leases, NixlTransport
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
@@ -42,6 +43,6 @@ def start_rank(shape: Shape, channel: ChannelConfig, *, name: str, port: int = 0
             return "127.0.0.1", port
 
         control = ControlPlane("decode", 0, agent, resolver=resolve, config=channel)
-    engine = RoomEngine(control).start()
+    engine = RoomEngine(router_for(control)).start()
     engine.call(control.started())
     return Rank(agent, control, engine, transport)

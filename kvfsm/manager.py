@@ -21,6 +21,10 @@ Unequal attention TP is one room per prefill/decode rank pair that moves somethi
 ``receiver(room, leg=, group=)``, ``sender(room, leg=)``; docs/heterogeneous-tp.md). Pipeline
 stages on prefill: each stage runs its own manager (``pp_rank``, ``pp_size``, ``stage_root``),
 and stage 0 learns the others' room statuses (``pipeline``; docs/pipeline.md).
+
+The engine's sink is one :class:`CommandRouter` (built by :func:`router_for`): each command type
+goes to the transport or to the control channel, decided here once, so neither of them forwards
+commands to the other; on decode it also runs the agent's progress loop.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
@@ -45,16 +50,133 @@ from kvfsm.bootstrap._registry import (
     NotReadyError,
     UnreachableError,
 )
-from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine, SenderRoom
+from kvfsm.rooms import (
+    CommandSink,
+    Inbox,
+    ReceiverRoom,
+    RoomConfig,
+    RoomEngine,
+    RoomKey,
+    SenderRoom,
+)
+from kvfsm.states import (
+    Command,
+    PostChunk,
+    ReleaseHandles,
+    ReportOutcome,
+    ReportSettled,
+    ResolvePeer,
+    Role,
+    SendMetadata,
+)
 from kvfsm.status import StatusServer
-from kvfsm.transport import Agent, AgentConfig, Layout, Leases, NixlTransport, TransferConfig
+from kvfsm.transport import (
+    Agent,
+    AgentConfig,
+    AgentProgress,
+    Layout,
+    Leases,
+    NixlTransport,
+    TransferConfig,
+)
 
-__all__ = ["DecodeManager", "ManagerConfig", "PrefillManager", "default_agent_name"]
+__all__ = [
+    "CommandRouter",
+    "DecodeManager",
+    "ManagerConfig",
+    "PrefillManager",
+    "default_agent_name",
+    "router_for",
+]
 
 _log = logging.getLogger("kvfsm.manager")
 #: The control channel's Hello carries the agent name in at most 256 characters.
 _AGENT_NAME_MAX = 256
 _HOST_MAX = 63  # one DNS label
+
+
+#: The data path's commands; every other command type is the control channel's.
+TRANSPORT_COMMANDS: Final[tuple[type[Command], ...]] = (PostChunk, ReleaseHandles)
+CONTROL_COMMANDS: Final[tuple[type[Command], ...]] = (
+    ResolvePeer,
+    SendMetadata,
+    ReportOutcome,
+    ReportSettled,
+)
+
+
+class CommandRouter(CommandSink):
+    """A rank's one command sink: each command type goes to ``transport`` or to ``control``.
+
+    The route is a table by exact command type (one lookup per command on the hot path). A
+    command with no route (a new type not wired here, or a data-path command on a rank with no
+    transport) raises, which fails the room that emitted it. Hooks go to both sinks (a sink
+    that has no use for one inherits the no-op). ``progress``: an agent progress loop that
+    shares the engine's life (decode, which has no pump), started after both sinks are
+    attached. ``aclose`` closes the control channel first (its queued frames still go out while
+    the data path runs), then the progress loop, then the transport.
+    """
+
+    def __init__(
+        self,
+        control: CommandSink,
+        transport: CommandSink | None = None,
+        progress: AgentProgress | None = None,
+    ) -> None:
+        self.control = control
+        self.transport = transport
+        self.progress = progress
+        routes: dict[type[Command], Callable[[RoomKey, Command], None]] = {
+            kind: control.submit for kind in CONTROL_COMMANDS
+        }
+        if transport is not None:
+            routes.update((kind, transport.submit) for kind in TRANSPORT_COMMANDS)
+        self._routes = routes
+        self._sinks = (control,) if transport is None else (transport, control)
+
+    def attach(self, inbox: Inbox) -> None:
+        for sink in self._sinks:
+            sink.attach(inbox)
+        if self.progress is not None:
+            self.progress.start()
+
+    def submit(self, key: RoomKey, command: Command) -> None:
+        route = self._routes.get(type(command))
+        if route is None:
+            raise TypeError(f"no sink for {type(command).__name__} on this rank")
+        route(key, command)
+
+    def room_spawned(self, key: RoomKey, role: Role) -> None:
+        for sink in self._sinks:
+            sink.room_spawned(key, role)
+
+    def room_reaped(self, key: RoomKey, role: Role) -> None:
+        for sink in self._sinks:
+            sink.room_reaped(key, role)
+
+    async def aclose(self) -> None:
+        try:
+            await self.control.aclose()
+        finally:
+            try:
+                if self.progress is not None:
+                    await self.progress.aclose()
+            finally:
+                if self.transport is not None:
+                    await self.transport.aclose()
+
+
+def router_for(control: ControlPlane) -> CommandRouter:
+    """The sink an engine needs around ``control``: prefill's transport beside it; on decode,
+    the progress loop of its agent, paced by the control plane's ``expecting_writes``. The
+    managers use it, and so does anything that builds a ``ControlPlane`` itself."""
+    if control.role == "prefill":
+        assert control.transport is not None  # a prefill ControlPlane refuses to run without
+        return CommandRouter(control, control.transport)
+    progress = AgentProgress(
+        control.agent, lambda: control.expecting_writes, control.config.progress_interval_s
+    )
+    return CommandRouter(control, progress=progress)
 
 
 def default_agent_name(role: str, engine_id: str, rank: int) -> str:
@@ -146,7 +268,7 @@ class _Manager:
     def _start(self, control: ControlPlane) -> None:
         self.control = control
         self.engine = RoomEngine(
-            control,
+            router_for(control),
             self.config.rooms,
             use_uvloop=self.config.use_uvloop,
             # Short: the OS keeps 15 bytes of a thread's name (top -H, py-spy).

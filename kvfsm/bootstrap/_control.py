@@ -1,5 +1,12 @@
 """``ControlPlane``: the control channel between prefill and decode ranks, as a ``CommandSink``.
 
+It executes the rooms' control commands (``ResolvePeer``, ``SendMetadata``, ``ReportOutcome``,
+``ReportSettled``); the data path's commands go to the transport, side by side with it behind a
+rank's router (``kvfsm.manager.CommandRouter``), and neither passes commands to the other. The
+transport is still used here for what the handshake and the fence need of it: connecting a
+peer's agent and granting write leases. Progressing decode's agent is the transport package's
+(``kvfsm.transport.AgentProgress``), told by :attr:`ControlPlane.expecting_writes` when to hurry.
+
 One TCP connection per (prefill rank, decode rank) pair, opened by decode, reused by every room of
 the pair. Each connection starts with a ``Hello`` each way (protocol version, rank, NIXL agent
 metadata and layout, incarnation) and then carries typed frames (:mod:`kvfsm.bootstrap._frames`):
@@ -88,15 +95,12 @@ from kvfsm.bootstrap._routing import (
     RoutingConfig,
     Send,
 )
-from kvfsm.rooms._actor import Inbox, RoomKey
-from kvfsm.rooms._registry import Registry
+from kvfsm.rooms._ports import CommandSink, Inbox, RoomKey
 from kvfsm.states import (
     Command,
     EventRejected,
     KVPoll,
     PeerLost,
-    PostChunk,
-    ReleaseHandles,
     ReportOutcome,
     ReportSettled,
     ResolvePeer,
@@ -150,7 +154,8 @@ class ChannelConfig:
     #: this long (tombstones and early-abort marks: as many, as long).
     pending_max: int = 4096
     pending_ttl_s: float = 60.0
-    #: The decode side progresses its NIXL agent this often (the writer's flushes need it).
+    #: The decode side progresses its NIXL agent this often while writes are expected (the
+    #: writer's flushes need it; ``kvfsm.transport.AgentProgress``).
     progress_interval_s: float = 0.0005
     #: Decode grants prefill write leases of this length; prefill renews every quarter of it.
     #: A lost link's pages settle ``lease_s + fence_margin_s`` after the last lease decode
@@ -256,15 +261,18 @@ class _Link:
         self.error = ""
 
 
-class ControlPlane:
-    """The control channel for one engine of one role, plus the NIXL data path on prefill.
+class ControlPlane(CommandSink):
+    """The control channel for one engine of one role.
 
     Prefill: ``ControlPlane("prefill", rank, agent, transport=NixlTransport(agent, ...))``; it
-    listens on ``config.host:config.port`` (:attr:`port` once started). Its transport's
-    ``leases`` (when it has them) fence every write by the lease of the decode link that sent the
-    pages. Decode: ``ControlPlane("decode", rank, agent, resolver=...)``; a receiver room's
-    ``init(peer_rank)`` resolves and connects that prefill rank (once per rank; the link is
-    reused) and claims the room there.
+    listens on ``config.host:config.port`` (:attr:`port` once started), connects each decode
+    link's agent through the transport, and its transport's ``leases`` fence every write by the
+    lease of the decode link that sent the pages. Decode: ``ControlPlane("decode", rank, agent,
+    resolver=...)``; a receiver room's ``init(peer_rank)`` resolves and connects that prefill
+    rank (once per rank; the link is reused) and claims the room there.
+
+    Either way the engine's sink is ``kvfsm.manager.router_for(control)``: it sends the data
+    path's commands to the transport, the rest here, and on decode runs the agent's progress.
     """
 
     def __init__(
@@ -293,7 +301,8 @@ class ControlPlane:
         self.incarnation = secrets.randbits(62)
         self._resolver = resolver
         self._codec = FrameCodec(self.config.secret)
-        self._registry: Registry | None = None
+        #: The engine's rooms as sinks see them (the registry, through the Inbox port).
+        self._registry: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task[None] | None = None
         self._tg: Any = None
@@ -332,12 +341,8 @@ class ControlPlane:
     # -- CommandSink ---------------------------------------------------------------------------
 
     def attach(self, inbox: Inbox) -> None:
-        if not isinstance(inbox, Registry):
-            raise TypeError("ControlPlane routes by room id: it needs the engine's Registry")
         self._registry = inbox
         self._loop = asyncio.get_running_loop()
-        if self.transport is not None:
-            self.transport.attach(inbox)
         started: asyncio.Future[None] = self._loop.create_future()
         self._main = self._loop.create_task(self._run(started), name=f"kvfsm-control-{self.role}")
         self._started = started
@@ -351,6 +356,12 @@ class ControlPlane:
     @property
     def port(self) -> int:
         return self._port
+
+    @property
+    def expecting_writes(self) -> bool:
+        """Decode: some room's pages are exposed to a live link, so a WRITE may come now (the
+        agent's progress loop hurries while this holds). Always False on prefill."""
+        return self._decode is not None and self._decode.expecting_writes
 
     @property
     def running(self) -> bool:
@@ -370,10 +381,9 @@ class ControlPlane:
         return core.entries()
 
     def submit(self, key: RoomKey, command: Command) -> None:
-        if isinstance(command, (PostChunk, ReleaseHandles)):
-            assert self.transport is not None
-            self.transport.submit(key, command)
-        elif isinstance(command, ResolvePeer):
+        """The control commands; ``PostChunk`` and ``ReleaseHandles`` are the transport's (the
+        router never sends them here) and raise like any command this side does not know."""
+        if isinstance(command, ResolvePeer):
             self._spawn(self._resolve(key, command.peer_rank))
         elif isinstance(command, SendMetadata):
             assert self._decode is not None
@@ -474,8 +484,7 @@ class ControlPlane:
             why = str(exc) or type(exc).__name__  # a timeout's str() is empty
             registry.deliver(key, PeerLost(f"cannot reach prefill rank {peer_rank}: {why}"))
             return
-        room = registry.get(key)
-        if room is None or room.core.terminal:
+        if registry.ended(key):
             return  # the room ended while its peer was being resolved: nothing to claim
         self._do(self._decode.bind(key, link.generation, peer_rank))
 
@@ -534,8 +543,6 @@ class ControlPlane:
                     self._port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
                     for one in listener.listeners:
                         tg.start_soon(self._serve, one)
-                else:
-                    tg.start_soon(self._progress)
                 tg.start_soon(self._watchdog)
                 started.set_result(None)
         except BaseException as exc:
@@ -881,19 +888,6 @@ class ControlPlane:
             assert core is not None
             self._do(core.tick(mono))
 
-    async def _progress(self) -> None:
-        # Decode is a WRITE target; with progress threads off its UCX worker only advances when
-        # polled, and the writer's completion flushes wait for it.
-        progress = self.agent.nixl.get_new_notifs
-        busy, idle = self.config.progress_interval_s, max(self.config.progress_interval_s, 0.05)
-        decode = self._decode
-        assert decode is not None
-        while True:
-            progress()
-            # Fast only while some room's pages are exposed to a live link: an idle decode rank
-            # (or one whose rooms all ended) costs ~nothing.
-            await anyio.sleep(busy if decode.expecting_writes else idle)
-
     def _lose(self, link: _Link, reason: str) -> None:
         if link.closed:
             return
@@ -980,7 +974,7 @@ class ControlPlane:
     async def aclose(self) -> None:
         """Engine shutdown hook: let queued frames go out (the rooms' last outcomes and settle
         acknowledgements, which spare the peer its grace period), then close links and stop
-        background tasks."""
+        background tasks. The transport is the router's to close, after this."""
         loop = self._running_loop()
         give_up = loop.time() + self.config.flush_timeout_s
         # Polled: the queues have no "drained" event, and this runs once per engine lifetime.
@@ -995,5 +989,3 @@ class ControlPlane:
         if self._main is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._main
-        if self.transport is not None:
-            await self.transport.aclose()

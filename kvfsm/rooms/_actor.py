@@ -32,9 +32,9 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvfsm.rooms._core import Claim, RoomCore
+from kvfsm.rooms._ports import CommandSink, Inbox, Publication, RoomHost, RoomKey
 from kvfsm.states import (
     SETTLEMENT_EVENTS,
     TERMINAL,
@@ -49,75 +49,16 @@ from kvfsm.states import (
     deadline_of,
 )
 
-if TYPE_CHECKING:
-    from kvfsm.rooms._registry import Registry
-
+# The ports are defined in kvfsm.rooms._ports and re-exported from here, their first home.
 __all__ = ["CommandSink", "Inbox", "Publication", "Room", "RoomKey"]
 
 _log = logging.getLogger("kvfsm.rooms")
 _TIMER_SLACK_S = 0.001
 
 
-class RoomKey(NamedTuple):
-    """A room's identity: SGLang's ``bootstrap_room`` plus the engine-wide generation that
-    tells a reused room id from its predecessor (law 5)."""
-
-    room: int
-    generation: int
-
-
-class Publication:
-    """What a room shows the outside world. Written only on the loop thread (by the room's task,
-    or by the registry for a room it refused); read from any thread without a lock.
-
-    Each field is a single reference store, atomic under the GIL. ``reason`` is written before
-    ``status`` so a reader that sees Failed also sees why, and ``prefix`` before a sender's
-    WaitingForInput so a reader that sees that status also sees the receiver's prefix.
-    Terminal statuses are never overwritten, so a reader that once saw one may cache it.
-    """
-
-    __slots__ = ("legs", "part", "prefix", "reason", "settled", "status")
-
-    def __init__(self) -> None:
-        self.status: KVPoll = KVPoll.Bootstrapping
-        self.reason: str = ""
-        #: Sender: prompt tokens the receiver already holds (``RoomCore.prefix``), set once its
-        #: destination arrived; 0 before, and for receivers.
-        self.prefix: int = 0
-        #: True once the room is terminal and no transfer can still touch its pages.
-        self.settled: bool = False
-        #: Sender: which part of the decode request it carries (``Part``), published with
-        #: ``prefix``.
-        self.part: int = 0
-        #: Sender: how many decode ranks its request goes to (one sender room each), likewise.
-        self.legs: int = 1
-
-
-class Inbox(Protocol):
-    """Where transports and control channels deliver events (loop thread only)."""
-
-    def deliver(self, key: RoomKey, event: Event) -> bool: ...
-
-
-class CommandSink(Protocol):
-    """Executes rooms' commands: the transport and the control channel behind one door.
-
-    ``attach`` is called once on the loop thread before any room exists; ``submit`` is called on
-    the loop thread and must not block (queue the work, answer later with events).
-
-    Optional hooks, looked up by name: ``room_spawned(key, role)`` right after a room's task is
-    created (a control channel may hold a message for it), ``room_reaped(key, role)`` as its task
-    ends (drop every per-room entry kept for it), and ``async aclose()`` at engine shutdown,
-    after the rooms, on the loop (stop background tasks).
-    """
-
-    def attach(self, inbox: Inbox) -> None: ...
-
-    def submit(self, key: RoomKey, command: Command) -> None: ...
-
-
 class Room:
-    """One room's task and mailbox. Created and driven by the :class:`Registry`."""
+    """One room's task and mailbox. Created and driven by its :class:`RoomHost` (the registry),
+    whose members it uses are all that protocol names."""
 
     __slots__ = (
         "key",
@@ -125,7 +66,7 @@ class Room:
         "core",
         "publication",
         "task",
-        "_registry",
+        "_host",
         "_sink",
         "_deadlines",
         "_seconds",
@@ -147,7 +88,7 @@ class Room:
         key: RoomKey,
         role: Role,
         publication: Publication,
-        registry: Registry,
+        host: RoomHost,
         *,
         deadlines: Mapping[KVPoll, float] | None,
         mailbox_size: int,
@@ -158,18 +99,18 @@ class Room:
         self.role = role
         claim: Claim | None = None
         if role is Role.RECEIVER:
-            owners = registry.owners
+            owners = host.owners
 
             def claim(event: MetadataSubmitted) -> str | None:
                 return owners.claim(key, event.pages, event.aux_index, event.state, group)
 
-        self.core = RoomCore(role, registry.stats, strict=strict, claim=claim)
+        self.core = RoomCore(role, host.stats, strict=strict, claim=claim)
         self.publication = publication
-        self._registry = registry
-        self._sink = registry.sink
+        self._host = host
+        self._sink = host.sink
         self._deadlines = deadlines
-        #: Each non-terminal state's deadline in seconds (the registry's table for this role).
-        self._seconds = registry.deadline_seconds(role, deadlines)
+        #: Each non-terminal state's deadline in seconds (the host's table for this role).
+        self._seconds = host.deadline_seconds(role, deadlines)
         self._shortest = min(self._seconds.values())
         self._mailbox: deque[Event] = deque()
         #: An abort (or a rejection) is queued: the room is as good as Failed, and a new room
@@ -182,7 +123,7 @@ class Room:
 
         self._overflowed = False
         self._settle_expired = False
-        self._loop = registry.loop
+        self._loop = host.loop
         self.born = self._loop.time()
         self.task: asyncio.Task[None] | None = None
 
@@ -195,7 +136,7 @@ class Room:
         if len(mailbox) >= self._bound and kind not in SETTLEMENT_EVENTS:
             if not self._overflowed:
                 self._overflowed = True
-                self._registry.stats.mailbox_overflows += 1
+                self._host.stats.mailbox_overflows += 1
         else:
             mailbox.append(event)
             if kind is AbortRequested or kind is EventRejected:
@@ -224,13 +165,13 @@ class Room:
                 if core.state in TERMINAL and core.settled:
                     break
                 if core.terminal and self._settle_expired:
-                    self._registry.stats.settle_timeouts += 1
+                    self._host.stats.settle_timeouts += 1
                     _log.error(
                         "room %s gen %s: %s room not settled after %.1fs; in flight: %s",
                         self.key.room,
                         self.key.generation,
                         self.role.value,
-                        self._registry.config.settle_timeout_s,
+                        self._host.config.settle_timeout_s,
                         sorted(core.in_flight),
                     )
                     break
@@ -242,27 +183,27 @@ class Room:
             try:
                 self._execute(core.state, core.fail("engine shut down"))
             except Exception as exc:  # a raising observer must not swallow the cancellation
-                self._registry.record_error(self.key, exc)
+                self._host.record_error(self.key, exc)
             raise
         except Exception as exc:  # a bug: this room ends, nothing else does
             self._died(exc)
         finally:
             if self._timer is not None:
                 self._timer.cancel()
-            self._registry.reap(self)
+            self._host.reap(self.key)
 
     def _died(self, exc: Exception) -> None:
         """The task raised: fail the room, publish Failed, leave settle as it was (see the
         module docstring). Never raises."""
-        registry = self._registry
-        registry.stats.task_errors += 1
-        registry.record_error(self.key, exc)
+        host = self._host
+        host.stats.task_errors += 1
+        host.record_error(self.key, exc)
         core, pub = self.core, self.publication
         reason = f"internal error: {type(exc).__name__}: {exc}"
         try:
             self._execute(core.state, core.fail(reason))
         except Exception as again:
-            registry.record_error(self.key, again)
+            host.record_error(self.key, again)
         if pub.status not in TERMINAL:  # publishing itself is what failed
             pub.reason = core.reason or reason
             pub.status = KVPoll.Failed
@@ -281,7 +222,7 @@ class Room:
         try:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only
-            self._registry.record_error(self.key, exc)
+            self._host.record_error(self.key, exc)
             commands = core.fail(f"internal error on {type(event).__name__}: {exc}")
         # _execute has nothing to do for an event that neither changed the state nor commanded
         # anything, unless the room is terminal: it may just have settled (published there).
@@ -306,7 +247,7 @@ class Room:
     def _not_executed(self, command: Command, exc: Exception) -> None:
         """``submit`` raised: fail this room and execute what that failure commands (see the
         module docstring for why this cannot recurse further than once)."""
-        self._registry.record_error(self.key, exc)
+        self._host.record_error(self.key, exc)
         core = self.core
         before = core.state
         self._execute(before, core.fail(f"could not execute {type(command).__name__}: {exc}"))
@@ -320,18 +261,18 @@ class Room:
             pub.prefix, pub.part, pub.legs = core.prefix, core.part, core.legs
         pub.status = state
         self._arm_deadline(state)
-        registry = self._registry
-        stats = registry.stats
+        host = self._host
+        stats = host.stats
         if state is KVPoll.Success:
             stats.succeeded += 1
         elif state is KVPoll.Failed:
             stats.failed += 1
-        observer = registry.observer
+        observer = host.observer
         if observer is not None:
             try:
                 observer.transition(self.role, before, state, self.core.reason)
             except Exception as exc:  # a metric must not cost the room its commands
-                registry.record_error(self.key, exc)
+                host.record_error(self.key, exc)
         # Structured: every record carries the room's identity and the edge as attributes
         # (``extra``), for a JSON log formatter; the message reads well on its own too.
         if state is KVPoll.Failed:
@@ -397,7 +338,7 @@ class Room:
                 self._timer.cancel()
                 self._timer = None
             if not self.core.settled:
-                self._due = self._loop.time() + self._registry.config.settle_timeout_s
+                self._due = self._loop.time() + self._host.config.settle_timeout_s
                 self._timer = self._loop.call_at(self._due, self._on_timer)
             return
         now = self._loop.time()

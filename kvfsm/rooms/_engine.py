@@ -8,10 +8,10 @@ import logging
 from types import TracebackType
 from typing import Any
 
-from kvfsm.rooms._actor import CommandSink, Publication, RoomKey
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._facade import ReceiverRoom, SenderRoom
-from kvfsm.rooms._registry import Observer, Registry
+from kvfsm.rooms._ports import CommandSink, Observer, Publication, RoomKey
+from kvfsm.rooms._registry import Registry
 from kvfsm.rooms._runtime import LoopThread
 from kvfsm.states import Event, Role
 
@@ -23,8 +23,9 @@ _log = logging.getLogger("kvfsm.runtime")
 class RoomEngine:
     """Runs rooms on a background event loop and hands out facades.
 
-    ``sink`` executes the rooms' commands (the transport and the control channel); it is
-    attached to the registry on the loop thread when the engine starts.
+    ``sink`` executes the rooms' commands (for a rank, the manager's router in front of the
+    transport and the control channel); it is attached to the registry on the loop thread when
+    the engine starts, and closed (``aclose``) there after the rooms.
 
     Thread-safety: :meth:`sender`, :meth:`receiver`, :meth:`post` and :meth:`stats` may be
     called from any thread and never block. :meth:`start`, :meth:`close` and :meth:`call`
@@ -82,12 +83,10 @@ class RoomEngine:
         self._thread.ready()
         await stop.wait()
         await self._registry.shutdown()
-        closer = getattr(self._sink, "aclose", None)
-        if callable(closer):  # background tasks of the sink (a pump, a listener) stop here
-            try:
-                await closer()
-            except Exception:
-                _log.exception("sink shutdown failed")
+        try:  # background tasks of the sink (a pump, a listener) stop here
+            await self._sink.aclose()
+        except Exception:
+            _log.exception("sink shutdown failed")
 
     # -- callers' side (any thread, non-blocking) ----------------------------------------------
 

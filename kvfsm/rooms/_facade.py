@@ -44,7 +44,7 @@ from kvfsm.states import (
 )
 
 if TYPE_CHECKING:
-    from kvfsm.rooms._actor import Publication, RoomKey
+    from kvfsm.rooms._ports import Publication, RoomKey
 
 __all__ = ["KVTransferError", "PageIndices", "ReceiverRoom", "SenderRoom", "pack_pages"]
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvfsm.rooms._actor import Inbox, RoomKey
-from kvfsm.rooms._registry import Registry
+from kvfsm.rooms._ports import CommandSink, Inbox, RoomKey
 from kvfsm.states import (
     AbortRequested,
     ChunkDone,
@@ -34,30 +33,28 @@ from kvfsm.states import (
 __all__ = ["LoopbackSink"]
 
 
-class LoopbackSink:
+class LoopbackSink(CommandSink):
     """Null transport plus in-process control channel, for one engine holding both roles."""
 
     def __init__(self) -> None:
-        self._registry: Registry | None = None
+        self._inbox: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.commands = 0
 
     def attach(self, inbox: Inbox) -> None:
-        if not isinstance(inbox, Registry):
-            raise TypeError("LoopbackSink needs the engine's Registry (it routes by room id)")
-        self._registry = inbox
+        self._inbox = inbox
         self._loop = asyncio.get_running_loop()
 
     def submit(self, key: RoomKey, command: Command) -> None:
-        registry, loop = self._registry, self._loop
-        if registry is None or loop is None:
+        inbox, loop = self._inbox, self._loop
+        if inbox is None or loop is None:
             raise RuntimeError("LoopbackSink.submit before attach()")
         self.commands += 1
         if isinstance(command, PostChunk):
             # Completes "asynchronously", like a pump that finds the handle done next round.
-            loop.call_soon(registry.deliver, key, ChunkDone(command.chunk))
+            loop.call_soon(inbox.deliver, key, ChunkDone(command.chunk))
         elif isinstance(command, ResolvePeer):
-            registry.deliver(key, PeerResolved(command.peer_rank))
+            inbox.deliver(key, PeerResolved(command.peer_rank))
         elif isinstance(command, SendMetadata):
             self._to_peer(
                 key,
@@ -80,12 +77,12 @@ class LoopbackSink:
             raise TypeError(f"unknown command {command!r}")
 
     def _report(self, key: RoomKey, command: ReportOutcome) -> None:
-        registry = self._registry
-        assert registry is not None
-        room = registry.get(key)
-        if room is None:
+        inbox = self._inbox
+        assert inbox is not None
+        role = inbox.role_of(key)
+        if role is None:
             return
-        if room.role is Role.SENDER:
+        if role is Role.SENDER:
             event: Event = (
                 TransferConfirmed()
                 if command.status is KVPoll.Success
@@ -96,13 +93,13 @@ class LoopbackSink:
             self._to_peer(key, Role.SENDER, AbortRequested(command.reason, origin="peer"))
 
     def _to_peer(self, key: RoomKey, role: Role, event: Event) -> None:
-        registry = self._registry
-        assert registry is not None
-        peer = registry.current(role, key.room)
+        inbox = self._inbox
+        assert inbox is not None
+        peer = inbox.current(role, key.room)
         if peer is not None:
-            registry.deliver(peer, event)
+            inbox.deliver(peer, event)
         elif isinstance(event, DestinationReceived):
             # A receiver with no sender (never created, or failed and already reaped) would
             # wait for its deadline: fail it now. No sender means no write: its pages are safe.
-            registry.deliver(key, PeerFailed(f"no sender room {key.room} in this engine"))
-            registry.deliver(key, PeerSettled())
+            inbox.deliver(key, PeerFailed(f"no sender room {key.room} in this engine"))
+            inbox.deliver(key, PeerSettled())

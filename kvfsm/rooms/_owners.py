@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from kvfsm.rooms._actor import RoomKey
+    from kvfsm.rooms._ports import RoomKey
 
 __all__ = ["DEFAULT_MAX_INDEX", "DestinationOwners"]
 

@@ -1,15 +1,19 @@
-"""The registry: spawns, routes and reaps rooms by (room id, generation). Loop thread only."""
+"""The registry: spawns, routes and reaps rooms by (room id, generation). Loop thread only.
+
+It is each room's :class:`~kvfsm.rooms._ports.RoomHost` and every sink's
+:class:`~kvfsm.rooms._ports.Inbox`; rooms and sinks know it only through those ports.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
-from kvfsm.rooms._actor import CommandSink, Publication, Room, RoomKey
+from kvfsm.rooms._actor import Room
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._owners import DestinationOwners
+from kvfsm.rooms._ports import CommandSink, Observer, Publication, RoomKey
 from kvfsm.rooms._stats import RoomStats
 from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
@@ -18,16 +22,6 @@ __all__ = ["DuplicateRoomError", "Observer", "Registry"]
 _log = logging.getLogger("kvfsm.rooms")
 #: ``Role.value`` is a slow descriptor on 3.11; task names are built once per room.
 _ROLE_NAMES: dict[Role, str] = {role: role.value for role in Role}
-
-
-class Observer(Protocol):
-    """Told about every room event worth a metric (loop thread; must be cheap, never raise)."""
-
-    def spawned(self, role: Role) -> None: ...
-
-    def transition(self, role: Role, before: KVPoll, after: KVPoll, reason: str) -> None: ...
-
-    def reaped(self, role: Role, state: KVPoll) -> None: ...
 
 
 class DuplicateRoomError(RuntimeError):
@@ -75,10 +69,8 @@ class Registry:
         ] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        hook = getattr(sink, "room_spawned", None)
-        self._on_spawn: Callable[[RoomKey, Role], None] | None = hook if callable(hook) else None
-        hook = getattr(sink, "room_reaped", None)
-        self._on_reap: Callable[[RoomKey, Role], None] | None = hook if callable(hook) else None
+        self._on_spawn: Callable[[RoomKey, Role], None] = sink.room_spawned
+        self._on_reap: Callable[[RoomKey, Role], None] = sink.room_reaped
         sink.attach(self)
 
     def deadline_seconds(
@@ -150,12 +142,11 @@ class Registry:
         room.task = self.loop.create_task(
             room.run(), name=f"kvfsm-{_ROLE_NAMES[role]}-{key.room}-{key.generation}"
         )
-        if self._on_spawn is not None:
-            # The control plane may hold a message that arrived before this room existed.
-            try:
-                self._on_spawn(key, role)
-            except Exception as exc:  # the room is running: a bug in a hook must not hide it
-                self.record_error(key, exc)
+        # The control plane may hold a message that arrived before this room existed.
+        try:
+            self._on_spawn(key, role)
+        except Exception as exc:  # the room is running: a bug in a hook must not hide it
+            self.record_error(key, exc)
         return room
 
     def spawn_or_refuse(
@@ -197,6 +188,16 @@ class Registry:
         ident = self._legs.get(key)
         return 0 if ident is None else ident[2]
 
+    def role_of(self, key: RoomKey) -> Role | None:
+        """The role of room ``key`` while it has a task; None once it has none."""
+        room = self._rooms.get(key)
+        return None if room is None else room.role
+
+    def ended(self, key: RoomKey) -> bool:
+        """True once room ``key`` is terminal or has no task (nothing is left to tell it)."""
+        room = self._rooms.get(key)
+        return room is None or room.core.terminal
+
     def get(self, key: RoomKey) -> Room | None:
         return self._rooms.get(key)
 
@@ -213,9 +214,10 @@ class Registry:
 
     # -- reaping and errors --------------------------------------------------------------------
 
-    def reap(self, room: Room) -> None:
+    def reap(self, key: RoomKey) -> None:
         """Called by a room's task as it ends."""
-        if self._rooms.pop(room.key, None) is None:
+        room = self._rooms.pop(key, None)
+        if room is None:
             return
         ident = self._legs.pop(room.key, None) or (room.role, room.key.room)
         if self._current.get(ident) == room.key:
@@ -223,12 +225,11 @@ class Registry:
         self.stats.reaped += 1
         if room.role is Role.RECEIVER and room.key in self.owners:
             self._release_destinations(room)
-        if self._on_reap is not None:
-            # The control plane drops every per-room entry it keeps for this room.
-            try:
-                self._on_reap(room.key, room.role)
-            except Exception as exc:  # a bug in a hook must not stop reaping
-                self.record_error(room.key, exc)
+        # The control plane drops every per-room entry it keeps for this room.
+        try:
+            self._on_reap(room.key, room.role)
+        except Exception as exc:  # a bug in a hook must not stop reaping
+            self.record_error(room.key, exc)
         if self.observer is not None:
             try:
                 self.observer.reaped(room.role, room.core.state)

@@ -1,16 +1,19 @@
 """Everything that touches NIXL: layouts and registration, agents and peers, the chunk data path
-with its completion pump, deadlines and quarantine, and the write leases that fence it."""
+with its completion pump, deadlines and quarantine, the write leases that fence it, and the
+progress loop of an agent that is only written into (decode)."""
 
 from __future__ import annotations
 
 from kvfsm.transport._agent import Agent, AgentConfig, Peer
 from kvfsm.transport._fence import Leases
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
+from kvfsm.transport._progress import AgentProgress
 from kvfsm.transport._transport import NixlTransport, TransferConfig, TransportStats
 
 __all__ = [
     "Agent",
     "AgentConfig",
+    "AgentProgress",
     "Layout",
     "LayoutError",
     "LayoutSummary",

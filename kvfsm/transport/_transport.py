@@ -2,7 +2,9 @@
 
 Prefill rooms emit ``PostChunk`` and ``ReleaseHandles``; this module turns them into NIXL WRITEs
 from the local layout into a peer's pages and answers with ``ChunkDone``, ``ChunkFailed``,
-``ChunkStalled`` and ``PeerLost``. Every other command goes to the ``control`` sink.
+``ChunkStalled`` and ``PeerLost``. Every other command is the control channel's: a rank's
+router (``kvfsm.manager.CommandRouter``) sends it there, never here; used alone, as the engine's
+only sink, this transport drops them (outcomes go nowhere).
 
 The rules (which chunk ends how, quarantines, lost peers, fences) live in one place, the
 sans-IO :class:`~kvfsm.transport._ledger.ChunkLedger`; this module executes its actions (NIXL
@@ -64,7 +66,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.rooms._actor import CommandSink, Inbox, RoomKey
+from kvfsm.rooms._ports import CommandSink, Inbox, RoomKey
 from kvfsm.rooms._runtime import name_this_thread
 from kvfsm.states import (
     ChunkDone,
@@ -195,11 +197,12 @@ class _Xfer(Record):
         self.dst_state = dst_state
 
 
-class NixlTransport:
+class NixlTransport(CommandSink):
     """A ``CommandSink`` for a prefill engine: chunks become NIXL WRITEs into peers' pages.
 
-    Lifecycle: build an :class:`Agent` (blocking), wrap it here, hand this to a ``RoomEngine``
-    (``attach`` starts the pump), connect peers with :meth:`connect_peer`, run rooms;
+    Lifecycle: build an :class:`Agent` (blocking), wrap it here, hand this (or a router in
+    front of it and a control channel) to a ``RoomEngine`` (``attach`` starts the pump),
+    connect peers with :meth:`connect_peer`, run rooms;
     ``engine.close()``, then :meth:`close` (releases anything left, then the agent's peers).
     With ``leases`` (granted and revoked by the control plane on the loop thread) every chunk
     is fenced by its ``PostChunk.fence``; without, nothing is.
@@ -208,7 +211,6 @@ class NixlTransport:
     def __init__(
         self,
         agent: Agent,
-        control: CommandSink | None = None,
         config: TransferConfig | None = None,
         observer: ChunkObserver | None = None,
         leases: Leases | None = None,
@@ -226,7 +228,6 @@ class NixlTransport:
             leases=leases,
             stats=self.stats,
         )
-        self._control = control
         self._inbox: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -259,8 +260,6 @@ class NixlTransport:
     def attach(self, inbox: Inbox) -> None:
         if self._loop is not None or self._closed:
             raise RuntimeError("a NixlTransport serves one engine, once")
-        if self._control is not None:
-            self._control.attach(inbox)
         self._inbox = inbox
         self._loop = loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -273,8 +272,7 @@ class NixlTransport:
             self._accept(key, command)
         elif isinstance(command, ReleaseHandles):
             self._ledger.release_requested(key)  # marks only: no actions
-        elif self._control is not None:
-            self._control.submit(key, command)
+        # Anything else is the control channel's (see the module docstring): dropped here.
 
     # -- peers ---------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from kvfsm._child import ChildProcess
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
+from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import KVPoll
 from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport
@@ -158,7 +159,7 @@ def _serve(
     agent = Agent(f"prefill-{os.getpid()}", make_layout(kv, aux), agent_config)
     transport = NixlTransport(agent, leases=Leases())
     control = ControlPlane("prefill", 0, agent, transport=transport, config=config)
-    engine = RoomEngine(control).start()
+    engine = RoomEngine(router_for(control)).start()
     engine.call(control.started())
     registration = None
     if bootstrap_url is not None:

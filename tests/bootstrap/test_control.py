@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
+from kvfsm.manager import router_for
 from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.transport import Agent
@@ -41,7 +42,7 @@ class Decode:
             return "127.0.0.1", port["port"]
 
         self.control = ControlPlane("decode", 0, self.agent, resolver=resolve, config=config)
-        self.engine = RoomEngine(self.control, rooms).start()
+        self.engine = RoomEngine(router_for(self.control), rooms).start()
         self.engine.call(self.control.started())
 
     def receive(self, room: int, dst: list[int], aux_row: int) -> ReceiverRoom:

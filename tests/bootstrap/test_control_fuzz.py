@@ -36,6 +36,7 @@ from kvfsm.bootstrap._frames import (
     RoomSettled,
     SessionCodec,
 )
+from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.transport import Agent, Leases, NixlTransport
@@ -59,7 +60,7 @@ class LivePrefill:
         self.control = ControlPlane(
             "prefill", 0, self.agent, transport=self.transport, config=self.config
         )
-        self.engine = RoomEngine(self.control).start()
+        self.engine = RoomEngine(router_for(self.control)).start()
         self.engine.call(self.control.started())
         # A decode agent whose Hello passes, so that fuzzing also reaches the room frames.
         dkv, daux = make_buffers(SHAPE)

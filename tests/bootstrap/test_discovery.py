@@ -21,6 +21,7 @@ from kvfsm.bootstrap import (
     UnreachableError,
 )
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
+from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine
 from kvfsm.transport import Agent, Leases, NixlTransport
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
@@ -38,7 +39,7 @@ class Prefill:
         self.control = ControlPlane(
             "prefill", rank, self.agent, transport=self.transport, config=ChannelConfig()
         )
-        self.engine = RoomEngine(self.control).start()
+        self.engine = RoomEngine(router_for(self.control)).start()
         self.engine.call(self.control.started())
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from kvfsm.chaos._plan import FaultPlan, TransferRates
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.manager import CommandRouter
 from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 from kvfsm.transport import Agent, NixlTransport, TransferConfig
@@ -50,8 +51,9 @@ class FaultyPrefill:
             faulty_agent_config(self.faults),
         )
         config = TransferConfig(deadline_base_s=0.5, quarantine_s=QUARANTINE_S)
-        self.transport = NixlTransport(self.agent, RecordingControl(), config)
-        self.engine = RoomEngine(self.transport, RoomConfig()).start()
+        self.transport = NixlTransport(self.agent, config)
+        router = CommandRouter(RecordingControl(), self.transport)
+        self.engine = RoomEngine(router, RoomConfig()).start()
         self.engine.call(self.transport.connect_peer("decode", peer.metadata, peer.summary))
 
     def room(self, room: int, src: list[int], dst: list[int]) -> SenderRoom:

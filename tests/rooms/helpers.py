@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvfsm.rooms import RoomCore, RoomKey, RoomStats
+from kvfsm.rooms import CommandSink, Inbox, RoomCore, RoomKey, RoomStats
 from kvfsm.states import (
     AbortRequested,
     ChunkDone,
@@ -88,18 +88,16 @@ EXPECTED_STATE = {
 }
 
 
-class ScriptedSink:
+class ScriptedSink(CommandSink):
     """A transport and control channel that only records commands. The test decides what
     happens next by delivering events itself: the way to force an interleaving."""
 
     def __init__(self) -> None:
-        from kvfsm.rooms import Inbox
-
         self.inbox: Inbox | None = None
         self.log: list[tuple[RoomKey, Command]] = []
 
-    def attach(self, inbox: object) -> None:
-        self.inbox = inbox  # type: ignore[assignment]
+    def attach(self, inbox: Inbox) -> None:
+        self.inbox = inbox
 
     def submit(self, key: RoomKey, command: Command) -> None:
         self.log.append((key, command))

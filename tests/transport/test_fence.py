@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvfsm.manager import CommandRouter
 from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport, TransferConfig
@@ -181,10 +182,9 @@ class FencedPrefill:
             AgentConfig(interpose=self.gate),
         )
         self.leases = Leases()
-        self.transport = NixlTransport(
-            self.agent, RecordingControl(), config or TransferConfig(), leases=self.leases
-        )
-        self.engine = RoomEngine(self.transport, RoomConfig()).start()
+        self.transport = NixlTransport(self.agent, config or TransferConfig(), leases=self.leases)
+        router = CommandRouter(RecordingControl(), self.transport)
+        self.engine = RoomEngine(router, RoomConfig()).start()
         self.engine.call(self.transport.connect_peer("decode", peer.metadata, peer.summary))
 
     def on_loop(self, fn: Any, *args: Any) -> None:

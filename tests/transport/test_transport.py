@@ -18,8 +18,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvfsm.manager import CommandRouter
 from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
-from kvfsm.rooms._actor import Inbox, RoomKey
+from kvfsm.rooms._ports import CommandSink, Inbox, RoomKey
 from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, ReportOutcome
 from kvfsm.transport._agent import Agent
 from kvfsm.transport._transport import NixlTransport, TransferConfig
@@ -30,7 +31,7 @@ from tests.waiting import wait_for
 SHAPE = Shape()
 
 
-class RecordingControl:
+class RecordingControl(CommandSink):
     """Stands in for the control channel: records what rooms tell their peer."""
 
     def __init__(self) -> None:
@@ -61,8 +62,8 @@ class Prefill:
         layout = make_layout(self.kv, self.aux, self.state)
         self.agent = Agent(f"prefill-{os.getpid()}-{id(self)}", layout)
         self.control = RecordingControl()
-        self.transport = NixlTransport(self.agent, self.control, config)
-        self.engine = RoomEngine(self.transport, RoomConfig()).start()
+        self.transport = NixlTransport(self.agent, config)
+        self.engine = RoomEngine(CommandRouter(self.control, self.transport), RoomConfig()).start()
 
     def connect(self, peer: PeerProcess, peer_id: str = "decode") -> int:
         connected = self.engine.call(

@@ -1,0 +1,67 @@
+"""``AgentProgress``: keeps a NIXL agent that is written into (decode) progressing.
+
+Agents run with their progress thread off (design §5). A UCX worker then advances only when it
+is polled, and a writer's completion flushes wait for the target's worker too. Prefill's pump
+progresses its own agent (:mod:`kvfsm.transport._transport`); a decode rank posts nothing and has
+no pump, so this loop does it there. It is fast (``interval_s``) only while some room's pages are
+exposed to a live link, which the control plane knows and says through ``expecting()``, and slow
+(every 50 ms at least) otherwise, so an idle decode rank, or one whose rooms all ended, costs
+about nothing. It lives here because every NIXL call does (design §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from kvfsm.transport._agent import Agent
+
+__all__ = ["AgentProgress"]
+
+_log = logging.getLogger("kvfsm.transport")
+#: The slowest an idle agent is progressed.
+_IDLE_S = 0.05
+
+
+class AgentProgress:
+    """Progresses ``agent`` every ``interval_s`` while ``expecting()`` is true, else every
+    ``max(interval_s, 50 ms)``. :meth:`start` and :meth:`aclose` on the loop thread."""
+
+    def __init__(self, agent: Agent, expecting: Callable[[], bool], interval_s: float) -> None:
+        self.agent = agent
+        self._expecting = expecting
+        self._busy_s = interval_s
+        self._idle_s = max(interval_s, _IDLE_S)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("AgentProgress is already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvfsm-nixl-progress")
+        self._task.add_done_callback(_progress_ended)
+
+    @property
+    def running(self) -> bool:
+        """The loop's task is alive (started and neither closed nor crashed)."""
+        return self._task is not None and not self._task.done()
+
+    async def _run(self) -> None:
+        progress, expecting = self.agent.nixl.get_new_notifs, self._expecting
+        busy, idle = self._busy_s, self._idle_s
+        while True:
+            progress()
+            await asyncio.sleep(busy if expecting() else idle)
+
+    async def aclose(self) -> None:
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _progress_ended(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("NIXL progress loop crashed", exc_info=task.exception())

@@ -1,0 +1,60 @@
+"""``AgentProgress``: a decode agent is progressed fast while writes are expected and slowly
+otherwise (virtual time, looptime), and stops when closed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvfsm.transport import AgentProgress
+
+pytestmark = pytest.mark.asyncio
+
+
+class _Nixl:
+    def __init__(self) -> None:
+        self.progressed = 0
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self.progressed += 1
+        return {}
+
+
+class _Agent:
+    """The one member of an ``Agent`` the loop uses."""
+
+    def __init__(self) -> None:
+        self.nixl = _Nixl()
+
+
+@pytest.mark.looptime
+async def test_busy_while_writes_are_expected_idle_otherwise_stopped_when_closed() -> None:
+    agent, expecting = _Agent(), [False]
+    progress = AgentProgress(agent, lambda: expecting[0], 0.001)  # type: ignore[arg-type]
+    progress.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        progress.start()
+    await asyncio.sleep(1.0)
+    idle = agent.nixl.progressed
+    assert 19 <= idle <= 21  # every 50 ms
+    expecting[0] = True
+    await asyncio.sleep(1.0)
+    busy = agent.nixl.progressed - idle
+    assert 990 <= busy <= 1010  # every interval_s
+    assert progress.running
+    await progress.aclose()
+    assert not progress.running
+    stopped = agent.nixl.progressed
+    await asyncio.sleep(1.0)
+    assert agent.nixl.progressed == stopped
+
+
+@pytest.mark.looptime
+async def test_an_interval_over_the_idle_pace_is_used_for_both() -> None:
+    agent = _Agent()
+    progress = AgentProgress(agent, lambda: False, 0.2)  # type: ignore[arg-type]
+    progress.start()
+    await asyncio.sleep(1.0)
+    assert 5 <= agent.nixl.progressed <= 6
+    await progress.aclose()
