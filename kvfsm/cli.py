@@ -170,7 +170,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             print(f"kvfsm demo: layout: {describe_layout(opts)}", file=sys.stderr)
     go: Callable[[], dict[str, Any]] = lambda: demo.run_demo(opts)  # noqa: E731
     if args.two_hosts:
-        from kvfsm.chaos._two_hosts import run_demo_two_hosts  # noqa: PLC0415 - only then
+        from kvfsm.chaos import run_demo_two_hosts  # noqa: PLC0415 - only then
 
         go = lambda: run_demo_two_hosts(opts)  # noqa: E731
     return run_command(

@@ -40,15 +40,18 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
 
-from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
-from kvfsm.bootstrap._discovery import Registration, registry_resolver
-from kvfsm.bootstrap._fingerprint import Fingerprint
-from kvfsm.bootstrap._pipeline import PipelineStage
-from kvfsm.bootstrap._registry import (
+from kvfsm.bootstrap import (
     BootstrapClient,
     BootstrapError,
+    ChannelConfig,
+    ControlPlane,
+    Fingerprint,
     NotReadyError,
+    PipelineStage,
+    Registration,
+    Resolver,
     UnreachableError,
+    registry_resolver,
 )
 from kvfsm.rooms import (
     CommandSink,

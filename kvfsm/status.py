@@ -19,8 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvfsm.rooms import RoomEngine
-from kvfsm.rooms._runtime import thread_table
+from kvfsm.rooms import RoomEngine, thread_table
 
 __all__ = ["StatusServer"]
 

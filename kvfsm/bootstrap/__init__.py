@@ -9,6 +9,7 @@ from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, Resolver
 from kvfsm.bootstrap._discovery import Registration, registry_resolver
 from kvfsm.bootstrap._fingerprint import Fingerprint
 from kvfsm.bootstrap._frames import PROTOCOL_VERSION, FrameCodec, FrameError, FrameReader
+from kvfsm.bootstrap._pipeline import PipelineStage
 from kvfsm.bootstrap._registry_client import (
     BootstrapClient,
     BootstrapError,
@@ -37,6 +38,7 @@ __all__ = [
     "Health",
     "NotFoundError",
     "NotReadyError",
+    "PipelineStage",
     "RankInfo",
     "Registered",
     "Registration",

@@ -95,7 +95,7 @@ from kvfsm.bootstrap._routing import (
     RoutingConfig,
     Send,
 )
-from kvfsm.rooms._ports import CommandSink, Inbox, RoomKey
+from kvfsm.rooms import CommandSink, Inbox, RoomKey
 from kvfsm.states import (
     Command,
     EventRejected,
@@ -107,10 +107,7 @@ from kvfsm.states import (
     Role,
     SendMetadata,
 )
-from kvfsm.transport._agent import Agent
-from kvfsm.transport._layout import LayoutSummary
-from kvfsm.transport._slices import NO_KV
-from kvfsm.transport._transport import NixlTransport
+from kvfsm.transport import NO_KV, Agent, LayoutSummary, NixlTransport
 
 __all__ = ["ChannelConfig", "ControlPlane", "Resolver"]
 

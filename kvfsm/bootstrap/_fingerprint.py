@@ -56,7 +56,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from kvfsm.transport._slices import HeadShard, KvPiece, link_piece, targets
+from kvfsm.transport import HeadShard, KvPiece, link_piece, targets
 
 __all__ = [
     "DECLARED_MATCH",

@@ -107,7 +107,7 @@ from kvfsm.bootstrap._frames import (
     pack_refs,
     unpack_refs,
 )
-from kvfsm.rooms._ports import RoomKey
+from kvfsm.rooms import RoomKey
 from kvfsm.states import (
     AbortRequested,
     DestinationReceived,

@@ -13,3 +13,22 @@
   link-cut scenario across them (``kvfsm demo --two-hosts``); ``kvfsm chaos --two-hosts`` runs
   the campaign across them, with link cuts as one more fault.
 """
+
+from __future__ import annotations
+
+from kvfsm.chaos._control_proxy import ProxyThread
+from kvfsm.chaos._plan import ControlRates, FaultPlan, FrameFault, TransferFault, TransferRates
+from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.chaos._two_hosts import run_demo_two_hosts
+
+__all__ = [
+    "ControlRates",
+    "FaultPlan",
+    "FrameFault",
+    "ProxyThread",
+    "TransferFault",
+    "TransferRates",
+    "TransportFaults",
+    "faulty_agent_config",
+    "run_demo_two_hosts",
+]

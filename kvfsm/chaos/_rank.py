@@ -62,8 +62,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.bootstrap import BootstrapClient
-from kvfsm.bootstrap._discovery import registry_resolver
+from kvfsm.bootstrap import BootstrapClient, registry_resolver
 from kvfsm.chaos._control_proxy import ProxyThread
 from kvfsm.chaos._options import OVERSIZED_PAGES, CampaignOptions, RoomPlan, episode_plan
 from kvfsm.chaos._plan import FaultPlan

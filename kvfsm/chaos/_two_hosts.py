@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm._child import ChildProcess, spawn_quietly
-from kvfsm.bootstrap._control import ChannelConfig
+from kvfsm.bootstrap import ChannelConfig
 from kvfsm.chaos._netns import CutMode, TwoHosts
 from kvfsm.demo import run_demo
 from kvfsm.manager import ManagerConfig

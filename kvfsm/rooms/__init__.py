@@ -19,7 +19,7 @@ from kvfsm.rooms._ports import (
     RoomKey,
 )
 from kvfsm.rooms._registry import DuplicateRoomError, Registry
-from kvfsm.rooms._runtime import LoopThread
+from kvfsm.rooms._runtime import LoopThread, name_this_thread, thread_table
 from kvfsm.rooms._stats import RoomStats
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "SenderRoom",
     "build_machine",
     "machine_edges",
+    "name_this_thread",
     "pack_pages",
     "page_count",
+    "thread_table",
 ]

@@ -40,10 +40,10 @@ from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
 from kvfsm.sglang._settings import manager_config
 from kvfsm.states import KVPoll as RoomStatus
 from kvfsm.states import Part
-from kvfsm.transport._slices import legs
+from kvfsm.transport import legs
 
 if TYPE_CHECKING:
-    from kvfsm.bootstrap._pipeline import PipelineStage
+    from kvfsm.bootstrap import PipelineStage
     from kvfsm.rooms import ReceiverRoom, SenderRoom
     from kvfsm.sglang._legs import Legs
 

@@ -40,12 +40,11 @@ def kv_class(class_type: Any) -> type | None:
     name = getattr(class_type, "name", str(class_type))
     if name == "KVARGS":
         return None
-    from kvfsm.sglang import (  # noqa: PLC0415 - SGLang may load the plugin before it needs it
-        KvfsmKVBootstrapServer,
-        KvfsmKVManager,
-        KvfsmKVReceiver,
-        KvfsmKVSender,
-    )
+    # Lazily, from the modules themselves (not the package, whose __init__ exports this
+    # module's names): SGLang may load the plugin long before it needs the classes.
+    from kvfsm.sglang._conn import KvfsmKVReceiver, KvfsmKVSender  # noqa: PLC0415
+    from kvfsm.sglang._manager import KvfsmKVManager  # noqa: PLC0415
+    from kvfsm.sglang._server import KvfsmKVBootstrapServer  # noqa: PLC0415
 
     classes: dict[str, type] = {
         "MANAGER": KvfsmKVManager,

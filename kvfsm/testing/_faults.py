@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvfsm.chaos._plan import ControlRates, FaultPlan, FrameFault, TransferFault, TransferRates
+from kvfsm.chaos import ControlRates, FaultPlan, FrameFault, TransferFault, TransferRates
 
 __all__ = ["Direction", "Faults"]
 

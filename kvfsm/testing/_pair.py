@@ -38,8 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.bootstrap import ChannelConfig, registry_resolver
-from kvfsm.chaos._control_proxy import ProxyThread
-from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.chaos import ProxyThread, TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import ReceiverRoom, RoomConfig, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll, Role

@@ -8,12 +8,16 @@ from kvfsm.transport._agent import Agent, AgentConfig, Peer
 from kvfsm.transport._fence import Leases
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
 from kvfsm.transport._progress import AgentProgress
+from kvfsm.transport._slices import NO_KV, HeadShard, KvPiece, legs, link_piece, targets
 from kvfsm.transport._transport import NixlTransport, TransferConfig, TransportStats
 
 __all__ = [
+    "NO_KV",
     "Agent",
     "AgentConfig",
     "AgentProgress",
+    "HeadShard",
+    "KvPiece",
     "Layout",
     "LayoutError",
     "LayoutSummary",
@@ -24,4 +28,7 @@ __all__ = [
     "Region",
     "TransferConfig",
     "TransportStats",
+    "legs",
+    "link_piece",
+    "targets",
 ]

@@ -61,7 +61,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
-from kvfsm.rooms._ports import RoomKey
+from kvfsm.rooms import RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, ChunkStalled, Event, PeerLost
 from kvfsm.transport._fence import Leases
 

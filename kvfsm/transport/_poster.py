@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from kvfsm.rooms._runtime import name_this_thread
+from kvfsm.rooms import name_this_thread
 
 __all__ = ["Poster"]
 

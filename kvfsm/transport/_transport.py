@@ -66,8 +66,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.rooms._ports import CommandSink, Inbox, RoomKey
-from kvfsm.rooms._runtime import name_this_thread
+from kvfsm.rooms import CommandSink, Inbox, RoomKey, name_this_thread
 from kvfsm.states import (
     ChunkDone,
     ChunkFailed,
