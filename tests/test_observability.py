@@ -20,7 +20,7 @@ from kvfsm.metrics import reason_kind
 from kvfsm.states import TERMINAL
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.bootstrap.prefill_process import SHAPE, fill_sources
-from tests.test_manager import registry  # noqa: F401 - the module-scoped registry fixture
+from tests.registry import running_registry
 from tests.waiting import wait_for
 
 CONFIG = ManagerConfig(
@@ -28,8 +28,15 @@ CONFIG = ManagerConfig(
 )
 
 
+@pytest.fixture(scope="module")
+def registry() -> Iterator[str]:
+    """A real bootstrap registry in its own process."""
+    with running_registry(ttl_s=3) as url:
+        yield url
+
+
 @pytest.fixture
-def pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeManager]]:  # noqa: F811
+def pair(registry: str) -> Iterator[tuple[PrefillManager, DecodeManager]]:
     src_kv, src_aux = make_buffers(SHAPE)
     fill_sources(src_kv, src_aux)
     dst_kv, dst_aux = make_buffers(SHAPE)
