@@ -2,12 +2,12 @@
 figures).
 
 For each shape it runs SGLang 0.5.23's scheduler sequences (the conformance replay of
-``tests/sglang/scheduler.py``, which checks every head slice of every page on decode) with 12
+``tests/helpers/sglang_replay.py``, which checks every head slice of every page on decode) with 12
 random requests over real NIXL, and prints one line: requests that succeeded, violations and
 leaks the replay found, and each prefill rank's ``bytes_done``. Equal TP moves the reference
 amount; unequal MHA must move the same KV bytes (each decode head written once), MLA one
-replica per decode rank. Pipeline shapes (``tests/sglang/pipeline.py``): each stage must move
-its own layers of every page, and only the last stage the aux rows.
+replica per decode rank. Pipeline shapes (``tests/helpers/sglang_pipeline.py``): each stage
+must move its own layers of every page, and only the last stage the aux rows.
 
 Run from the repository root (it uses the test rig): ``python -m benchmarks.tp_shapes``.
 """
@@ -19,9 +19,9 @@ import random
 import sys
 
 from kvfsm.sglang import KvfsmKVBootstrapServer, configure
-from tests.sglang import pipeline as pp_rig
-from tests.sglang import scheduler as rig
-from tests.sglang.conftest import CONFIG
+from tests.helpers import sglang_pipeline as pp_rig
+from tests.helpers import sglang_replay as rig
+from tests.helpers.sglang_config import CONFIG
 
 #: (prefill attention TP, decode attention TP, KV heads, MLA)
 SHAPES = [

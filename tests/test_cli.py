@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.cli import REPO, interrupt_and_check
+
 CLI = [sys.executable, "-m", "kvfsm.cli"]
 
 
@@ -78,61 +76,6 @@ def test_bad_flags_exit_non_zero_with_a_message() -> None:
     assert proc.returncode == 2
     assert "unrecognized arguments: --no-such-flag" in proc.stderr
     assert proc.stdout == ""
-
-
-def group_members(pgid: int) -> dict[int, str]:
-    """Live (not zombie) processes of a process group, from /proc: pid -> command line."""
-    members = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members[int(entry.name)] = cmdline
-    return members
-
-
-def interrupt_and_check(
-    command: list[str], name: str, *, children: int, moving_s: float, timeout: float
-) -> None:
-    """Start ``command`` in its own process group, wait for its ``children`` spawned processes
-    and ``moving_s`` more, send SIGINT to the whole group (what a terminal's Ctrl-C does), and
-    check: exit 130, "kvfsm <name>: interrupted", no traceback, nothing on stdout, no process
-    of the group left behind."""
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while sum("spawn_main" in cmd for cmd in group_members(proc.pid).values()) < children:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the child processes did not start"
-            time.sleep(0.05)
-        time.sleep(moving_s)  # rooms are moving now
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, stderr
-    assert f"kvfsm {name}: interrupted" in stderr
-    assert "Traceback" not in stderr, stderr
-    assert stdout == ""
-    deadline = time.monotonic() + timeout / 3
-    while group_members(proc.pid):
-        assert time.monotonic() < deadline, f"left running: {group_members(proc.pid)}"
-        time.sleep(0.05)
 
 
 def test_ctrl_c_stops_the_run_cleanly_with_130() -> None:

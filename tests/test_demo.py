@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_cli import interrupt_and_check
+from tests.helpers.cli import interrupt_and_check
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = [sys.executable, "-m", "kvfsm.cli", "demo"]

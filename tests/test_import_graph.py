@@ -126,3 +126,22 @@ def test_no_module_reaches_into_a_private_module_for_an_exported_name() -> None:
             if all(name in exported for name in names):
                 offenders.append(f"{mod}: from {node.module} import {', '.join(names)}")
     assert offenders == []
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in tests/helpers/ (and tests/e2e/servers.py for the real servers);
+    a test module never imports a test module or a conftest."""
+    tests = KVFSM.parent / "tests"
+    offenders = []
+    for path in tests.rglob("*.py"):
+        for node in _imports(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            )
+            for name in names:
+                last = name.rpartition(".")[2]
+                if name.startswith("tests.") and (last.startswith("test_") or last == "conftest"):
+                    offenders.append(f"{path.relative_to(tests)}: {name}")
+    assert offenders == []

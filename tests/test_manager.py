@@ -16,8 +16,8 @@ from kvfsm.manager import DecodeManager, ManagerConfig, default_agent_name
 from kvfsm.states import TERMINAL
 from kvfsm.testing import KvfsmPair
 from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE
-from tests.waiting import wait_for
+from tests.helpers.prefill_process import SHAPE
+from tests.helpers.waiting import wait_for
 
 CONFIG = ManagerConfig(channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5)
 

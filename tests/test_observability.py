@@ -19,9 +19,9 @@ from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.metrics import reason_kind
 from kvfsm.states import TERMINAL
 from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE, fill_sources
-from tests.registry import running_registry
-from tests.waiting import wait_for
+from tests.helpers.prefill_process import SHAPE, fill_sources
+from tests.helpers.registry import running_registry
+from tests.helpers.waiting import wait_for
 
 CONFIG = ManagerConfig(
     channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5, status_port=0, metrics=True

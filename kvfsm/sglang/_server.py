@@ -1,8 +1,9 @@
 """``KvfsmKVBootstrapServer``: the bootstrap registry of one prefill instance, as SGLang starts it
 (``host``, ``port`` from ``--host`` and ``--disaggregation-bootstrap-port``) in its main process.
 
-It is kvfsm's registry (kvfsm/bootstrap/_registry_server.py) on a daemon thread with its own event loop:
-SGLang constructs the server and keeps the object, and never calls anything on it again.
+It is kvfsm's registry (kvfsm/bootstrap/_registry_server.py) on a daemon thread with its own
+event loop: SGLang constructs the server and keeps the object, and never calls anything on it
+again.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The control plane between two OS processes on loopback: this process is the decode rank
 (receiver rooms, a real NIXL agent whose pages the prefill process writes), the other is a
-prefill rank (tests/bootstrap/prefill_process.py). Real sockets, real NIXL, real frames."""
+prefill rank (tests/helpers/prefill_process.py). Real sockets, real NIXL, real frames."""
 
 from __future__ import annotations
 
@@ -10,59 +10,14 @@ import socket
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
-from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
-from kvfsm.manager import router_for
-from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine
+from kvfsm.bootstrap._control import ChannelConfig
 from kvfsm.states import TERMINAL, KVPoll
-from kvfsm.transport import Agent
-from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE, PrefillProcess, fill_sources
-from tests.registry import running_registry
-from tests.waiting import wait_for
-
-FAST = ChannelConfig(heartbeat_s=0.2)
-
-
-class Decode:
-    def __init__(
-        self,
-        port: dict[str, int],
-        config: ChannelConfig = FAST,
-        rooms: RoomConfig | None = None,
-    ) -> None:
-        self.kv, self.aux = make_buffers(SHAPE)
-        self.expected_kv, self.expected_aux = make_buffers(SHAPE)
-        fill_sources(self.expected_kv, self.expected_aux)
-        self.agent = Agent(f"decode-{os.getpid()}-{id(self)}", make_layout(self.kv, self.aux))
-
-        async def resolve(rank: int) -> tuple[str, int]:
-            return "127.0.0.1", port["port"]
-
-        self.control = ControlPlane("decode", 0, self.agent, resolver=resolve, config=config)
-        self.engine = RoomEngine(router_for(self.control), rooms).start()
-        self.engine.call(self.control.started())
-
-    def receive(self, room: int, dst: list[int], aux_row: int) -> ReceiverRoom:
-        receiver = self.engine.receiver(room)
-        receiver.init(0)
-        wait_for(lambda: receiver.poll() is not KVPoll.Bootstrapping, timeout=10)
-        receiver.send_metadata(np.asarray(dst, np.int32), aux_row)
-        return receiver
-
-    def landed(self, src: list[int], dst: list[int], src_aux: int, dst_aux: int) -> bool:
-        pages_ok = all(
-            np.array_equal(self.kv[b][d], self.expected_kv[b][s])
-            for b in range(len(self.kv))
-            for s, d in zip(src, dst, strict=True)
-        )
-        return pages_ok and np.array_equal(self.aux[dst_aux], self.expected_aux[src_aux])
-
-    def close(self) -> None:
-        self.engine.close()
-        self.agent.close()
+from tests.helpers.control import FAST, Decode
+from tests.helpers.prefill_process import PrefillProcess
+from tests.helpers.registry import running_registry
+from tests.helpers.waiting import wait_for
 
 
 @pytest.fixture

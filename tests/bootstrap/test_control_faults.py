@@ -16,10 +16,10 @@ import pytest
 from kvfsm.bootstrap._control import ChannelConfig
 from kvfsm.rooms import ReceiverRoom, RoomConfig
 from kvfsm.states import TERMINAL, KVPoll
-from tests.bootstrap.decode_process import DecodeProcess
-from tests.bootstrap.prefill_process import PrefillProcess
-from tests.bootstrap.test_control import Decode
-from tests.waiting import wait_for
+from tests.helpers.control import Decode
+from tests.helpers.decode_process import DecodeProcess
+from tests.helpers.prefill_process import PrefillProcess
+from tests.helpers.waiting import wait_for
 
 # Short leases, so that a lost link's pages settle within a second of its last grant.
 FAST = ChannelConfig(heartbeat_s=0.2, lease_s=0.4, fence_margin_s=0.3)

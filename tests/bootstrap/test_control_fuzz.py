@@ -41,9 +41,9 @@ from kvfsm.rooms import RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.transport import Agent, Leases, NixlTransport
 from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE, fill_sources
-from tests.bootstrap.test_control import Decode
-from tests.waiting import wait_for
+from tests.helpers.control import Decode
+from tests.helpers.prefill_process import SHAPE, fill_sources
+from tests.helpers.waiting import wait_for
 
 SECRET = b"a shared secret of 32 bytes....."
 

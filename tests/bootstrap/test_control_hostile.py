@@ -32,9 +32,9 @@ from kvfsm.bootstrap._control import ChannelConfig, ControlPlane, _Link
 from kvfsm.bootstrap._frames import Frame, RoomMetadata, RoomOutcome
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import TERMINAL, KVPoll
-from tests.bootstrap.prefill_process import PrefillProcess
-from tests.bootstrap.test_control import Decode
-from tests.waiting import wait_for
+from tests.helpers.control import Decode
+from tests.helpers.prefill_process import PrefillProcess
+from tests.helpers.waiting import wait_for
 
 SECRET = b"a shared secret of 32 bytes....."
 PLAIN = ChannelConfig()

@@ -26,9 +26,9 @@ from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.transport._slices import KvPiece, RowSlice
 from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE, fill_sources
-from tests.registry import running_registry
-from tests.waiting import wait_for
+from tests.helpers.prefill_process import SHAPE, fill_sources
+from tests.helpers.registry import running_registry
+from tests.helpers.waiting import wait_for
 
 LLAMA = Fingerprint(
     layers=32, kv_heads=8, head_bytes=256, dtype="bfloat16", page_tokens=16, attn_tp=2

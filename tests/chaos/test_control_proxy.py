@@ -17,9 +17,9 @@ from kvfsm.chaos._plan import ControlRates, FaultPlan
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE, fill_sources
-from tests.registry import running_registry
-from tests.waiting import wait_for
+from tests.helpers.prefill_process import SHAPE, fill_sources
+from tests.helpers.registry import running_registry
+from tests.helpers.waiting import wait_for
 
 FRAMES = [struct.pack(">I", 5) + bytes([i]) * 5 for i in range(6)]
 

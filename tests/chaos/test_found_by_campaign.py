@@ -21,9 +21,9 @@ from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import RoomConfig
 from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE, fill_sources
-from tests.registry import running_registry
-from tests.waiting import wait_for
+from tests.helpers.prefill_process import SHAPE, fill_sources
+from tests.helpers.registry import running_registry
+from tests.helpers.waiting import wait_for
 
 CHANNEL = ChannelConfig(heartbeat_s=0.25, connect_timeout_s=2.0)
 #: Short, so that a room that cannot settle gives up within the test.

@@ -21,8 +21,8 @@ from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 from kvfsm.transport import Agent, NixlTransport, TransferConfig
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
-from tests.transport.test_transport import RecordingControl
-from tests.waiting import wait_for
+from tests.helpers.transport import RecordingControl
+from tests.helpers.waiting import wait_for
 
 SHAPE = Shape(layers=2, num_pages=64, page_bytes=1024, aux_rows=8, aux_row_bytes=64)
 QUARANTINE_S = 3.0

@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -342,3 +343,25 @@ def router(log_dir: Path, prefill: Server, bootstrap_port: int, decode: Server) 
 def kvfsm_stats(server: Server) -> dict[str, Any]:
     stats: dict[str, Any] = get_json(server.status_url + "/stats")
     return stats
+
+
+def body(ids: list[int], max_new: int = 8, **extra: Any) -> dict[str, Any]:
+    """A ``/generate`` request: greedy, exactly ``max_new`` tokens (EOS ignored)."""
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+        **extra,
+    }
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of the samples of ``name`` (all label sets) in a Prometheus exposition."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if match:
+            found = True
+            total += float(match.group(2))
+    assert found, f"{name} is not on /metrics"
+    return total

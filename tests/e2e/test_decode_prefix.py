@@ -27,15 +27,16 @@ from tests.e2e.servers import (
     DECODE_FLAGS,
     FAILED,
     Server,
+    body,
     free_port,
     get_text,
+    metric_sum,
     post_json,
     prefill_flags,
     router,
     sglang_server,
     write_model,
 )
-from tests.e2e.test_sglang_servers import _metric, body
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -113,8 +114,8 @@ def _generate(url: str, ids: list[int]) -> dict[str, Any]:
 def _transferred_mb(rig: Rig) -> tuple[float, float]:
     text = get_text(rig.prefill.url + "/metrics")
     return (
-        _metric(text, "sglang:kv_transfer_total_mb_sum"),
-        _metric(text, "sglang:kv_transfer_total_mb_count"),
+        metric_sum(text, "sglang:kv_transfer_total_mb_sum"),
+        metric_sum(text, "sglang:kv_transfer_total_mb_count"),
     )
 
 

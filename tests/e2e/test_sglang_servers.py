@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -34,10 +33,12 @@ from tests.e2e.servers import (
     FAILED,
     LIVENESS_S,
     Server,
+    body,
     free_port,
     get_json,
     get_text,
     kvfsm_stats,
+    metric_sum,
     post_json,
     prefill_flags,
     router,
@@ -58,14 +59,6 @@ FIGURES: dict[str, Any] = {}
 def prompt(rng: random.Random, low: int = 4, high: int = 300) -> list[int]:
     # Token 0-2 are pad/bos/eos in the config: keep prompts to ordinary ids.
     return [rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))]
-
-
-def body(ids: list[int], max_new: int = MAX_NEW, **extra: Any) -> dict[str, Any]:
-    return {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
-        **extra,
-    }
 
 
 async def generate(
@@ -203,29 +196,16 @@ def test_pd_output_equals_the_reference_server_for_every_request(rig: Rig) -> No
     assert len({tuple(o) for o in ref}) > 1, "outputs do not depend on the prompt"
 
 
-def _metric(text: str, name: str) -> float:
-    """Sum of the samples of ``name`` (all label sets) in a Prometheus exposition."""
-    total = 0.0
-    found = False
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
-        if match:
-            found = True
-            total += float(match.group(2))
-    assert found, f"{name} is not on /metrics"
-    return total
-
-
 def test_sglang_transfer_metrics_are_non_zero_with_kvfsm(rig: Rig) -> None:
     rng = random.Random(SEED + 1)
     asyncio.run(generate_all(rig.router.url, [prompt(rng, 64, 256) for _ in range(8)]))
     text = get_text(rig.prefill.url + "/metrics")
     for name in ("sglang:kv_transfer_speed_gb_s", "sglang:kv_transfer_latency_ms"):
-        assert _metric(text, name + "_count") > 0, name
-        assert _metric(text, name + "_sum") > 0, name
+        assert metric_sum(text, name + "_count") > 0, name
+        assert metric_sum(text, name + "_sum") > 0, name
     FIGURES["kv_transfer_speed_gb_s_mean"] = round(
-        _metric(text, "sglang:kv_transfer_speed_gb_s_sum")
-        / _metric(text, "sglang:kv_transfer_speed_gb_s_count"),
+        metric_sum(text, "sglang:kv_transfer_speed_gb_s_sum")
+        / metric_sum(text, "sglang:kv_transfer_speed_gb_s_count"),
         4,
     )
 

@@ -4,20 +4,19 @@ Hypothesis drives requests (room ids from a tiny set, so ids are reused while ol
 still drain; a request may reach only one side), callers' aborts, each chunk's fate in NIXL, the
 control link (cut silently, reset with each side finding out at its own time, reconnected as a
 new link id), remote disconnects of the data path, freezes of either process for any length of
-time, and the virtual clock (:mod:`tests.model.pair`). Every room, routing decision, lease and
-chunk outcome is the production code's: RoomCore, PrefillRouting / DecodeRouting, Leases and
-ChunkLedger; nothing here restates their rules.
+time, and the virtual clock (:mod:`tests.helpers.model_pair`). Every room, routing decision,
+lease and chunk outcome is the production code's: RoomCore, PrefillRouting / DecodeRouting,
+Leases and ChunkLedger; nothing here restates their rules.
 
 After every step the laws of design section 2 hold (:func:`check_laws`); after the episode is
-drained, nothing is left anywhere (:func:`check_drained`). The planted-bug tests below prove
-the checks are not vacuous: each plants one bug in the IO around the cores and expects the same
+drained, nothing is left anywhere (:func:`check_drained`). The planted-bug tests below prove the
+checks are not vacuous: each plants one bug in the IO around the cores and expects the same
 machine (or, for the rarer interleavings, a spelled-out episode) to find the law it breaks. The
 production bugs this test found are at the end, as strict xfails, and listed in ``KNOWN_BUGS``.
 
 ``KVFSM_PROPERTY_EXAMPLES`` scales the number of episodes (default 500, about 15 s here; CI runs
 the default, derandomized); ``KVFSM_PROPERTY_RANDOM=1`` draws new episodes on every run. A
-failure reproduces with the ``@reproduce_failure`` blob hypothesis prints.
-"""
+failure reproduces with the ``@reproduce_failure`` blob hypothesis prints."""
 
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ from kvfsm.bootstrap._routing import (
 )
 from kvfsm.rooms._actor import RoomKey
 from kvfsm.states import TERMINAL, KVPoll, PeerLost, Role
-from tests.model.pair import (
+from tests.helpers.model_pair import (
     ORDER,
     Chunk,
     ChunkFate,

@@ -26,7 +26,7 @@ from kvfsm.states import (
     SendMetadata,
     TransferConfirmed,
 )
-from tests.rooms.helpers import DST, ScriptedSink, drain, pages
+from tests.helpers.rooms import DST, ScriptedSink, drain, pages
 
 pytestmark = pytest.mark.asyncio
 

@@ -37,7 +37,7 @@ from kvfsm.states import (
     TransferCompleted,
     TransferConfirmed,
 )
-from tests.rooms.helpers import DST, EXPECTED_STATE, pages, receiver_at, sender_at
+from tests.helpers.rooms import DST, EXPECTED_STATE, pages, receiver_at, sender_at
 
 SENDER_CONTEXTS = ["bootstrapping", "waiting", "waiting+init", "transferring", "success", "failed"]
 RECEIVER_CONTEXTS = [

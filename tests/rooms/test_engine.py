@@ -13,7 +13,7 @@ from kvfsm.rooms import KVTransferError, Publication, RoomConfig, RoomEngine
 from kvfsm.rooms import _engine as engine_module
 from kvfsm.rooms._loopback import LoopbackSink
 from kvfsm.states import DestinationReceived, KVPoll, Part, PeerResolved, SendMetadata
-from tests.rooms.helpers import DST, ScriptedSink, pages, wait_until
+from tests.helpers.rooms import DST, ScriptedSink, pages, wait_until
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from kvfsm.states import (
     SendMetadata,
     TransferConfirmed,
 )
-from tests.rooms.helpers import ScriptedSink, drain, pages, wait_until
+from tests.helpers.rooms import ScriptedSink, drain, pages, wait_until
 
 FIRST, SECOND, THIRD = RoomKey(17, 2), RoomKey(18, 3), RoomKey(19, 4)
 

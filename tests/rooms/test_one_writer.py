@@ -14,7 +14,7 @@ from kvfsm.rooms import Publication, RoomEngine
 from kvfsm.rooms import _engine as engine_module
 from kvfsm.rooms._loopback import LoopbackSink
 from kvfsm.states import TERMINAL, KVPoll
-from tests.rooms.helpers import wait_until
+from tests.helpers.rooms import wait_until
 
 WRITES: list[tuple[str, str | None, object]] = []
 

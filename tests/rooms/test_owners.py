@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvfsm.rooms import RoomKey
 from kvfsm.rooms._owners import DestinationOwners
-from tests.rooms.helpers import pages
+from tests.helpers.rooms import pages
 
 A, B, C = RoomKey(17, 2), RoomKey(18, 3), RoomKey(19, 4)
 

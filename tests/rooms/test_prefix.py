@@ -22,7 +22,7 @@ from kvfsm.states import (
     Role,
     SendMetadata,
 )
-from tests.rooms.helpers import DST, ScriptedSink, drain, pages, wait_until
+from tests.helpers.rooms import DST, ScriptedSink, drain, pages, wait_until
 
 # -- the cores ---------------------------------------------------------------------------------
 

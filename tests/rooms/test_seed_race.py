@@ -27,7 +27,7 @@ from kvfsm.states import (
     ReportOutcome,
     ReportSettled,
 )
-from tests.rooms.helpers import DST, ScriptedSink, wait_until
+from tests.helpers.rooms import DST, ScriptedSink, wait_until
 
 
 class Poller:

@@ -7,30 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfsm.bootstrap import ChannelConfig
-from kvfsm.manager import ManagerConfig
-from kvfsm.rooms import RoomConfig
 from kvfsm.sglang import KvfsmKVBootstrapServer, configure
-from kvfsm.states import KVPoll, Role
-from kvfsm.transport import TransferConfig
-
-#: Deadlines short enough that a scenario that waits one out stays short, long enough that a
-#: loaded 2-vCPU machine does not hit them by accident.
-DEADLINES = {
-    role: {KVPoll.Bootstrapping: 10.0, KVPoll.WaitingForInput: 10.0, KVPoll.Transferring: 10.0}
-    for role in (Role.SENDER, Role.RECEIVER)
-}
-CONFIG = ManagerConfig(
-    rooms=RoomConfig(deadlines=DEADLINES, settle_timeout_s=20.0),
-    transfer=TransferConfig(deadline_base_s=3.0, quarantine_s=0.5, reconnect_interval_s=0.2),
-    # Silence 1.5 s: the heterogeneous replay runs six managers' loop threads in one process,
-    # and on a loaded 2-vCPU CI machine one of them once stalled past a 0.5 s limit, so a
-    # healthy link was declared lost. A lost prefill can write for at most silence + chunk
-    # deadline (3 s + bytes) + quarantine (0.5 s): decode keeps the pages of its rooms that long.
-    channel=ChannelConfig(heartbeat_s=0.25, liveness_factor=6.0),
-    register_interval_s=0.5,
-    register_wait_s=10.0,
-)
+from tests.helpers.sglang_config import CONFIG
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from kvfsm.bootstrap import BootstrapClient
 from kvfsm.sglang import KvfsmKVManager
 from kvfsm.sglang._args import ENGINE, ServerConfig
 from kvfsm.sglang._bases import DisaggregationMode
-from tests.sglang.scheduler import RankBuffers
+from tests.helpers.sglang_replay import RankBuffers
 
 
 async def _registered_port(url: str) -> int:

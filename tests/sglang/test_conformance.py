@@ -2,7 +2,7 @@
 over real NIXL (DRAM) and a real bootstrap server, with two TP ranks on each side.
 
 Every scenario checks the invariants of contract §7.4 through
-:class:`tests.sglang.scheduler.Checker` (legal polls, forward-only, sticky terminals, abort →
+:class:`tests.helpers.sglang_replay.Checker` (legal polls, forward-only, sticky terminals, abort →
 Failed, ``failure_exception`` raises, no call over a few ms, Success ⇒ identical KV/aux/state
 bytes, no write after release), that every per-room entry is gone once the rooms settle, and that
 decode never had to fall back on SGLang's deferred-release timeout. Scenarios include the
@@ -21,8 +21,8 @@ import pytest
 from kvfsm.chaos._plan import FaultPlan, TransferRates
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.sglang import KvfsmKVBootstrapServer, configure
-from tests.sglang.conftest import CONFIG
-from tests.sglang.scheduler import (
+from tests.helpers.sglang_config import CONFIG
+from tests.helpers.sglang_replay import (
     LAYERS,
     PAGE_BYTES,
     PAGE_TOKENS,

@@ -43,7 +43,7 @@ from kvfsm.sglang import (
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
 from kvfsm.sglang._conn import prefix_problem
 from kvfsm.testing import VirtualClock
-from tests.sglang.scheduler import (
+from tests.helpers.sglang_replay import (
     AUX_ROWS,
     LAYERS,
     PAGE_BYTES,

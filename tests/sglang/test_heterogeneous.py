@@ -1,5 +1,5 @@
 """Conformance with unequal attention TP and with MLA: the SGLang replay of
-:mod:`tests.sglang.scheduler` between a prefill instance of attention TP ``P`` and a decode
+:mod:`tests.helpers.sglang_replay` between a prefill instance of attention TP ``P`` and a decode
 instance of attention TP ``D``, every byte checked.
 
 What the adapter does (the feature's contract):
@@ -12,19 +12,19 @@ What the adapter does (the feature's contract):
 * MLA: every rank holds the whole latent; exactly one prefill rank writes into each decode
   rank, the others are dummies for it that still reach Success.
 * Aux and state rows: decode rank d gets them from the lowest-numbered prefill rank writing
-  into it, the writer of its first head (:func:`~tests.sglang.scheduler.row_sources`). Which
+  into it, the writer of its first head (:func:`~tests.helpers.sglang_replay.row_sources`). Which
   replica writes a replicated head is the adapter's choice: the rig learns it from the
   rank-specific aux row and ties it to the byte counts (MLA) and to one rank per decode rank.
 * Refused with a reason, per request or at the handshake: TPs neither of which divides the
   other ("attention TP"), state pools with unequal TP ("state pools": they are TP-sharded and
   move as whole rows), prefill heads the handshake cannot plan without head counts.
 
-The rig fills prefill KV by global head (:func:`~tests.sglang.scheduler.kv_bytes`), so replicas
-agree and decode's check knows what every head slice must hold
-(:func:`~tests.sglang.scheduler.verify_kv`); aux output ids and state rows are rank-specific, so
-a wrong pairing shows. The equal-TP shapes (the rig's head splits, MLA) pass with equal-TP
-kvfsm too, and ``test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes`` runs the checks
-on hand-made deliveries, correct and corrupted: the rig itself is tested.
+The rig fills prefill KV by global head (:func:`~tests.helpers.sglang_replay.kv_bytes`), so
+replicas agree and decode's check knows what every head slice must hold
+(:func:`~tests.helpers.sglang_replay.verify_kv`); aux output ids and state rows are
+rank-specific, so a wrong pairing shows. The equal-TP shapes (the rig's head splits, MLA) pass
+with equal-TP kvfsm too, and ``test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes``
+runs the checks on hand-made deliveries, correct and corrupted: the rig itself is tested.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import pytest
 from kvfsm.chaos._plan import FaultPlan, TransferRates
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.sglang import KvfsmKVBootstrapServer, configure
-from tests.sglang.conftest import CONFIG
-from tests.sglang.scheduler import (
+from tests.helpers.sglang_config import CONFIG
+from tests.helpers.sglang_replay import (
     PAGES,
     Checker,
     DecodeScheduler,

@@ -24,7 +24,7 @@ from kvfsm.states import (
     SendMetadata,
     TransferConfirmed,
 )
-from tests.rooms.helpers import ScriptedSink, pages, wait_until
+from tests.helpers.rooms import ScriptedSink, pages, wait_until
 
 #: The prefill attention-TP rank each leg of the request hears from (leg order).
 RANKS = [2, 3, 6]

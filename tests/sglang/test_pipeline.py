@@ -1,6 +1,6 @@
 """Conformance with pipeline parallelism on prefill (``--pp-size``): SGLang's PP scheduler
-sequence (:mod:`tests.sglang.pipeline`) against kvfsm's adapter over real NIXL, several stages
-of real ranks in one process, every byte checked on decode.
+sequence (:mod:`tests.helpers.sglang_pipeline`) against kvfsm's adapter over real NIXL, several
+stages of real ranks in one process, every byte checked on decode.
 
 What the adapter does (the feature's contract):
 
@@ -28,8 +28,8 @@ import pytest
 from kvfsm.sglang import KvfsmKVBootstrapServer, KvfsmKVReceiver, KvfsmKVSender, UnsupportedError
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll
 from kvfsm.sglang._manager import KvfsmKVManager
-from tests.sglang.pipeline import Pipeline, PipelinePair, spans
-from tests.sglang.scheduler import (
+from tests.helpers.sglang_pipeline import Pipeline, PipelinePair, spans
+from tests.helpers.sglang_replay import (
     Instance,
     Outcome,
     RankBuffers,

@@ -36,7 +36,7 @@ from kvfsm.states import TERMINAL, DestinationReceived
 from kvfsm.transport import Agent, AgentConfig, LayoutSummary, Leases, NixlTransport
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 from kvfsm.workload.peer import PeerProcess
-from tests.waiting import wait_for
+from tests.helpers.waiting import wait_for
 
 FENCE = 1
 

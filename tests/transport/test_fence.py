@@ -22,8 +22,8 @@ from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport, TransferC
 from kvfsm.transport._fence import REVOKED_KEPT
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
-from tests.transport.test_transport import RecordingControl
-from tests.waiting import wait_for
+from tests.helpers.transport import RecordingControl
+from tests.helpers.waiting import wait_for
 
 SHAPE = Shape(layers=2, num_pages=64, page_bytes=1024, aux_rows=8, aux_row_bytes=64)
 CANARY = 0xAB

@@ -20,8 +20,8 @@ from kvfsm.transport._layout import Layout, Region
 from kvfsm.transport._slices import NO_KV, KvPiece, RowSlice, link_piece
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
-from tests.transport.test_transport import Prefill
-from tests.waiting import wait_for
+from tests.helpers.transport import Prefill
+from tests.helpers.waiting import wait_for
 
 HEAD_BYTES, ROWS = 64, 4  # a page is ROWS token rows of (heads x HEAD_BYTES) bytes
 CANARY = 0xAB

@@ -1,110 +1,28 @@
 """The NIXL data path between two OS processes, DRAM to DRAM, on real NIXL (UCX).
 
 The prefill side is this process: a ``RoomEngine`` whose sink is a ``NixlTransport``. The decode
-side is ``tests/transport/peer.py`` in its own process, with its own agent and pages. Rooms are
+side is ``kvfsm.workload.peer.PeerProcess`` in its own process (this process's side:
+``tests/helpers/transport.py``), with its own agent and pages. Rooms are
 driven through the real facades; the decode side reports what landed.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from kvfsm.manager import CommandRouter
-from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
-from kvfsm.rooms._ports import CommandSink, Inbox, RoomKey
-from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, ReportOutcome
-from kvfsm.transport._agent import Agent
-from kvfsm.transport._transport import NixlTransport, TransferConfig
-from kvfsm.workload.buffers import Shape, make_buffers, make_layout, make_state, page_digests
+from kvfsm.states import TERMINAL, DestinationReceived, KVPoll, ReportOutcome
+from kvfsm.transport._transport import TransferConfig
+from kvfsm.workload.buffers import Shape, page_digests
 from kvfsm.workload.peer import PeerProcess
-from tests.waiting import wait_for
-
-SHAPE = Shape()
-
-
-class RecordingControl(CommandSink):
-    """Stands in for the control channel: records what rooms tell their peer."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.log: list[tuple[RoomKey, Command]] = []
-
-    def attach(self, inbox: Inbox) -> None:
-        pass
-
-    def submit(self, key: RoomKey, command: Command) -> None:
-        with self.lock:
-            self.log.append((key, command))
-
-    def outcomes(self, key: RoomKey) -> list[Command]:
-        with self.lock:
-            return [c for k, c in self.log if k == key and isinstance(c, ReportOutcome)]
-
-
-class Prefill:
-    """This process's side: source pages full of random bytes, an agent, a transport, an engine."""
-
-    def __init__(self, config: TransferConfig | None = None, shape: Shape = SHAPE) -> None:
-        self.kv, self.aux = make_buffers(shape)
-        self.state = make_state(shape)
-        rng = np.random.default_rng(1)
-        for buf in [*self.kv, self.aux, *([] if self.state is None else [self.state])]:
-            buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
-        layout = make_layout(self.kv, self.aux, self.state)
-        self.agent = Agent(f"prefill-{os.getpid()}-{id(self)}", layout)
-        self.control = RecordingControl()
-        self.transport = NixlTransport(self.agent, config)
-        self.engine = RoomEngine(CommandRouter(self.control, self.transport), RoomConfig()).start()
-
-    def connect(self, peer: PeerProcess, peer_id: str = "decode") -> int:
-        connected = self.engine.call(
-            self.transport.connect_peer(peer_id, peer.metadata, peer.summary)
-        )
-        return int(connected.generation)
-
-    def room(  # noqa: PLR0917 - reads like the scheduler's own call sequence
-        self,
-        room: int,
-        src: list[int],
-        dst: list[int],
-        chunks: int = 1,
-        aux: tuple[int, int] = (0, 0),
-        peer_id: str = "decode",
-    ) -> SenderRoom:
-        """Create a sender, hand it decode's pages, init and send it in ``chunks`` chunks."""
-        sender = self.engine.sender(room)
-        packed = np.asarray(dst, np.int32).tobytes()
-        self.engine.post(sender.key, DestinationReceived(packed, aux[1], peer=peer_id))
-        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
-        sender.init(len(src), aux[0])
-        bounds = sorted(
-            {0, len(src), *random.sample(range(len(src) + 1), min(chunks - 1, len(src)))}
-        )
-        for lo, hi in itertools.pairwise(bounds):
-            sender.send(np.asarray(src[lo:hi], np.int32))
-        if len(bounds) == 1:  # no pages at all: one empty, last chunk
-            sender.send(np.empty(0, np.int32))
-        return sender
-
-    def close(self) -> None:
-        self.engine.close()
-        self.transport.close()
-        stats = self.transport.snapshot()
-        self.agent.close()
-        assert stats["handles_created"] == stats["handles_released"], stats
-        assert stats["in_flight"] == 0, stats
-        agent = self.agent
-        assert agent.dlists_prepped == agent.dlists_released > 0
-        assert agent.peers_added == agent.peers_removed > 0
+from tests.helpers.transport import SHAPE, Prefill
+from tests.helpers.waiting import wait_for
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ replays on several pipeline stages in one process, each stage a TP group of real
   senders; a later stage looks only at the requests the stage before it finished, and
   finishes one only when its own MIN poll is terminal too.
 
-Decode is the ordinary replay (:class:`~tests.sglang.scheduler.DecodeScheduler`): one request,
+Decode is the ordinary replay (:class:`~tests.helpers.sglang_replay.DecodeScheduler`): one request,
 one receiver per decode rank, which reads from every stage. Every KV byte is checked against
 the whole model's fill (:attr:`Pipeline.view`: prefill's buffers of every layer, the very arrays
 the stages registered), so a layer written into the wrong decode buffer, or not at all, shows.
@@ -37,7 +37,7 @@ import numpy as np
 
 from kvfsm.sglang import KvfsmKVManager, KvfsmKVSender
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll
-from tests.sglang.scheduler import (
+from tests.helpers.sglang_replay import (
     AUX_ROWS,
     PAGE_TOKENS,
     Checker,

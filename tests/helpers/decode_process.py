@@ -25,7 +25,7 @@ from kvfsm.manager import DecodeManager, ManagerConfig
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll
 from kvfsm.workload.buffers import make_buffers, make_layout
-from tests.bootstrap.prefill_process import SHAPE, fill_sources
+from tests.helpers.prefill_process import SHAPE, fill_sources
 
 
 def _serve(conn: Connection, port: int, config: ChannelConfig, name: str | None) -> None:

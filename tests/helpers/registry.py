@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from tests.waiting import wait_for
+from tests.helpers.waiting import wait_for
 
 
 def _listening(port: int) -> bool:
