@@ -68,16 +68,23 @@ run the same code.
 from __future__ import annotations
 
 import enum
-import functools
 import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, cast
+from typing import TYPE_CHECKING, Final, cast
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
+
+from kvfsm.transport._geometry import (
+    Descs,
+    Geometry,
+    Group,
+    Indices,
+    LayoutError,
+    RegionSpec,
+    _items,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -101,20 +108,7 @@ ADDRESS_LIMIT: Final = 2**64
 #: ``addr`` and ``item_bytes`` must be multiples of this (a sanity check, see the module docstring).
 ALIGNMENT: Final = 8
 
-#: An ``(N, 3)`` uint64 array of NIXL descriptor rows ``(addr, len, device)``.
-Descs: TypeAlias = npt.NDArray[np.uint64]
-#: A 1-D int32 array of indices into a ``Descs`` array (or of page ids).
-Indices: TypeAlias = npt.NDArray[np.int32]
-#: One region on the wire: ``(addr, nbytes, item_bytes, device)``.
-RegionSpec: TypeAlias = tuple[int, int, int, int]
-
-Group: TypeAlias = Literal["kv", "aux", "state"]
-_UNSIGNED: Final[dict[int, type[np.unsignedinteger[Any]]]] = {4: np.uint32, 8: np.uint64}
 _UNIT: Final[dict[str, str]] = {"kv": "pages", "aux": "rows", "state": "rows"}
-
-
-class LayoutError(ValueError):
-    """A layout, region, page list or row is malformed. The message names what and why."""
 
 
 class MemKind(enum.Enum):
@@ -238,78 +232,6 @@ def _check_overlap(regions: tuple[Region, ...]) -> None:
                 )
 
 
-def _descs(specs: Sequence[RegionSpec]) -> Descs:
-    """Buffer-major descriptor rows of one validated group (see the module docstring).
-
-    The one implementation behind ``Layout.*_descs`` and ``LayoutSummary.*_descs``.
-    """
-    items = specs[0][1] // specs[0][2] if specs else 0
-    out = np.empty((len(specs), items, 3), dtype=np.uint64)
-    if specs:
-        addr, _, item, device = (np.array(col, dtype=np.uint64) for col in zip(*specs, strict=True))
-        out[:, :, 0] = addr[:, None] + np.arange(items, dtype=np.uint64)[None, :] * item[:, None]
-        out[:, :, 1] = item[:, None]
-        out[:, :, 2] = device[:, None]
-    return out.reshape(-1, 3)
-
-
-def _checked(ids: npt.ArrayLike, bound: int, what: str) -> Indices:
-    """``ids`` as a 1-D int32 array, after proving every entry is in ``[0, bound)``."""
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise LayoutError(f"{what} indices must be a 1-D array, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int32)
-    if arr.dtype.kind not in "iu":
-        raise LayoutError(f"{what} indices must be integers, got dtype {arr.dtype}")
-    # One reduction on the good path: a negative int32/int64 viewed as unsigned is at least
-    # 2**31 > INT32_MAX >= bound, so ``max() >= bound`` catches it too. (Narrower signed types
-    # would not wrap far enough; they take a second reduction.) Find the culprit only on failure.
-    if arr.dtype.kind == "i" and arr.dtype.itemsize >= 4:
-        out_of_range = bool(arr.view(_UNSIGNED[arr.dtype.itemsize]).max() >= bound)
-    else:
-        out_of_range = bool(arr.max() >= bound) or bool(arr.min() < 0)
-    if out_of_range:
-        bad = (arr < 0) | (arr >= bound)
-        raise LayoutError(f"{what} index {arr[int(bad.argmax())]} out of range [0, {bound})")
-    # Range-checked before the cast, so the cast cannot wrap.
-    return arr.astype(np.int32, copy=False)
-
-
-def _checked_row(row: int, bound: int, what: str) -> int:
-    try:
-        value = operator.index(row)
-    except TypeError:
-        raise LayoutError(f"{what} must be an int, got {type(row).__name__} {row!r}") from None
-    if isinstance(row, bool) or not 0 <= value < bound:
-        raise LayoutError(f"{what} index {row!r} out of range [0, {bound})")
-    return value
-
-
-@functools.lru_cache(maxsize=64)
-def _bases(n_regions: int, items: int) -> Indices:
-    # First descriptor row of each region. A layout's shape never changes and a sender sees a
-    # handful of them, so cache (read-only) instead of paying an arange per chunk.
-    base = np.arange(n_regions, dtype=np.int32) * np.int32(items)
-    base.flags.writeable = False
-    return base
-
-
-def _spread(n_regions: int, items: int, ids: Indices) -> Indices:
-    """Buffer-major descriptor indices of item ids ``ids`` (checked) across ``n_regions``."""
-    # Cannot overflow: ids < items and n_regions * items <= INT32_MAX (checked by validation).
-    return np.add.outer(_bases(n_regions, items), ids).reshape(-1)
-
-
-def _row_index(n_regions: int, items: int, row: int, what: str) -> Indices:
-    ids = np.array([_checked_row(row, items, what)], dtype=np.int32)
-    return _spread(n_regions, items, ids)
-
-
-def _items(specs: Sequence[RegionSpec]) -> int:
-    return specs[0][1] // specs[0][2] if specs else 0
-
-
 def _mismatch(group: Group, mine: tuple[Region, ...], theirs: Sequence[RegionSpec]) -> str | None:
     if len(mine) != len(theirs):
         return f"{group} region count differs: local {len(mine)}, remote {len(theirs)}"
@@ -323,7 +245,7 @@ def _mismatch(group: Group, mine: tuple[Region, ...], theirs: Sequence[RegionSpe
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class Layout(Geometry):
     """Every region one rank exposes for KV transfer, validated as a whole.
 
     ``kv``: per-layer K and V buffers (or one per layer for MLA), all with ``num_pages`` pages.
@@ -403,69 +325,21 @@ class Layout:
         """Every region, kv then aux then state: what the transport registers with NIXL."""
         return self.kv + self.aux + self.state
 
-    def page_bytes(self) -> int:
-        """Bytes moved per page, summed over the kv regions."""
-        return sum(r.item_bytes for r in self.kv)
-
-    def aux_row_bytes(self) -> int:
-        """Bytes moved per aux row, summed over the aux regions."""
-        return sum(r.item_bytes for r in self.aux)
-
-    def state_row_bytes(self) -> int:
-        """Bytes moved per state row, summed over the state regions."""
-        return sum(r.item_bytes for r in self.state)
-
     # -- descriptors ---------------------------------------------------------------------------
 
     def kv_specs(self) -> tuple[RegionSpec, ...]:
         """The KV regions as a peer's summary lists them."""
         return tuple(r.spec() for r in self.kv)
 
-    def kv_descs(self) -> Descs:
-        """``(len(kv) * num_pages, 3)``; row ``b * num_pages + p`` is page ``p`` of kv ``b``."""
-        return _descs([r.spec() for r in self.kv])
+    def _shape(self, group: Group) -> tuple[int, int]:
+        if group == "kv":
+            return len(self.kv), self.kv[0].items
+        regions = self.aux if group == "aux" else self.state
+        return len(regions), regions[0].items if regions else 0
 
-    def aux_descs(self) -> Descs:
-        """``(len(aux) * aux_rows, 3)``; row ``b * aux_rows + r`` is row ``r`` of aux ``b``."""
-        return _descs([r.spec() for r in self.aux])
-
-    def state_descs(self) -> Descs:
-        """``(len(state) * state_rows, 3)``, same convention."""
-        return _descs([r.spec() for r in self.state])
-
-    # -- indices -------------------------------------------------------------------------------
-
-    def check_pages(self, pages: npt.ArrayLike, what: str = "page") -> None:
-        """Raise ``LayoutError`` naming the first page id outside ``[0, num_pages)``.
-
-        ``pages``: a 1-D integer array (any integer dtype; int32 is what the wire carries).
-        """
-        _checked(pages, self.num_pages, what)
-
-    def page_index(self, pages: npt.ArrayLike) -> Indices:
-        """Indices into ``kv_descs()`` for ``pages`` across all kv regions, buffer-major:
-        ``[b * num_pages + p for b in range(len(kv)) for p in pages]``, int32.
-
-        Checks ``pages`` as ``check_pages`` does: a wrong index would make NIXL write into
-        another request's page, so this fails closed (two numpy reductions).
-        """
-        return _spread(len(self.kv), self.num_pages, _checked(pages, self.num_pages, "page"))
-
-    def check_row(self, row: int, what: str = "aux row") -> None:
-        """Raise ``LayoutError`` unless ``row`` is in ``[0, aux_rows)``."""
-        _checked_row(row, self.aux_rows, what)
-
-    def aux_index(self, row: int) -> Indices:
-        """Indices into ``aux_descs()`` for ``row`` across all aux regions, int32."""
-        return _row_index(len(self.aux), self.aux_rows, row, "aux row")
-
-    def check_state_row(self, row: int, what: str = "state row") -> None:
-        """Raise ``LayoutError`` unless ``row`` is in ``[0, state_rows)``."""
-        _checked_row(row, self.state_rows, what)
-
-    def state_index(self, row: int) -> Indices:
-        """Indices into ``state_descs()`` for ``row`` across all state regions, int32."""
-        return _row_index(len(self.state), self.state_rows, row, "state row")
+    def _specs(self, group: Group) -> Sequence[RegionSpec]:
+        regions = self.kv if group == "kv" else self.aux if group == "aux" else self.state
+        return [r.spec() for r in regions]
 
     # -- peers ---------------------------------------------------------------------------------
 
@@ -643,7 +517,7 @@ def _regions_from_pointers(  # noqa: PLR0917 - private; one call per group
     )
 
 
-class LayoutSummary(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
+class LayoutSummary(msgspec.Struct, Geometry, frozen=True, gc=False, forbid_unknown_fields=True):
     """A peer's layout as it travels on the wire (msgpack): per region ``(addr, nbytes,
     item_bytes, device)``, and one memory kind per group (a group is one prepped NIXL list, so it
     has exactly one kind; groups may differ, e.g. VRAM kv and DRAM aux).
@@ -700,14 +574,12 @@ class LayoutSummary(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields
     def state_rows(self) -> int:
         return _items(self.state)
 
-    def page_bytes(self) -> int:
-        return sum(spec[2] for spec in self.kv)
+    def _shape(self, group: Group) -> tuple[int, int]:
+        specs = self.kv if group == "kv" else self.aux if group == "aux" else self.state
+        return len(specs), _items(specs)
 
-    def aux_row_bytes(self) -> int:
-        return sum(spec[2] for spec in self.aux)
-
-    def state_row_bytes(self) -> int:
-        return sum(spec[2] for spec in self.state)
+    def _specs(self, group: Group) -> Sequence[RegionSpec]:
+        return self.kv if group == "kv" else self.aux if group == "aux" else self.state
 
     def select_kv(self, buffers: Sequence[int]) -> LayoutSummary:
         """This summary with only the KV regions ``buffers``, in that order: what a writer that
@@ -721,30 +593,3 @@ class LayoutSummary(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields
             if not 0 <= index < len(self.kv):
                 raise LayoutError(f"KV buffer {index} out of range (the layout has {len(self.kv)})")
         return msgspec.structs.replace(self, kv=tuple(self.kv[i] for i in picked))
-
-    def kv_descs(self) -> Descs:
-        return _descs(self.kv)
-
-    def aux_descs(self) -> Descs:
-        return _descs(self.aux)
-
-    def state_descs(self) -> Descs:
-        return _descs(self.state)
-
-    def check_pages(self, pages: npt.ArrayLike, what: str = "page") -> None:
-        _checked(pages, self.num_pages, what)
-
-    def page_index(self, pages: npt.ArrayLike) -> Indices:
-        return _spread(len(self.kv), self.num_pages, _checked(pages, self.num_pages, "page"))
-
-    def check_row(self, row: int, what: str = "aux row") -> None:
-        _checked_row(row, self.aux_rows, what)
-
-    def aux_index(self, row: int) -> Indices:
-        return _row_index(len(self.aux), self.aux_rows, row, "aux row")
-
-    def check_state_row(self, row: int, what: str = "state row") -> None:
-        _checked_row(row, self.state_rows, what)
-
-    def state_index(self, row: int) -> Indices:
-        return _row_index(len(self.state), self.state_rows, row, "state row")
