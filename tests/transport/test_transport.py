@@ -96,14 +96,12 @@ def test_peer_killed_fails_its_rooms_and_a_restarted_peer_serves_new_ones(
         warm = prefill.room(1, [1], [1])
         wait_for(lambda: warm.poll() is KVPoll.Success)
         peer.kill()
-        killed_at = time.monotonic()
         doomed = [prefill.room(10 + i, [i, i + 1], [30 + 2 * i, 31 + 2 * i], 2) for i in range(8)]
         wait_for(lambda: all(s.poll() in TERMINAL for s in doomed), timeout=10)
-        elapsed = time.monotonic() - killed_at
         assert all(s.poll() is KVPoll.Failed for s in doomed)
         reasons = {s.reason for s in doomed}
+        # the disconnect failed them (not their deadlines, which are minutes away)
         assert any("peer lost: NIXL remote disconnect" in r for r in reasons), reasons
-        assert elapsed < 5.0
         wait_for(lambda: all(s.settled for s in doomed))
         assert prefill.transport.stats.peers_lost >= 1
 
@@ -150,17 +148,14 @@ def test_stalled_peer_hits_the_chunk_deadline_and_no_byte_lands_after_settle(
         assert peer.ask("fill", 0xAB)  # canary bytes in decode's pages
         os.kill(peer.pid, signal.SIGSTOP)
         try:
-            start = time.monotonic()
             senders = [prefill.room(i, [i + 8], [i]) for i in pages]
             wait_for(lambda: all(s.poll() in TERMINAL for s in senders), timeout=10)
-            failed_after = time.monotonic() - start
             # A stopped peer cannot acknowledge a WRITE: every chunk hits its deadline, the room
             # fails at once with the reason, and its pages stay quarantined a while longer.
             for sender in senders:
                 assert sender.poll() is KVPoll.Failed
                 assert "stalled" in sender.reason, sender.reason
                 assert not sender.settled
-            assert failed_after < 0.3 + 2.0
             wait_for(lambda: all(s.settled for s in senders), timeout=10)
             at_settle = read_remote_pages(peer.pid, peer, pages)
         finally:
