@@ -1,9 +1,9 @@
 """The registry under connection exhaustion (issue 12, case 4): idle and slow connections, the
 connection cap, request timeouts, and accept() running out of descriptors.
 
-Real sockets on loopback. The tests that exhaust descriptors run the registry in a child process
-(``registry_process.py``) whose soft RLIMIT_NOFILE is 1024, so only that child runs out; this
-process raises its own soft limit to hold the 1,100 connections and restores it afterwards.
+Real sockets on loopback. The tests that exhaust descriptors run the registry in a child
+process (``tests/helpers/registry_process.py``) whose soft RLIMIT_NOFILE is 1024, so only that
+child runs out; this process raises its own soft limit to hold the 1,100 connections and restores it afterwards.
 Latencies are printed (``-s``), never asserted: a request must be answered, within a generous
 client timeout, where the registry used to leave it unanswered until the connections let go.
 """
@@ -29,7 +29,7 @@ import pytest
 from kvfsm.bootstrap import BootstrapClient, BootstrapServer, ConnectionStats, RankInfo
 
 ENGINE = "prefill-a"
-HELPER = Path(__file__).with_name("registry_process.py")
+HELPER = Path(__file__).resolve().parent.parent / "helpers" / "registry_process.py"
 CHILD_NOFILE = 1024
 IDLE_CONNECTIONS = 1100
 #: Generous: the registry answers in about a millisecond; before the fix it did not answer.
@@ -81,7 +81,8 @@ def nofile_at_least(needed: int) -> Iterator[None]:
 
 
 class Child:
-    """The registry in a child process (``registry_process.py``), driven over stdin/stdout."""
+    """The registry in a child process (``tests/helpers/registry_process.py``), driven over
+    stdin/stdout."""
 
     def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
         self.proc = proc
