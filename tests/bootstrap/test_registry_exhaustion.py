@@ -3,7 +3,8 @@ connection cap, request timeouts, and accept() running out of descriptors.
 
 Real sockets on loopback. The tests that exhaust descriptors run the registry in a child
 process (``tests/helpers/registry_process.py``) whose soft RLIMIT_NOFILE is 1024, so only that
-child runs out; this process raises its own soft limit to hold the 1,100 connections and restores it afterwards.
+child runs out; this process raises its own soft limit to hold the 1,100 connections and
+restores it afterwards.
 Latencies are printed (``-s``), never asserted: a request must be answered, within a generous
 client timeout, where the registry used to leave it unanswered until the connections let go.
 """
