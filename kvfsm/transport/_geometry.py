@@ -18,7 +18,7 @@ from typing import Any, Final, Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Descs", "Geometry", "Group", "Indices", "LayoutError", "RegionSpec"]
+__all__ = ["INT32_MAX", "Descs", "Geometry", "Group", "Indices", "LayoutError", "RegionSpec"]
 
 #: An ``(N, 3)`` uint64 array of NIXL descriptor rows ``(addr, len, device)``.
 Descs: TypeAlias = npt.NDArray[np.uint64]
@@ -28,6 +28,8 @@ Indices: TypeAlias = npt.NDArray[np.int32]
 RegionSpec: TypeAlias = tuple[int, int, int, int]
 Group: TypeAlias = Literal["kv", "aux", "state"]
 _UNSIGNED: Final[dict[int, type[np.unsignedinteger[Any]]]] = {4: np.uint32, 8: np.uint64}
+#: Indices travel to NIXL as int32, so a group holds at most this many descriptor rows.
+INT32_MAX: Final = 2**31 - 1
 
 
 class LayoutError(ValueError):

@@ -52,7 +52,7 @@ from typing import Final
 import numpy as np
 
 from kvfsm.states import Part
-from kvfsm.transport._layout import INT32_MAX, Descs, Indices, LayoutError, RegionSpec
+from kvfsm.transport._geometry import INT32_MAX, Descs, Indices, LayoutError, RegionSpec
 
 __all__ = [
     "NO_KV",
