@@ -13,7 +13,8 @@ raising, so a scenario reports all of them at once:
 * a rank's poll only moves forward, or into Failed; Success and Failed are sticky;
 * right after ``abort()``, that rank's ``poll`` is Failed;
 * ``failure_exception()`` raises (with a reason) every time it is called;
-* no scheduler-facing call takes longer than :data:`CALL_LIMIT_S` (time spent in the process's
+* no scheduler-facing call blocks: none takes longer than :data:`BLOCK_LIMIT_S`, and no kind of
+  call is slower than :data:`CALL_LIMIT_S` more than now and then (time spent in the process's
   cyclic garbage collection, which stops every thread, not counted);
 * Success means the KV pages, the aux row (``bootstrap_room`` included) and the state rows on
   every decode rank equal prefill's bytes: KV head slice by head slice (prefill fills by global
@@ -36,6 +37,7 @@ import dataclasses
 import gc
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -51,10 +53,18 @@ LAYERS, PAGES, PAGE_BYTES, PAGE_TOKENS = 2, 96, 1024, 16
 #: Bytes of one head of one token: with one head per rank (the default), a page is PAGE_BYTES.
 HEAD_BYTES = PAGE_BYTES // PAGE_TOKENS
 AUX_ROWS, STATE_ROWS, STATE_ROW_BYTES = 24, 24, 256
-#: A scheduler-facing call that takes longer than this is reported (it would stall every
-#: request on the rank). Network-bound calls take tens of milliseconds at least; this is
-#: well above a GIL hand-off or a GC pause on a busy 2-vCPU machine.
+#: A scheduler-facing call slower than this is counted as slow. One such call is not a block: on
+#: a loaded 2-vCPU machine a thread can wait that long for the CPU or the GIL (six ranks' loop
+#: threads share this process), which a clean-clone CI run once showed (58 ms, no GC). A kind of
+#: call that is slow more than now and then (:data:`SLOW_SHARE`) is reported: it waits on
+#: something. Whether each call can wait on kvfsm's loop or the network at all is proven by
+#: event order in tests/sglang/test_conn.py, not by a stopwatch.
 CALL_LIMIT_S = 0.025
+#: More than this share of a kind's calls (and more than 3 of them) slow: reported.
+SLOW_SHARE = 0.05
+#: One call this slow is reported on its own: it waited out something (SGLang's own backends'
+#: blocking calls wait seconds).
+BLOCK_LIMIT_S = 0.5
 CANARY = 0xA5
 #: What decode's cached prefix pages hold (prefill's bytes are random, never a whole page of it).
 PREFIX_FILL = 0x5C
@@ -521,6 +531,9 @@ class Checker:
         self.last: dict[tuple[str, int, int, int], int] = {}
         self.slowest = 0.0
         self.calls = 0
+        #: Calls per kind, and those slower than CALL_LIMIT_S.
+        self.kinds: Counter[str] = Counter()
+        self.slow: Counter[str] = Counter()
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start, collecting = time.perf_counter(), _GC.seconds
@@ -534,12 +547,23 @@ class Checker:
             # only the time outside it. SGLang freezes its own heap after start-up for this.
             own = took - (_GC.seconds - collecting)
             self.calls += 1
+            self.kinds[what] += 1
             self.slowest = max(self.slowest, own)
             if own > CALL_LIMIT_S:
+                self.slow[what] += 1
+            if own > BLOCK_LIMIT_S:
                 self.violations.append(
                     f"{what} blocked the scheduler for {own * 1e3:.1f} ms "
                     f"({took * 1e3:.1f} ms with garbage collection)"
                 )
+
+    def slow_kinds(self) -> list[str]:
+        """The kinds of call that were slow more than now and then (see SLOW_SHARE)."""
+        return [
+            f"{what} was slower than {CALL_LIMIT_S * 1e3:g} ms in {n} of {self.kinds[what]} calls"
+            for what, n in sorted(self.slow.items())
+            if n > max(3, SLOW_SHARE * self.kinds[what])
+        ]
 
     def poll(self, side: str, req: Request, rank: int, conn: Any, *, before_init: bool) -> int:
         value = int(self.call(f"{side} poll", conn.poll))
@@ -1083,6 +1107,7 @@ class Pair:
 
     def finish(self, requests: Sequence[Request]) -> Outcome:
         leaks = self.drain()
+        self.check.violations.extend(self.check.slow_kinds())
         for req in requests:
             self.check.violations.extend(prefix_untouched(req, self.decode))
         for req in self.d.released:

@@ -23,9 +23,12 @@ from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.sglang import KvfsmKVBootstrapServer, configure
 from tests.helpers.sglang_config import CONFIG
 from tests.helpers.sglang_replay import (
+    BLOCK_LIMIT_S,
+    CALL_LIMIT_S,
     LAYERS,
     PAGE_BYTES,
     PAGE_TOKENS,
+    Checker,
     Instance,
     Outcome,
     Pair,
@@ -291,3 +294,19 @@ def test_a_transfer_stuck_in_progress_fails_in_bounded_time(
     finally:
         decode.close()
         prefill.close()
+
+
+def test_the_checker_reports_a_block_and_a_kind_that_is_often_slow_not_one_hiccup() -> None:
+    check = Checker()
+    check.call("quick", lambda: None)
+    check.call("hiccup", time.sleep, CALL_LIMIT_S * 1.5)  # one slow call: a machine hiccup
+    assert check.violations == []
+    assert check.slow_kinds() == []
+    check.call("blocks", time.sleep, BLOCK_LIMIT_S * 1.2)
+    assert len(check.violations) == 1
+    assert check.violations[0].startswith("blocks blocked the scheduler for ")
+    for _ in range(5):
+        check.call("often slow", time.sleep, CALL_LIMIT_S * 1.5)
+    assert check.slow_kinds() == [
+        f"often slow was slower than {CALL_LIMIT_S * 1e3:g} ms in 5 of 5 calls"
+    ]
