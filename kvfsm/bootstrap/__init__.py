@@ -20,6 +20,7 @@ from kvfsm.bootstrap._registry_client import (
     UnreachableError,
 )
 from kvfsm.bootstrap._registry_server import BootstrapServer
+from kvfsm.bootstrap._registry_thread import RegistryThread
 from kvfsm.bootstrap._schemas import ConnectionStats, Health, RankInfo, Registered
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "RankInfo",
     "Registered",
     "Registration",
+    "RegistryThread",
     "RejectedError",
     "Resolver",
     "UnauthorizedError",

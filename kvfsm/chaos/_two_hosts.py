@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm._child import ChildProcess, spawn_quietly
-from kvfsm.bootstrap import ChannelConfig
+from kvfsm.bootstrap import ChannelConfig, RegistryThread
 from kvfsm.chaos._netns import CutMode, TwoHosts
 from kvfsm.demo import run_demo
 from kvfsm.manager import ManagerConfig
@@ -48,7 +48,6 @@ from kvfsm.workload.options import DemoOptions
 from kvfsm.workload.pair import Site, collect, running_ranks
 from kvfsm.workload.plan import make_plan
 from kvfsm.workload.ranks import STARVED, Outcome
-from kvfsm.workload.registry_thread import RegistryThread
 from kvfsm.workload.report import reason_class
 
 __all__ = ["CutReport", "Tuning", "TwoHostSite", "run_demo_two_hosts", "run_link_cut"]

@@ -37,7 +37,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.bootstrap import ChannelConfig, registry_resolver
+from kvfsm.bootstrap import ChannelConfig, RegistryThread, registry_resolver
 from kvfsm.chaos import ProxyThread, TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import ReceiverRoom, RoomConfig, SenderRoom
@@ -45,7 +45,6 @@ from kvfsm.states import TERMINAL, KVPoll, Role
 from kvfsm.testing._faults import Faults, ScriptedPlan
 from kvfsm.transport import TransferConfig
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
-from kvfsm.workload.registry_thread import RegistryThread
 
 __all__ = ["CANARY", "AbortAt", "KvfsmPair", "PairOptions", "Transfer"]
 

@@ -18,9 +18,9 @@ calls, timers, deliveries) and owns the threads:
   otherwise), and parked on an event when nothing is. The pump also progresses the agent
   (``get_new_notifs``): with progress threads off, nobody else answers a peer's handshakes.
 * the **poster thread** (:mod:`kvfsm.transport._poster`) makes and posts the transfers
-  (``make_prepped_xfer`` + lease check + ``transfer`` + one check), and a **peer thread**
-  connects peers. ``transfer()`` copies synchronously on shared-memory paths, and
-  ``add_remote_agent`` takes milliseconds: neither may run on the loop.
+  (``make_prepped_xfer`` + lease check + ``transfer`` + one check), and the peer set's thread
+  (:mod:`kvfsm.transport._peers`) connects peers. ``transfer()`` copies synchronously on
+  shared-memory paths, and ``add_remote_agent`` takes milliseconds: neither may run on the loop.
 
 Handles belong to the pump, not to rooms. A room that fails still has its posted handles
 drained; a chunk not yet posted when its room asks to release is dropped. Each chunk has a
@@ -57,16 +57,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.rooms import CommandSink, Inbox, RoomKey, name_this_thread
+from kvfsm.rooms import CommandSink, Inbox, RoomKey
 from kvfsm.states import (
     ChunkDone,
     ChunkFailed,
@@ -92,6 +90,7 @@ from kvfsm.transport._ledger import (
 )
 from kvfsm.transport._nixl import describe, is_remote_disconnect
 from kvfsm.transport._pacer import PollPacer
+from kvfsm.transport._peers import PeerSet
 from kvfsm.transport._poster import Poster
 from kvfsm.transport._slices import NO_KV, KvPiece, sliced_index
 
@@ -234,23 +233,15 @@ class NixlTransport(CommandSink):
         self._linger_until = 0.0
         self._pump_task: asyncio.Task[None] | None = None
         # Peer set-up (milliseconds per add_remote_agent) and chunk posting (copies on shared
-        # memory) are both blocking; each gets its own thread so a connecting peer never delays
-        # another peer's chunks.
-        self._worker = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="kvfsm-peers", initializer=_name_worker
-        )
+        # memory) are both blocking; each gets its own thread (the peer set's, the poster) so a
+        # connecting peer never delays another peer's chunks.
         self._poster: Poster[_Xfer] = Poster(self._post_blocking, self._posted)
-        self._peers: dict[str, Peer] = {}
-        self._connecting: dict[str, asyncio.Future[Peer]] = {}
-        self._attempts: dict[str, bytes] = {}  # metadata of each connection in progress
-        self._lost_at: dict[str, float] = {}
-        self._known: dict[str, tuple[bytes, LayoutSummary, KvPiece | None]] = {}
-        # Peers in the worker's hands: an old generation it is to disconnect, or a new one it
-        # connected that the loop has not adopted yet. If the engine stops meanwhile (the loop
-        # ends, connect_peer's task is cancelled, a queued job is cancelled by close()), nobody
-        # else knows them: close() disconnects what is left here, or their lists and remote
-        # agent would leak.
-        self._in_worker: list[Peer] = []
+        self._peers = PeerSet(
+            agent,
+            reconnect_interval_s=self.config.reconnect_interval_s,
+            drop=self._drop_generation,
+            counters=self._count,
+        )
         self._leaked: list[Any] = []  # handles whose release NIXL refused; retried at close
         self._closed = False
 
@@ -283,107 +274,25 @@ class NixlTransport(CommandSink):
         piece: KvPiece | None = None,
     ) -> Peer:
         """Connect (or reconnect, as a new generation) the peer ``peer_id``. Loop thread; the
-        blocking work runs on the worker. Concurrent calls for one peer share one attempt.
-        ``piece``: the head slice of each KV page this rank writes into the peer (unequal
-        attention TP), None for whole pages."""
-        loop = self._running_loop()
-        while (pending := self._connecting.get(peer_id)) is not None:
-            # Share an attempt with the same metadata. Wait out one with other metadata (a
-            # reload of a dead incarnation racing the restarted peer's registration), then
-            # make our own.
-            same = self._attempts.get(peer_id) == metadata
-            try:
-                shared = await asyncio.shield(pending)
-            except Exception:
-                if same:
-                    raise
-                continue
-            if same:
-                return shared
-        future: asyncio.Future[Peer] = loop.create_future()
-        self._connecting[peer_id] = future
-        self._attempts[peer_id] = metadata
-        try:
-            old = self._peers.pop(peer_id, None)
-            if old is not None:
-                # Its lists and remote agent go on the worker: hold its chunks first, as for a
-                # lost peer (NIXL's word on a handle whose agent was removed says nothing about
-                # the WRITE), and keep progressing what the old endpoint still has queued.
-                reason = f"peer {peer_id} reconnected as a new generation"
-                self._execute(self._ledger.peer_lost(old, reason, time.monotonic()))
-                self._in_worker.append(old)
-                self._linger()
-            peer = await loop.run_in_executor(
-                self._worker, self._reconnect_blocking, old, peer_id, metadata, summary, piece
-            )
-            self._in_worker.remove(peer)  # adopted: in _peers from here on
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                future.cancel()
-            else:
-                future.set_exception(exc)
-                future.exception()  # retrieved: waiters re-raise it, nobody else must
-            raise
-        finally:
-            del self._connecting[peer_id]
-            del self._attempts[peer_id]
-        self._peers[peer_id] = peer
-        self._known[peer_id] = (metadata, summary, piece)
-        self.stats.peers_connected += 1
-        future.set_result(peer)
-        _log.info("peer %s connected (generation %d)", peer_id, peer.generation)
-        return peer
-
-    def _reconnect_blocking(
-        self,
-        old: Peer | None,
-        peer_id: str,
-        metadata: bytes,
-        summary: LayoutSummary,
-        piece: KvPiece | None,
-    ) -> Peer:
-        if old is not None:
-            self._disconnect_blocking(old)
-        peer = self.agent.connect(peer_id, metadata, summary, piece)
-        self._in_worker.append(peer)
-        return peer
-
-    def _disconnect_blocking(self, peer: Peer) -> None:
-        self.agent.disconnect(peer)
-        self._in_worker.remove(peer)
+        blocking work runs on the peer set's worker. Concurrent calls for one peer share one
+        attempt. ``piece``: the head slice of each KV page this rank writes into the peer
+        (unequal attention TP), None for whole pages."""
+        self._running_loop()
+        return await self._peers.connect(peer_id, metadata, summary, piece)
 
     def peer(self, peer_id: str) -> Peer | None:
         return self._peers.get(peer_id)
 
-    def _peer_lost(self, peer: Peer, reason: str) -> None:
-        """The peer's agent reported a remote disconnect: fail its rooms, reconnect later."""
-        if self._peers.get(peer.peer_id) is not peer:
-            return  # an older generation; the current one is not condemned by it
-        del self._peers[peer.peer_id]
-        self.stats.peers_lost += 1
-        _log.warning("peer %s generation %d lost: %s", peer.peer_id, peer.generation, reason)
-        # Its in-flight handles are released here, before the remote agent goes
-        # (Agent.disconnect wants that).
+    def _drop_generation(self, peer: Peer, reason: str) -> None:
+        """A peer generation goes (replaced, or lost): hold its chunks first, before its remote
+        agent goes (NIXL's word on a handle whose agent was removed says nothing about the
+        WRITE; Agent.disconnect wants its handles released), and keep progressing what its
+        endpoint still has queued (it closes in flush mode)."""
         self._execute(self._ledger.peer_lost(peer, reason, time.monotonic()))
-        self._linger()  # its endpoint closes in flush mode: whatever it queued still moves
-        loop = self._running_loop()
-        self._in_worker.append(peer)
-        loop.run_in_executor(self._worker, self._disconnect_blocking, peer)
-        # NIXL drops a disconnected peer's metadata; reload it, rate-limited, in case the
-        # disconnect was transient. A restarted peer comes back through connect_peer instead.
-        last = self._lost_at.get(peer.peer_id, -1e9)
-        delay = max(0.0, last + self.config.reconnect_interval_s - loop.time())
-        self._lost_at[peer.peer_id] = loop.time() + delay
-        loop.call_later(delay, self._reload, peer.peer_id)
+        self._linger()
 
-    def _reload(self, peer_id: str) -> None:
-        if peer_id in self._peers or peer_id in self._connecting or self._closed:
-            return
-        known = self._known.get(peer_id)
-        if known is None:
-            return
-        task = self._running_loop().create_task(self.connect_peer(peer_id, *known))
-        task.add_done_callback(_log_reload_failure)
+    def _count(self, counter: str) -> None:
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
     # -- accepting a chunk (loop thread) -------------------------------------------------------
 
@@ -648,7 +557,7 @@ class NixlTransport(CommandSink):
     def _errored(self, record: Record, exc: BaseException, now: float) -> list[Action]:
         if is_remote_disconnect(exc):
             # The peer is reported gone: its rooms fail with a peer-lost reason first.
-            self._peer_lost(record.peer, f"NIXL remote disconnect from {record.peer.peer_id}")
+            self._peers.lost(record.peer, f"NIXL remote disconnect from {record.peer.peer_id}")
         return self._ledger.errored(record, describe(exc), now)
 
     def _quarantine_over(self, record: Record) -> None:
@@ -720,18 +629,14 @@ class NixlTransport(CommandSink):
             raise RuntimeError("close the RoomEngine before its NixlTransport")
         self._closed = True
         self._poster.close()
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._peers.stop_worker()
         for record in self._ledger.drain():
             self._release_all(record)
         leaked, self._leaked = self._leaked, []
         for handle in leaked:
             self._release(handle)
-        # The worker has stopped: a peer still in its hands was never adopted or never
-        # disconnected (see _in_worker).
-        for peer in [*self._peers.values(), *self._in_worker]:
-            self.agent.disconnect(peer)
-        self._peers.clear()
-        self._in_worker.clear()
+        # Handles first, then the peers' lists and remote agents (Agent.disconnect wants that).
+        self._peers.close()
 
 
 def _fenced_reason(leases: Leases, fence: int, part: int, parts: int) -> str:
@@ -741,15 +646,6 @@ def _fenced_reason(leases: Leases, fence: int, part: int, parts: int) -> str:
     return f"write lease of fence {fence} {why} before part {part + 1} of {parts}"
 
 
-def _name_worker() -> None:
-    name_this_thread(threading.current_thread().name)
-
-
 def _pump_ended(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         _log.error("NIXL pump crashed", exc_info=task.exception())
-
-
-def _log_reload_failure(task: asyncio.Task[Peer]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        _log.warning("reloading a lost peer failed: %s", task.exception())

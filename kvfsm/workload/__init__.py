@@ -9,7 +9,6 @@
 * ``plan``, ``ranks``, ``pair``, ``progress``, ``demo_report``: the demo's pieces: the plan
   made from the seed, the two rank processes, starting and stopping them, the progress line,
   the summary.
-* ``registry_thread``: the bootstrap registry on a thread of its own.
 * ``report``: percentiles, reason classes, sizes and the layout in words.
 * ``command``, ``interrupts``: the exit statuses every workload command shares, and a teardown
   that Ctrl-C cannot cut short.

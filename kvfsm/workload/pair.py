@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvfsm._child import ChildProcess, spawn_quietly
+from kvfsm.bootstrap import RegistryThread
 from kvfsm.manager import ManagerConfig
 from kvfsm.workload.interrupts import sigint_deferred
 from kvfsm.workload.options import DemoOptions
 from kvfsm.workload.ranks import STARVED, Outcome, rank_main
-from kvfsm.workload.registry_thread import RegistryThread
 
 __all__ = ["Site", "collect", "running_ranks"]
 

@@ -737,7 +737,13 @@ def test_bootstrap_server_close_is_idempotent() -> None:
         get_json(f"{url}/health")
 
 
+def registry_threads() -> int:
+    return sum(t.name == "kvfsm-registry" for t in threading.enumerate())
+
+
 def test_bootstrap_server_on_a_port_in_use_raises(bootstrap: KvfsmKVBootstrapServer) -> None:
+    before = registry_threads()
     with pytest.raises(OSError, match=r"(?i)address already in use"):
         KvfsmKVBootstrapServer("127.0.0.1", bootstrap.port)
+    assert registry_threads() == before  # the failed one left no thread behind
     get_json(f"{bootstrap.url}/health")  # the first one is unaffected

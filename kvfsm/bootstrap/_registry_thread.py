@@ -1,6 +1,7 @@
 """The bootstrap registry embedded in a process: a ``BootstrapServer`` on an event loop in a daemon
-thread of its own, so that a synchronous driver (the demo, the chaos campaign, their helper
-processes in a network namespace) can run one without an event loop of its own.
+thread of its own, so that a synchronous caller (SGLang's main process, the demo, the chaos
+campaign and its helper processes in a network namespace, ``kvfsm.testing``'s pair) can run one
+without an event loop of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from kvfsm.bootstrap import BootstrapServer
+from kvfsm.bootstrap._registry_server import BootstrapServer
 
 __all__ = ["RegistryThread"]
 
@@ -20,27 +21,36 @@ _T = TypeVar("_T")
 
 
 class RegistryThread:
-    """A registry serving on ``host`` (a free port) from construction until :meth:`close`;
-    :meth:`restart` brings it back on the same port. ``quiet``: :meth:`close` does not raise when
-    stopping the server fails (a teardown that must go on regardless)."""
+    """A registry serving on ``host`` and ``port`` (0: a free one) from construction until
+    :meth:`close`; :meth:`restart` brings it back on the same port. A server that cannot start
+    (the port is taken) raises from the constructor, and leaves no thread behind.
+    ``expected_ranks``: what the registry's health counts as complete. ``quiet``: :meth:`close`
+    does not raise when stopping the server fails (a teardown that must go on regardless)."""
 
     def __init__(
         self,
         host: str = "127.0.0.1",
         *,
+        port: int = 0,
+        expected_ranks: int = 1,
         secret: bytes | None = None,
         ttl_s: float | None = None,
         quiet: bool = False,
     ) -> None:
         self.host, self.secret, self.ttl_s, self.quiet = host, secret, ttl_s, quiet
-        self.port, self._url = 0, ""
+        self.expected_ranks = expected_ranks
+        self.port, self._url = port, ""
         self.server: BootstrapServer | None = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="kvfsm-registry", daemon=True
         )
         self.thread.start()
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -54,7 +64,7 @@ class RegistryThread:
         """Serve (again) on ``port`` (0 the first time: any free port)."""
         extra: dict[str, Any] = {} if self.ttl_s is None else {"ttl_s": self.ttl_s}
         server = BootstrapServer(
-            self.host, self.port, expected_ranks=1, secret=self.secret, **extra
+            self.host, self.port, expected_ranks=self.expected_ranks, secret=self.secret, **extra
         )
         self._call(server.start(), 30)
         self.server, self.port, self._url = server, server.port, server.url
@@ -86,7 +96,12 @@ class RegistryThread:
             else:
                 self.stop()
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            if not self.thread.is_alive():
-                self.loop.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
