@@ -45,7 +45,7 @@ cat >"$WORK/model/config.json" <<'EOF'
 EOF
 
 COMMON=(--model-path "$WORK/model" --load-format dummy --skip-tokenizer-init --device cpu
-    --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.05
+    --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.5
     --max-total-tokens 8192 --disable-radix-cache --host 127.0.0.1
     --disaggregation-transfer-backend nixl)
 # KVFSM_SGLANG=1: SGLang's "nixl" backend is served by kvfsm. A longer liveness bound than

@@ -59,13 +59,21 @@ MODEL_CONFIG: dict[str, Any] = {
 #: Every server: CPU device, no CUDA graphs, a small pool, no radix cache (a prefill prefix hit
 #: would make the comparison depend on arrival order; decode's radix cache is turned on in
 #: test_decode_prefix.py only).
+#:
+#: The pool is sized by ``--max-total-tokens``; ``--mem-fraction-static`` is only the margin
+#: SGLang's start-up check allows. On a CPU that check reads the machine's available memory
+#: before and after the weights load and fails the scheduler when it fell by more than
+#: ``1 - fraction`` of the first reading allows for ("Loaded weights leave no GPU memory for the
+#: KV cache"): with 0.05, three servers starting together (each grows by about a GB while it
+#: imports) failed it on this machine (a 6% drop). 0.5 tolerates their growth; the pool stays
+#: 8192 tokens either way (the cap applies after the check).
 COMMON_FLAGS = [
     "--load-format", "dummy",
     "--skip-tokenizer-init",
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--disable-cuda-graph",
-    "--mem-fraction-static", "0.05",
+    "--mem-fraction-static", "0.5",
     "--max-total-tokens", "8192",
     "--disable-radix-cache",
     "--host", "127.0.0.1",

@@ -6,8 +6,8 @@ front of them, and one non-disaggregated reference server with the same dummy we
 
 * greedy output ids through the PD pair equal the reference server's, for every one of 200
   concurrent requests of random prompt lengths;
-* the comparison can fail: a second prefill whose first transfer is corrupted at the source
-  (kvfsm's own NIXL interposition hook, ``shim/kvfsm_e2e_corrupt.py``) gives different output;
+* the comparison can fail: the prefill's next transfer, armed to be corrupted at the source
+  (kvfsm's own NIXL interposition hook, ``shim/kvfsm_e2e_corrupt.py``), gives different output;
 * client disconnects and SGLang's ``/abort_request`` leave no kvfsm room on either server;
 * SGLang's transfer metrics are non-zero with kvfsm;
 * decode killed under load: prefill's rooms all end by peer loss (not by a deadline), and a
@@ -47,6 +47,11 @@ from tests.e2e.servers import (
 )
 
 pytestmark = pytest.mark.timeout(900)
+
+#: What the corrupting proxy (``shim/kvfsm_e2e_corrupt.py``) logs for each transfer it corrupts.
+CORRUPTED = "kvfsm-e2e: corrupted"
+#: The variable that tells the rig's prefill where the arming file is (the shim's ``ARM_ENV``).
+ARM_ENV = "KVFSM_E2E_CORRUPT_ARM"
 
 VOCAB = 512
 MAX_NEW = 8
@@ -107,6 +112,9 @@ class Rig:
     decode: Server
     router: Server
     bootstrap_port: int
+    #: Created to corrupt prefill's next KV transfer (the negative control); the transfer that
+    #: corrupts takes it away.
+    corrupt_next: Path
     started: list[Server] = field(default_factory=list)
 
     def start_all(self, servers: list[Server]) -> None:
@@ -135,13 +143,20 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     log_dir = tmp_path_factory.mktemp("sglang-e2e")
     model = write_model(log_dir / "model")
     bootstrap = free_port()
+    corrupt_next = log_dir / "corrupt-next-transfer"
     reference = sglang_server("reference", model, log_dir)
     prefill = sglang_server(
-        "prefill", model, log_dir, *prefill_flags(bootstrap), "--enable-metrics", kvfsm=True
+        "prefill",
+        model,
+        log_dir,
+        *prefill_flags(bootstrap),
+        "--enable-metrics",
+        kvfsm=True,
+        env={ARM_ENV: str(corrupt_next)},
     )
     decode = sglang_server("decode", model, log_dir, *DECODE_FLAGS, kvfsm=True)
     front = router(log_dir, prefill, bootstrap, decode)
-    rig = Rig(log_dir, model, reference, prefill, decode, front, bootstrap)
+    rig = Rig(log_dir, model, reference, prefill, decode, front, bootstrap, corrupt_next)
     began = time.monotonic()
     try:
         rig.start_all([reference, prefill, decode])
@@ -210,26 +225,6 @@ def test_sglang_transfer_metrics_are_non_zero_with_kvfsm(rig: Rig) -> None:
     )
 
 
-@pytest.fixture
-def corrupting_prefill(rig: Rig) -> Iterator[tuple[Server, int]]:
-    """A second prefill instance whose first KV transfer is corrupted at the source (stopped
-    after its test: its scheduler would take CPU from the rest of the module)."""
-    bootstrap = free_port()
-    server = sglang_server(
-        "prefill-corrupt",
-        rig.model,
-        rig.log_dir,
-        *prefill_flags(bootstrap),
-        kvfsm=True,
-        env={"KVFSM_E2E_CORRUPT_FIRST": "1"},
-    )
-    try:
-        rig.start_all([server])
-        yield server, bootstrap
-    finally:
-        server.stop()
-
-
 async def _pd_direct(prefill: Server, bootstrap: int, decode: Server, ids: list[int]) -> Any:
     """One request to a PD pair without the router, as the router sends it: the same body,
     with the prefill's bootstrap address and a room id, to both servers at once."""
@@ -246,18 +241,19 @@ async def _pd_direct(prefill: Server, bootstrap: int, decode: Server, ids: list[
         return out["output_ids"]
 
 
-def test_negative_control_a_corrupted_transfer_changes_the_output(
-    rig: Rig, corrupting_prefill: tuple[Server, int]
-) -> None:
-    server, bootstrap = corrupting_prefill
+def test_negative_control_a_corrupted_transfer_changes_the_output(rig: Rig) -> None:
     rng = random.Random(SEED + 2)
     first, second = prompt(rng, 200, 250), prompt(rng, 200, 250)
     ref_first, ref_second = rig.reference_outputs([first, second])
-    got_first = asyncio.run(_pd_direct(server, bootstrap, rig.decode, first))
-    assert "kvfsm-e2e: corrupted" in server.log_path.read_text(errors="replace")
+    marks = rig.prefill.log_path.read_text(errors="replace").count(CORRUPTED)
+    rig.corrupt_next.touch()
+    got_first = asyncio.run(_pd_direct(rig.prefill, rig.bootstrap_port, rig.decode, first))
+    # That request's transfer took the arming file and corrupted its own source pages.
+    assert not rig.corrupt_next.exists(), "no transfer claimed the armed corruption"
+    assert rig.prefill.log_path.read_text(errors="replace").count(CORRUPTED) == marks + 1
     assert got_first != ref_first, "corrupted KV gave the reference output: the check is blind"
-    # Only the first transfer was corrupted: the same pair is otherwise exact.
-    got_second = asyncio.run(_pd_direct(server, bootstrap, rig.decode, second))
+    # Only that transfer was corrupted: the same pair is otherwise exact.
+    got_second = asyncio.run(_pd_direct(rig.prefill, rig.bootstrap_port, rig.decode, second))
     assert got_second == ref_second
 
 
