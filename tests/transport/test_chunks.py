@@ -4,119 +4,18 @@ this process, DRAM to DRAM: what lands is compared with what was sent."""
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 
-from kvfsm.rooms import RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, PostChunk
-from kvfsm.transport import NO_KV, Agent, AgentConfig, LayoutError, Leases, Peer
-from kvfsm.transport._chunks import Xfer, accept, post_xfer
-from kvfsm.transport._config import TransferConfig, TransportStats
+from kvfsm.transport import NO_KV, LayoutError, Leases
+from kvfsm.transport._chunks import Xfer, accept
 from kvfsm.transport._fence import FenceError
-from kvfsm.transport._ledger import QUEUED, ChunkLedger, Deliver, Finish, Post
-from kvfsm.workload.buffers import Shape, make_buffers, make_layout, make_state, page_digests
-
-SHAPE = Shape(layers=2, num_pages=16, page_bytes=512, aux_rows=4, aux_row_bytes=64, state_rows=4)
-KEY = RoomKey(1, 1)
-_NAMES = itertools.count()
-
-
-def ints(values: list[int]) -> bytes:
-    return np.asarray(values, np.int32).tobytes()
-
-
-def chunk(src: list[int], dst: list[int], **kw: Any) -> PostChunk:
-    kw.setdefault("is_last", False)
-    return PostChunk(chunk=kw.pop("index", 0), src=ints(src), dst=ints(dst), peer="decode", **kw)
-
-
-class Side:
-    """One agent and its buffers (random bytes on the writing side, zeros on the other)."""
-
-    def __init__(self, role: str, seed: int | None, config: AgentConfig | None = None) -> None:
-        self.kv, self.aux = make_buffers(SHAPE)
-        state = make_state(SHAPE)
-        assert state is not None
-        self.state = state
-        if seed is not None:
-            rng = np.random.default_rng(seed)
-            for buf in (*self.kv, self.aux, self.state):
-                buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
-        name = f"chunks-{role}-{os.getpid()}-{next(_NAMES)}"
-        self.agent = Agent(name, make_layout(self.kv, self.aux, self.state), config)
-
-    def pages(self, pages: list[int]) -> list[int]:
-        return page_digests(self.kv, np.asarray(pages, np.int32))
-
-
-class Pair:
-    def __init__(self, config: AgentConfig | None = None) -> None:
-        self.mine = Side("p", seed=3, config=config)
-        self.theirs = Side("d", seed=None)
-        agent = self.theirs.agent
-        self.peer = self.mine.agent.connect("decode", agent.metadata(), agent.layout.summary())
-        self.stats = TransportStats()
-        self.leases: Leases | None = None
-        self.ledger = self.ledger_with(None)
-
-    def ledger_with(self, leases: Leases | None) -> ChunkLedger:
-        self.leases = leases
-        config = TransferConfig()
-        self.ledger = ChunkLedger(
-            deadline_s=config.deadline_s,
-            quarantine_s=config.quarantine_s,
-            leases=leases,
-            stats=self.stats,
-        )
-        return self.ledger
-
-    def accept(self, command: PostChunk, peer: Peer | None = None) -> list[Any]:
-        return accept(
-            self.ledger,
-            KEY,
-            command,
-            layout=self.mine.agent.layout,
-            peer=self.peer if peer is None else peer,
-            now=0.0,
-        )
-
-    def record(self, command: PostChunk) -> Xfer:
-        (post,) = self.accept(command)
-        assert type(post) is Post
-        assert isinstance(post.record, Xfer)
-        return post.record
-
-    def post(self, record: Xfer) -> None:
-        post_xfer(self.mine.agent, self.leases, self.stats, record)
-
-    def settle(self, record: Xfer) -> list[str]:
-        """What the pump would do: wait for every posted handle, then release it. Both agents
-        run without a progress thread, and here both are in this process: the receiving one
-        must be progressed too, or a WRITE into it never completes."""
-        nixl, receiver = self.mine.agent.nixl, self.theirs.agent.nixl
-        states = list(record.states)
-        for i, handle in enumerate(record.handles[: len(states)]):  # the posted ones
-            for _ in range(100_000):
-                if states[i] != "PROC":
-                    break
-                receiver.get_new_notifs()
-                states[i] = nixl.check_xfer_state(handle)
-        while record.handles:
-            nixl.release_xfer_handle(record.handles.pop())
-            self.stats.handles_released += 1
-        return states
-
-    def close(self) -> None:
-        self.mine.agent.disconnect(self.peer)
-        self.mine.agent.close()
-        self.theirs.agent.close()
-        created = self.stats.handles_created
-        assert created == self.stats.handles_released + self.stats.handles_released_at_post
+from kvfsm.transport._ledger import QUEUED, Deliver, Finish
+from kvfsm.workload.buffers import page_digests
+from tests.helpers.nixl_pair import KEY, SHAPE, Pair, chunk, ints
 
 
 @pytest.fixture
@@ -261,7 +160,7 @@ def test_a_dropped_record_is_skipped(pair: Pair) -> None:
 def test_a_lease_gone_before_the_post_stops_it_after_the_handle_is_made(pair: Pair) -> None:
     leases = Leases()
     pair.ledger_with(leases)
-    leases.grant(7, 1e18)  # valid at acceptance (now=0.0 there)
+    leases.grant(7, 1e18)  # valid at acceptance
     record = pair.record(chunk([4], [8], fence=7))
     leases.revoke(7)  # meanwhile: the writer was frozen with the chunk queued
     with pytest.raises(FenceError, match="write lease of fence 7 revoked: not posted"):
