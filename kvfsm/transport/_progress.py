@@ -2,7 +2,7 @@
 
 Agents run with their progress thread off (design §5). A UCX worker then advances only when it
 is polled, and a writer's completion flushes wait for the target's worker too. Prefill's pump
-progresses its own agent (:mod:`kvfsm.transport._transport`); a decode rank posts nothing and has
+progresses its own agent (:mod:`kvfsm.transport._pump`); a decode rank posts nothing and has
 no pump, so this loop does it there. It is fast (``interval_s``) only while some room's pages are
 exposed to a live link, which the control plane knows and says through ``expecting()``, and slow
 (every 50 ms at least) otherwise, so an idle decode rank, or one whose rooms all ended, costs

@@ -22,10 +22,11 @@ calls and whose answers it executes, the way the production IO around them does.
                                              the execution of Send / Deliver / GrantLease /
                                              RevokeLease; decode's _resolve / _link_to.
     kvfsm.transport._fence.Leases            the prefill transport's write fence.
-    kvfsm.transport._ledger.ChunkLedger      kvfsm.transport.NixlTransport: accept, the poster
-                                             (lease check right before each part's transfer()),
-                                             the pump (leases_checked, progress, polled),
-                                             quarantine timers, peer loss, release requests.
+    kvfsm.transport._ledger.ChunkLedger      kvfsm.transport.NixlTransport: accept and the poster
+                                             (_chunks: lease check right before each part's
+                                             transfer()), the pump (_pump: leases_checked,
+                                             progress, polled, quarantine timers), peer loss,
+                                             release requests.
 
 Frames are the real :mod:`kvfsm.bootstrap._frames` classes and cross the model link as bytes,
 through ``FrameCodec.encode`` and ``FrameReader.feed``.
@@ -1223,7 +1224,7 @@ class Transport:
         return self.leases.valid(record.fence, self.clock.now)
 
     def post(self, record: Chunk) -> list[ledger.Action]:
-        """NixlTransport._post_blocking and _posted for one record."""
+        """kvfsm.transport._chunks.post_xfer and Pump.posted for one record."""
         now = self.clock.now
         if record.dropped:
             return self.ledger.posted(record, now)

@@ -1,0 +1,243 @@
+"""Chunks: a room's ``PostChunk`` made into a record of NIXL WRITEs, and posted.
+
+Two steps, on two threads:
+
+* :func:`accept` (loop thread, inside the room's command) does the O(1) checks against the
+  peer and both layouts, sizes the chunk and hands it to the ledger. Sans-IO: it decides and
+  returns the ledger's actions (``[Post(record)]``, or the chunk's end to deliver after the
+  current callback); it calls no NIXL and reads no clock.
+* :func:`post_xfer` (poster thread, :mod:`kvfsm.transport._poster`) does the O(pages) work,
+  page-range checks and the destination-order sort, then makes and posts one prepped transfer
+  per part (kv, aux, state) and checks each once. ``transfer()`` copies synchronously on
+  shared-memory paths, so it must not run on the loop.
+
+Bad input (a page or row out of range, mismatched lengths, pages for a peer this rank writes
+no KV into) raises ``LayoutError`` before anything reaches NIXL: it fails that chunk, never the
+engine (law 7).
+
+The fence (law 4, :mod:`kvfsm.transport._fence`). With leases, a chunk is accepted only under a
+valid lease on its ``PostChunk.fence`` (the ledger's rule 3), and :func:`post_xfer` checks the
+lease again right before each part's ``transfer()``, after its handle is made, with a fresh
+``time.monotonic()``: a writer frozen for any length of time with chunks queued checks on
+waking, and the window between check and post is a few bytecodes. A part stopped there raises
+``FenceError``; the parts before it stay in the record for the ledger to judge.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.rooms import RoomKey
+from kvfsm.states import ChunkDone, ChunkFailed, PostChunk
+from kvfsm.transport._agent import Agent, Peer
+from kvfsm.transport._config import TransportStats
+from kvfsm.transport._fence import FenceError, Leases
+from kvfsm.transport._layout import Layout, LayoutError
+from kvfsm.transport._ledger import Action, ChunkLedger, Deliver, Record
+from kvfsm.transport._slices import NO_KV, sliced_index
+
+__all__ = ["Xfer", "accept", "post_xfer"]
+
+Indices = npt.NDArray[np.int32]
+#: One prepped transfer: (local list, local indices, remote list, remote indices).
+_Part = tuple[Any, Indices, Any, Indices]
+
+
+class Xfer(Record):
+    """A record plus what the poster needs to post it (the ledger never reads these)."""
+
+    __slots__ = ("dst", "dst_aux", "dst_state", "src", "src_aux", "src_state")
+
+    def __init__(
+        self,
+        key: RoomKey,
+        chunk: int,
+        *,
+        peer: Peer,
+        fence: int,
+        src: Indices,
+        dst: Indices,
+        src_aux: Indices | None,
+        dst_aux: Indices | None,
+        src_state: Indices,
+        dst_state: Indices,
+        nbytes: int,
+    ) -> None:
+        super().__init__(key, chunk, peer, nbytes, fence)
+        self.src = src
+        self.dst = dst
+        self.src_aux = src_aux
+        self.dst_aux = dst_aux
+        self.src_state = src_state
+        self.dst_state = dst_state
+
+
+# -- accepting (loop thread) ----------------------------------------------------------------------
+
+
+def accept(
+    ledger: ChunkLedger,
+    key: RoomKey,
+    command: PostChunk,
+    *,
+    layout: Layout,
+    peer: Peer | None,
+    now: float,
+) -> list[Action]:
+    """What ``command`` for room ``key`` becomes: ``[Post(record)]`` (hand it to the poster),
+    or its end (``Deliver`` or the ledger's ``Finish``), which the caller delivers after the
+    current callback: the room is in the middle of a command. ``peer``: the connected
+    generation ``command.peer`` names, None if none is."""
+    stats = ledger.stats
+    try:
+        if peer is None:
+            raise LayoutError(f"no connected peer {command.peer!r}")
+        record = _record(key, command, layout, peer)
+    except LayoutError as exc:
+        stats.chunks_rejected += 1
+        stats.chunks_failed += 1
+        return [Deliver(key, ChunkFailed(command.chunk, str(exc)))]
+    if record is None:  # nothing to move: an empty chunk without an aux row or state
+        stats.chunks_done += 1
+        return [Deliver(key, ChunkDone(command.chunk))]
+    return ledger.accepted(record, now)
+
+
+def _record(key: RoomKey, command: PostChunk, local: Layout, peer: Peer) -> Xfer | None:
+    """The chunk as a record, after the O(1) checks; raise ``LayoutError`` on bad input.
+    Page ranges are checked (and pages sorted) on the poster thread: for a chunk of
+    thousands of pages that is a millisecond the loop thread should not spend."""
+    remote = peer.summary
+    src = np.frombuffer(command.src, dtype=np.int32)
+    dst = np.frombuffer(command.dst, dtype=np.int32)
+    if src.size != dst.size:
+        raise LayoutError(f"{src.size} source pages but {dst.size} destination pages")
+    src_aux = dst_aux = None
+    aux_bytes = 0
+    if command.is_last and command.src_aux >= 0 and command.dst_aux >= 0:
+        local.check_row(command.src_aux, "source aux row")
+        remote.check_row(command.dst_aux, "destination aux row")
+        src_aux = local.aux_index(command.src_aux)
+        dst_aux = remote.aux_index(command.dst_aux)
+        aux_bytes = local.aux_row_bytes()
+    src_state = np.frombuffer(command.src_state, dtype=np.int32)
+    dst_state = np.frombuffer(command.dst_state, dtype=np.int32)
+    if src_state.size != dst_state.size:
+        raise LayoutError(f"{src_state.size} source state rows but {dst_state.size} destination")
+    if src.size == 0 and src_aux is None and src_state.size == 0:
+        return None
+    piece = peer.piece
+    page_bytes = local.page_bytes() if piece is None else piece.page_bytes(len(local.kv))
+    nbytes = (
+        src.size * page_bytes
+        + aux_bytes
+        + (src_state.size * local.state_row_bytes() if src_state.size else 0)
+    )
+    return Xfer(
+        key,
+        command.chunk,
+        peer=peer,
+        fence=command.fence,
+        src=src,
+        dst=dst,
+        src_aux=src_aux,
+        dst_aux=dst_aux,
+        src_state=src_state,
+        dst_state=dst_state,
+        nbytes=nbytes,
+    )
+
+
+# -- posting (poster thread) ----------------------------------------------------------------------
+
+
+def post_xfer(agent: Agent, leases: Leases | None, stats: TransportStats, record: Xfer) -> None:
+    """Make and post the record's transfers; check each once. Appends each posted part's
+    handle to ``record.handles`` and its state to ``record.states``, and releases them here if
+    every part is over inside ``transfer()``. Raises what NIXL raised, ``LayoutError`` for bad
+    input (nothing posted), ``FenceError`` when the lease is not valid before a part (that part
+    and the later ones not posted). A dropped record (its room failed first) is skipped."""
+    if record.dropped:
+        return
+    nixl = agent.nixl
+    parts = _parts(agent, record)
+    fence = record.fence
+    for part, (local_list, local_idx, remote_list, remote_idx) in enumerate(parts):
+        handle = nixl.make_prepped_xfer("WRITE", local_list, local_idx, remote_list, remote_idx)
+        record.handles.append(handle)
+        stats.handles_created += 1
+        # The fence: checked here, after the handle is made and right before the post, so
+        # the window between the check and transfer() is a few bytecodes. A writer that
+        # was frozen with this chunk queued gets here first after waking, with a fresh
+        # clock.
+        if leases is not None and not leases.valid(fence, time.monotonic()):
+            raise FenceError(_fenced_reason(leases, fence, part, len(parts)))
+        state = nixl.transfer(handle)
+        if state == "PROC":
+            state = nixl.check_xfer_state(handle)
+        record.states.append(state)
+    if all(state == "DONE" for state in record.states):
+        # The common case on shared memory: the copy finished inside transfer(). Release
+        # here: release_xfer_handle holds the GIL, and freeing a large handle's
+        # descriptors is work the loop thread should not do.
+        while record.handles:
+            nixl.release_xfer_handle(record.handles[-1])  # if it raises, the loop retries
+            record.handles.pop()
+            stats.handles_released_at_post += 1
+
+
+def _parts(agent: Agent, record: Xfer) -> list[_Part]:
+    """The record's prepped transfers, kv then aux then state; raise ``LayoutError`` for a
+    page out of range on either side, or pages for a peer this rank writes no KV into."""
+    peer = record.peer
+    layout, remote = agent.layout, peer.summary
+    parts: list[_Part] = []
+    src, dst = record.src, record.dst
+    if src.size:
+        # Bad input fails this chunk (LayoutError) before anything reaches NIXL.
+        layout.check_pages(src, "source page")
+        remote.check_pages(dst, "destination page")
+        if src.size > 1:
+            # Destination order makes contiguous runs consecutive, and NIXL merges them.
+            order = np.argsort(dst, kind="stable")
+            src, dst = src[order], dst[order]
+        piece = peer.piece
+        if piece is NO_KV:
+            raise LayoutError(
+                f"{src.size} pages for peer {peer.peer_id}, which this rank writes no KV "
+                "into (its heads come from another rank: a dummy link)"
+            )
+        if piece is None:
+            parts.append(
+                (agent.local("kv"), layout.page_index(src), peer.kv, remote.page_index(dst))
+            )
+        else:  # a head slice: one descriptor per row of each page (pages checked above)
+            rows = piece.rows
+            local_idx = sliced_index(len(layout.kv), layout.num_pages, rows, src)
+            remote_idx = sliced_index(len(remote.kv), remote.num_pages, rows, dst)
+            parts.append((peer.local_kv, local_idx, peer.kv, remote_idx))
+    if record.src_aux is not None and record.dst_aux is not None:
+        parts.append((agent.local("aux"), record.src_aux, peer.aux, record.dst_aux))
+    if record.src_state.size:
+        local_rows = [layout.state_index(int(r)) for r in record.src_state]
+        remote_rows = [remote.state_index(int(r)) for r in record.dst_state]
+        parts.append(
+            (
+                agent.local("state"),
+                np.concatenate(local_rows).astype(np.int32),
+                peer.state,
+                np.concatenate(remote_rows).astype(np.int32),
+            )
+        )
+    return parts
+
+
+def _fenced_reason(leases: Leases, fence: int, part: int, parts: int) -> str:
+    why = leases.describe(fence, time.monotonic())
+    if part == 0:
+        return f"write lease of fence {fence} {why}: not posted"
+    return f"write lease of fence {fence} {why} before part {part + 1} of {parts}"

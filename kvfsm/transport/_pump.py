@@ -1,0 +1,291 @@
+"""``Pump``: the loop side of the data path after a chunk is accepted. It runs the ledger's
+actions (release handles, deliver events, quarantine timers, hand records to the poster) and
+the completion pump, and it owns every posted handle until it is released.
+
+The pump is one coroutine that polls every in-flight handle while anything is in flight, paced
+by :class:`~kvfsm.transport._pacer.PollPacer` (it polls without sleeping only around a chunk's
+expected completion, for a bounded stretch, and sleeps ``poll_max_wait_s`` otherwise), and
+parks on an event when nothing is. It also progresses the agent (``get_new_notifs``): with
+progress threads off, nobody else answers a peer's handshakes.
+
+Handles belong to the pump, not to rooms: a room that fails still has its posted handles
+drained. Every handle is released explicitly, on every path: when its chunk ends, when it is
+held, when the poster hands back a record the ledger forgot, and at :meth:`Pump.close` (what
+the ledger still holds, and handles whose release NIXL refused earlier).
+
+Leases (law 4). Before each progress of the agent the pump asks the ledger
+(``leases_checked``): an in-flight chunk whose lease went away is released and held.
+
+Progress after a lease is gone. On progress-driven transports (UCX over TCP) a posted WRITE's
+queued bytes move only while the agent is progressed, so not progressing looks like a fence.
+It is not one: ``check_xfer_state`` of *any* handle progresses the whole worker
+(``nixlUcxBackendH::status``: "Maximum progress"), as does the next ``transfer()``, and
+``remove_remote_agent`` closes the endpoint in flush mode (``closeImpl(flags=0)``), completing
+outstanding puts rather than discarding them. Stopping progress would only postpone those bytes
+to the next progress for any reason, arbitrarily late and after the owner's grace. So the pump
+keeps progressing while anything is held, and an idle pump lingers after a hold (or a dropped
+peer generation), progressing every ``linger_interval_s`` for ``linger_s``: released bytes land
+within milliseconds of the release on a healthy link, and as soon as a cut link is back, not
+when the next transfer happens to progress the agent (found by the two-host cut test: bytes
+queued before a 4 s cut landed 16 s later, in pages decode had settled and handed out again).
+What stays unfenced: ``docs/reliability.md``, Write fencing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvfsm.rooms import Inbox, RoomKey
+from kvfsm.states import ChunkDone, ChunkFailed, Event
+from kvfsm.transport._agent import Peer
+from kvfsm.transport._config import ChunkObserver, TransferConfig, TransportStats
+from kvfsm.transport._fence import FenceError, Leases
+from kvfsm.transport._layout import LayoutError
+from kvfsm.transport._ledger import (
+    ACTIVE,
+    Action,
+    ChunkLedger,
+    Deliver,
+    Finish,
+    Record,
+    Release,
+    StartQuarantine,
+)
+from kvfsm.transport._nixl import describe, is_remote_disconnect
+from kvfsm.transport._pacer import PollPacer
+
+__all__ = ["Pump"]
+
+_log = logging.getLogger("kvfsm.transport")
+
+
+class Pump:
+    """Loop thread only, except :meth:`close` (after the loop stopped).
+
+    ``nixl``: the agent's NIXL object; ``post(record)``: queue a record for the poster thread;
+    ``disconnected(peer, reason)``: NIXL reported ``peer`` gone (a remote disconnect), called
+    before the ledger hears of the error, so its rooms fail with a peer-lost reason first.
+    """
+
+    def __init__(
+        self,
+        nixl: Any,
+        ledger: ChunkLedger,
+        config: TransferConfig,
+        stats: TransportStats,
+        *,
+        leases: Leases | None,
+        post: Callable[[Record], None],
+        disconnected: Callable[[Peer, str], None],
+        observer: ChunkObserver | None = None,
+    ) -> None:
+        self.nixl = nixl
+        self.ledger = ledger
+        self.config = config
+        self.stats = stats
+        self.leases = leases
+        #: Told about every finished chunk (metrics).
+        self.observer = observer
+        self._post = post
+        self._disconnected = disconnected
+        self._inbox: Inbox | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        #: Until when an idle pump keeps progressing the agent (``TransferConfig.linger_s``).
+        self._linger_until = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._leaked: list[Any] = []  # handles whose release NIXL refused; retried at close
+
+    def start(self, loop: asyncio.AbstractEventLoop, inbox: Inbox) -> None:
+        """Start the pump coroutine on ``loop`` (running, this thread's); events go to
+        ``inbox``."""
+        self._inbox = inbox
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="kvfsm-nixl-pump")
+        self._task.add_done_callback(_pump_ended)
+
+    # -- what happened -------------------------------------------------------------------------
+
+    def posted(self, batch: Sequence[tuple[Record, BaseException | None]]) -> None:
+        """The poster is done with these records: each was posted, or raised."""
+        ledger = self.ledger
+        now = time.monotonic()
+        for record, exc in batch:
+            if exc is None:
+                actions = ledger.posted(record, now)
+            elif isinstance(exc, LayoutError):
+                actions = ledger.rejected(record, str(exc))
+            elif isinstance(exc, FenceError):
+                actions = ledger.fenced(record, str(exc), now)
+            else:
+                actions = self._errored(record, exc, now)
+            if actions:
+                self.execute(actions)
+        if ledger.busy:
+            wake = self._wake
+            assert wake is not None
+            wake.set()
+
+    def linger(self) -> None:
+        """Bytes of a released WRITE may still be queued in the agent: keep progressing it for
+        ``linger_s`` even when idle (see the module docstring)."""
+        self._linger_until = time.monotonic() + self.config.linger_s
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- executing the ledger's actions --------------------------------------------------------
+
+    def execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Finish):
+                self._finish(action.record, action.event)
+            elif isinstance(action, Deliver):
+                self._deliver(action.key, action.event)
+            elif isinstance(action, Release):
+                self._release_all(action.record)
+            elif isinstance(action, StartQuarantine):
+                loop = self._loop
+                assert loop is not None  # actions come only after start()
+                delay = max(0.0, action.until - time.monotonic())
+                loop.call_later(delay, self._quarantine_over, action.record)
+                # Progress-driven transports (UCX over TCP) move a released WRITE's queued
+                # bytes only when the agent is progressed: the pump keeps progressing while
+                # anything is held and lingers after, so those bytes land as soon as the
+                # link lets them, not whenever the next transfer comes.
+                self.linger()
+            else:
+                self._post(action.record)
+
+    def _errored(self, record: Record, exc: BaseException, now: float) -> list[Action]:
+        if is_remote_disconnect(exc):
+            # The peer is reported gone: its rooms fail with a peer-lost reason first.
+            self._disconnected(record.peer, f"NIXL remote disconnect from {record.peer.peer_id}")
+        return self.ledger.errored(record, describe(exc), now)
+
+    def _quarantine_over(self, record: Record) -> None:
+        self.execute(self.ledger.quarantine_over(record))
+
+    def _finish(self, record: Record, event: ChunkDone | ChunkFailed) -> None:
+        self._release_all(record)
+        if self.observer is not None:
+            ok = type(event) is ChunkDone
+            self.observer.chunk(record.nbytes, time.monotonic() - record.t0, ok)
+        self._deliver(record.key, event)
+
+    def _release_all(self, record: Record) -> None:
+        handles, record.handles = record.handles, []
+        for handle in handles:
+            self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self.nixl.release_xfer_handle(handle)
+        except Exception:
+            _log.exception("release_xfer_handle failed; retrying at close()")
+            self._leaked.append(handle)
+            return
+        self.stats.handles_released += 1
+
+    def _deliver(self, key: RoomKey, event: Event) -> None:
+        inbox = self._inbox
+        if inbox is None or not inbox.deliver(key, event):
+            self.stats.stale_deliveries += 1
+
+    # -- the pump ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        wake = self._wake
+        assert wake is not None
+        ledger, leases = self.ledger, self.leases
+        check, progress = self.nixl.check_xfer_state, self.nixl.get_new_notifs
+        clock = time.monotonic
+        interval = self.config.linger_interval_s
+        pacer = PollPacer(self.config.poll_spin_s, self.config.poll_max_wait_s)
+        stats = self.stats
+        while True:
+            if not ledger.busy:
+                wake.clear()
+                linger = self._linger_until - clock()
+                if linger <= 0:
+                    await wake.wait()
+                else:
+                    # Bytes of a held WRITE (or of a dropped generation's endpoint) may still
+                    # be queued in the agent: keep moving them (TransferConfig.linger_s).
+                    try:
+                        progress()
+                    except Exception:
+                        _log.exception("agent progress failed")
+                    stats.linger_progresses += 1
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(min(interval, linger)):
+                            await wake.wait()
+                continue
+            if leases is not None:
+                # Before progressing: an in-flight chunk whose lease is gone is released now
+                # (see the module docstring for why progress itself is not withheld).
+                actions = ledger.leases_checked(clock())
+                if actions:
+                    self.execute(actions)
+            try:
+                progress()  # answers peers' handshakes and flushes (no progress thread)
+            except Exception:
+                _log.exception("agent progress failed")
+            batch = ledger.take_active()
+            now = clock()
+            for record in batch:
+                if record.phase != ACTIVE:
+                    continue  # held or over meanwhile (peer lost, lease gone)
+                try:
+                    states = [check(h) for h in record.handles]
+                except Exception as exc:
+                    actions = self._errored(record, exc, now)
+                else:
+                    actions = ledger.polled(record, states, now)
+                    if "PROC" not in states:
+                        pacer.finished(record.nbytes, now - record.t0)
+                if actions:
+                    self.execute(actions)
+            stats.pump_rounds += 1
+            # Poll where completions are due, sleep elsewhere (bounded: see _pacer): a pump
+            # that spins costs the scheduler thread its GIL. Held records (nothing expected)
+            # are progressed once per poll_max_wait_s. New chunks posted meanwhile wake it.
+            wait = pacer.wait(clock(), ledger.pending())
+            if wait <= 0:
+                await asyncio.sleep(0)
+                continue
+            stats.pump_sleeps += 1
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await wake.wait()
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop the pump coroutine (loop thread); handles are released in :meth:`close`."""
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def close(self) -> None:
+        """After the loop stopped and the poster thread is done: release every handle the
+        ledger still holds (no final events: the rooms are gone), then retry the releases
+        NIXL refused earlier."""
+        for record in self.ledger.drain():
+            self._release_all(record)
+        leaked, self._leaked = self._leaked, []
+        for handle in leaked:
+            self._release(handle)
+
+
+def _pump_ended(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("NIXL pump crashed", exc_info=task.exception())

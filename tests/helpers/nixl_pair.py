@@ -1,0 +1,127 @@
+"""Two NIXL agents in this process, DRAM to DRAM, for the data path's module tests: a writer
+with random bytes in its buffers, connected to a zeroed receiver, plus a chunk ledger and the
+transport's counters. Both agents run without a progress thread, as the transport's do: a
+WRITE between them completes only while both are progressed (:meth:`Pair.progress`)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from kvfsm.rooms import RoomKey
+from kvfsm.states import PostChunk
+from kvfsm.transport import Agent, AgentConfig, Leases, Peer
+from kvfsm.transport._chunks import Xfer, accept, post_xfer
+from kvfsm.transport._config import TransferConfig, TransportStats
+from kvfsm.transport._ledger import ChunkLedger, Post
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout, make_state, page_digests
+
+__all__ = ["KEY", "SHAPE", "Pair", "chunk", "ints"]
+
+SHAPE = Shape(layers=2, num_pages=16, page_bytes=512, aux_rows=4, aux_row_bytes=64, state_rows=4)
+KEY = RoomKey(1, 1)
+_NAMES = itertools.count()
+
+
+def ints(values: list[int]) -> bytes:
+    return np.asarray(values, np.int32).tobytes()
+
+
+def chunk(src: list[int], dst: list[int], **kw: Any) -> PostChunk:
+    kw.setdefault("is_last", False)
+    return PostChunk(chunk=kw.pop("index", 0), src=ints(src), dst=ints(dst), peer="decode", **kw)
+
+
+class Side:
+    """One agent and its buffers (random bytes on the writing side, zeros on the other)."""
+
+    def __init__(self, role: str, seed: int | None, config: AgentConfig | None = None) -> None:
+        self.kv, self.aux = make_buffers(SHAPE)
+        state = make_state(SHAPE)
+        assert state is not None
+        self.state = state
+        if seed is not None:
+            rng = np.random.default_rng(seed)
+            for buf in (*self.kv, self.aux, self.state):
+                buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+        name = f"chunks-{role}-{os.getpid()}-{next(_NAMES)}"
+        self.agent = Agent(name, make_layout(self.kv, self.aux, self.state), config)
+
+    def pages(self, pages: list[int]) -> list[int]:
+        return page_digests(self.kv, np.asarray(pages, np.int32))
+
+
+class Pair:
+    def __init__(self, config: AgentConfig | None = None) -> None:
+        """``config``: the writer's (an ``interpose`` to watch or steer its NIXL calls)."""
+        self.mine = Side("p", seed=3, config=config)
+        self.theirs = Side("d", seed=None)
+        agent = self.theirs.agent
+        self.peer = self.mine.agent.connect("decode", agent.metadata(), agent.layout.summary())
+        self.stats = TransportStats()
+        self.leases: Leases | None = None
+        self.ledger = self.ledger_with(None)
+
+    def ledger_with(
+        self, leases: Leases | None, config: TransferConfig | None = None
+    ) -> ChunkLedger:
+        self.leases = leases
+        config = config or TransferConfig()
+        self.ledger = ChunkLedger(
+            deadline_s=config.deadline_s,
+            quarantine_s=config.quarantine_s,
+            leases=leases,
+            stats=self.stats,
+        )
+        return self.ledger
+
+    def accept(self, command: PostChunk, peer: Peer | None = None) -> list[Any]:
+        return accept(
+            self.ledger,
+            KEY,
+            command,
+            layout=self.mine.agent.layout,
+            peer=self.peer if peer is None else peer,
+            now=time.monotonic(),  # the pump's clock: deadlines count from here
+        )
+
+    def record(self, command: PostChunk) -> Xfer:
+        (post,) = self.accept(command)
+        assert type(post) is Post
+        assert isinstance(post.record, Xfer)
+        return post.record
+
+    def post(self, record: Xfer) -> None:
+        post_xfer(self.mine.agent, self.leases, self.stats, record)
+
+    def settle(self, record: Xfer) -> list[str]:
+        """What the pump would do: wait for every posted handle, then release it. Both agents
+        run without a progress thread, and here both are in this process: the receiving one
+        must be progressed too, or a WRITE into it never completes."""
+        nixl = self.mine.agent.nixl
+        states = list(record.states)
+        for i, handle in enumerate(record.handles[: len(states)]):  # the posted ones
+            for _ in range(100_000):
+                if states[i] != "PROC":
+                    break
+                self.progress()
+                states[i] = nixl.check_xfer_state(handle)
+        while record.handles:
+            nixl.release_xfer_handle(record.handles.pop())
+            self.stats.handles_released += 1
+        return states
+
+    def progress(self) -> None:
+        """Progress the receiver (the writer is progressed by whoever checks its handles)."""
+        self.theirs.agent.nixl.get_new_notifs()
+
+    def close(self) -> None:
+        self.mine.agent.disconnect(self.peer)
+        self.mine.agent.close()
+        self.theirs.agent.close()
+        created = self.stats.handles_created
+        assert created == self.stats.handles_released + self.stats.handles_released_at_post
