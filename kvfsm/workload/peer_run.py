@@ -115,6 +115,7 @@ class _Scheduler(RoomLoop[int, _Room]):
         src_kv: list[npt.NDArray[np.uint8]],
         src_aux: npt.NDArray[np.uint8],
     ) -> None:
+        super().__init__()
         self.engine = engine
         self.peer = peer
         self.opts = opts
@@ -176,7 +177,7 @@ class _Scheduler(RoomLoop[int, _Room]):
         sender = self.engine.sender(plan)
         room = _Room(
             room=sender,
-            started=time.perf_counter(),
+            started=self.clock(),
             rid=plan,
             src=src,
             dst=dst,

@@ -86,6 +86,7 @@ class _Rank(RoomLoop[Request, _Live]):
     manager: PrefillManager | DecodeManager
 
     def __init__(self, conn: Connection, opts: DemoOptions, seed: int) -> None:
+        super().__init__()
         self.conn = conn
         self.opts = opts
         self.seed = seed
@@ -203,7 +204,7 @@ class _PrefillRank(_Rank):
 
     def start(self, plan: Request) -> _Live:
         sender = self.manager.sender(plan.room)
-        item = _Live(room=sender, started=time.perf_counter(), req=plan, chunks=plan.chunks())
+        item = _Live(room=sender, started=self.clock(), req=plan, chunks=plan.chunks())
         if plan.abort_side == "prefill" and plan.abort_at == -1:
             sender.abort(ABORT_REASON)
         return item
@@ -315,9 +316,7 @@ class _DecodeRank(_Rank):
         self.free_aux[aux] = False
         receiver = self.manager.receiver(plan.room)
         receiver.init(0)
-        return _Live(
-            room=receiver, started=time.perf_counter(), req=plan, dst=dst, dst_aux=int(aux[0])
-        )
+        return _Live(room=receiver, started=self.clock(), req=plan, dst=dst, dst_aux=int(aux[0]))
 
     def advance(self, item: _Live, status: KVPoll) -> bool:
         receiver, req = item.room, item.req
