@@ -37,7 +37,7 @@ import numpy.typing as npt
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.states import KVPoll
-from kvfsm.workload.buffers import compare_room, make_buffers, make_layout
+from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout
 from kvfsm.workload.loop import LiveRoom, Phase, RoomLoop
 from kvfsm.workload.options import ABORT_REASON, DemoOptions
 from kvfsm.workload.plan import Request, fill_sources, make_plan
@@ -249,10 +249,10 @@ class _DecodeRank(_Rank):
     ) -> None:
         super().__init__(conn, opts, seed)
         self.manager = manager
-        self.kv, self.aux = kv, aux
         # What prefill's sources hold, computed once: checking a room is a gather and a compare.
-        self.want_kv, self.want_aux = make_buffers(opts.shape())
-        fill_sources(opts, seed, self.want_kv, self.want_aux)
+        want_kv, want_aux = make_buffers(opts.shape())
+        fill_sources(opts, seed, want_kv, want_aux)
+        self.checks = DecodeChecks(kv, aux, want_kv, want_aux, marker=_POISON)
         self.window = opts.concurrency
         self.free_pages = np.ones(opts.num_pages, dtype=bool)
         self.free_aux = np.ones(opts.aux_rows, dtype=bool)
@@ -260,12 +260,7 @@ class _DecodeRank(_Rank):
         # Every free page and aux row holds the poison, checked when it is handed out and on
         # request ("late"): a byte changed while free landed after its room settled (law 4).
         # A page never written cannot pass a room's byte check either.
-        for buf in self.kv:
-            buf[:] = _POISON
-        self.aux[:] = _POISON
-        self.late_writes = 0
-        self.late_notes: list[str] = []
-        self.last_owner = np.full(opts.num_pages, -1, np.int64)
+        self.checks.watch(np.arange(opts.num_pages), np.arange(opts.aux_rows))
 
     def _pick(self, free: npt.NDArray[np.bool_], n: int) -> Pages | None:
         """``n`` free indices from a random offset, shuffled half the time (fragmentation)."""
@@ -280,38 +275,18 @@ class _DecodeRank(_Rank):
 
     def _answer(self, request: Any) -> None:
         if request[0] == "late":  # every free page and aux row checked now
-            self._check_poison(np.flatnonzero(self.free_pages), np.flatnonzero(self.free_aux))
-            self.conn.send({"late_writes": self.late_writes, "notes": list(self.late_notes)})
+            checks = self.checks
+            checks.check_all()
+            self.conn.send({"late_writes": checks.late_writes, "notes": list(checks.late_notes)})
         else:
             super()._answer(request)
-
-    def _check_poison(
-        self, pages: npt.NDArray[np.integer[Any]], aux: npt.NDArray[np.integer[Any]]
-    ) -> None:
-        """Count free pages and aux rows that no longer hold the poison (and restore it, so one
-        late write is counted once)."""
-        changed = np.zeros(pages.size, bool)
-        for buf in self.kv:
-            changed |= np.any(buf[pages] != _POISON, axis=1)
-        for page in pages[changed].tolist():
-            self._late(f"page {page} changed after room {int(self.last_owner[page])} settled")
-            for buf in self.kv:
-                buf[page] = _POISON
-        for row in aux[np.any(self.aux[aux] != _POISON, axis=1)].tolist():
-            self._late(f"aux row {row} changed after its room settled")
-            self.aux[row] = _POISON
-
-    def _late(self, note: str) -> None:
-        self.late_writes += 1
-        if len(self.late_notes) < 10:
-            self.late_notes.append(note)
 
     def start(self, plan: Request) -> _Live | None:
         dst = self._pick(self.free_pages, len(plan.src))
         aux = self._pick(self.free_aux, 1)
         if dst is None or aux is None:
             return None  # wait until a live room settles and gives its pages back
-        self._check_poison(dst, aux)
+        self.checks.check(dst, aux, hand_out=True)
         self.free_pages[dst] = False
         self.free_aux[aux] = False
         receiver = self.manager.receiver(plan.room)
@@ -340,26 +315,15 @@ class _DecodeRank(_Rank):
     def _landed(self, item: _Live) -> None:
         """Check every byte of the room's pages and its aux row against the sources."""
         assert item.dst is not None
-        checked, mismatched = compare_room(
-            self.kv,
-            self.want_kv,
-            self.aux,
-            self.want_aux,
-            dst=item.dst,
-            src=item.req.src,
-            dst_aux=item.dst_aux,
-            src_aux=item.req.src_aux,
+        req = item.req
+        item.checked, item.mismatched = self.checks.landed(
+            dst=item.dst, src=req.src, dst_aux=item.dst_aux, src_aux=req.src_aux
         )
-        item.checked += checked
-        item.mismatched += mismatched
 
     def _release(self, item: _Live) -> None:
-        """The room settled: poison its pages and aux row and give them back."""
+        """The room settled: poison its pages and aux row, watch them and give them back."""
         assert item.dst is not None
-        for buf in self.kv:
-            buf[item.dst] = _POISON
-        self.aux[item.dst_aux] = _POISON
-        self.last_owner[item.dst] = item.req.room
+        self.checks.watch(item.dst, [item.dst_aux], item.req.room)
         self.free_pages[item.dst] = True
         self.free_aux[item.dst_aux] = True
 
