@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -121,14 +122,35 @@ def fill_random(rng: np.random.Generator, array: npt.NDArray[np.uint8]) -> None:
         flat[:] = np.frombuffer(rng.bytes(flat.size), dtype=np.uint8)
 
 
+class PlannedRoom(Protocol):
+    """What a room was planned to receive (the demo's ``Request``, the campaign's ``RoomPlan``)."""
+
+    @property
+    def room(self) -> int: ...
+    @property
+    def src(self) -> Sequence[int]: ...
+    @property
+    def src_aux(self) -> int: ...
+
+
+class CheckedRoom(Protocol):
+    """A decode room in a rank's loop: its destination and what its byte check found."""
+
+    dst: npt.NDArray[np.int32] | None
+    dst_aux: int
+    checked: int
+    mismatched: int
+
+
 class DecodeChecks:
     """A decode rank's two checks on its pages (``kv``) and aux rows (``aux``).
 
     * **the bytes**: a room that succeeded must hold, in its destination pages and aux row,
       exactly prefill's source pages and row (``want_kv``, ``want_aux``: both ranks compute them
-      from the seed), :meth:`landed`;
+      from the seed): :meth:`landed`;
     * **no late write** (law 4): the pages and aux row of a room that settled are filled with
-      ``marker`` and watched until they are handed out again (:meth:`watch`); a byte changed in
+      ``marker`` and watched until they are handed out again (:meth:`settled`, :meth:`watch`);
+      a byte changed in
       between landed after its room settled. :meth:`check` counts such pages and rows (and
       fills them with the marker again, so that one write is counted once) as ``late_writes``,
       with the first notes in ``late_notes``.
@@ -169,20 +191,27 @@ class DecodeChecks:
         self.late_writes = 0
         self.late_notes: list[str] = []
 
-    def landed(
-        self, *, dst: npt.ArrayLike, src: npt.ArrayLike, dst_aux: int, src_aux: int
-    ) -> tuple[int, int]:
-        """``(checked, mismatched)`` bytes of a room that succeeded (see :func:`compare_room`)."""
-        return compare_room(
+    def landed(self, item: CheckedRoom, plan: PlannedRoom) -> None:
+        """``item`` succeeded: count the bytes of its destination pages and aux row, and those
+        that differ from ``plan``'s sources (see :func:`compare_room`)."""
+        assert item.dst is not None
+        checked, mismatched = compare_room(
             self.kv,
             self.want_kv,
             self.aux,
             self.want_aux,
-            dst=dst,
-            src=src,
-            dst_aux=dst_aux,
-            src_aux=src_aux,
+            dst=item.dst,
+            src=plan.src,
+            dst_aux=item.dst_aux,
+            src_aux=plan.src_aux,
         )
+        item.checked += checked
+        item.mismatched += mismatched
+
+    def settled(self, item: CheckedRoom, plan: PlannedRoom) -> None:
+        """``item`` settled: :meth:`watch` its pages and aux row, on behalf of ``plan.room``."""
+        assert item.dst is not None
+        self.watch(item.dst, [item.dst_aux], plan.room)
 
     def watch(self, pages: npt.ArrayLike, aux_rows: npt.ArrayLike, owner: int = -1) -> None:
         """``pages`` and ``aux_rows`` are free (``owner``'s room settled): fill them with the

@@ -1,30 +1,39 @@
-"""The scheduler loop of a workload rank, and the phases a room goes through in it.
+"""The scheduler loop of every workload rank, and the phases a room goes through in it.
 
 ``kvfsm run`` (prefill rooms in this process, a passive decode process) and ``kvfsm demo`` (a
 prefill and a decode rank, each in its own process) drive their rooms the way SGLang's
-scheduler does: every iteration admits new rooms up to a window, polls every live room once and
-never blocks on one. What differs is only what a role does with a room, so :class:`RoomLoop`
-holds the loop and the life of a room (admission, the wedge timeout, the settle grace) and its
-hooks hold the rest. Two hooks are for ranks that are timed and stopped on purpose:
-:meth:`RoomLoop.call`, through which the loop makes every call on a room (to time each one:
-never block), and ``stop_gap_s`` (a gap that long between two iterations is time this process
-spent stopped, which no timer of a stopped process can count, so it is added to a room's
-bounds). The chaos ranks (:mod:`kvfsm.chaos._rank`) still run their own loop, over the same
-:class:`Phase`."""
+scheduler does: every iteration admits new rooms up to a window, polls every live room once
+and never blocks on one. What differs is only what a role does with a room, so
+:class:`RoomLoop` holds the loop and the life of a room (admission, the wedge timeout, the
+settle grace, prefill's ``init`` and chunks in :meth:`RoomLoop.advance_sender`) and its hooks
+hold the rest. :class:`ServedLoop` is the loop
+of a rank process driven over a pipe (the demo's).
+
+Two hooks are for the chaos ranks, which are timed and stopped on purpose: :meth:`RoomLoop.call`,
+through which the loop makes every call on a room (they time each one: never block), and
+``stop_gap_s``: a gap that long between two iterations is time this process spent stopped,
+when no timer of its own could fire either, so it is added to the wedge and settle bounds of
+the rooms that were live then. Off for ``kvfsm run`` and the demo, whose ranks nobody stops. The
+chaos ranks (:mod:`kvfsm.chaos._rank`) still run their own loop, over the same :class:`Phase`."""
 
 from __future__ import annotations
 
 import enum
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll
 
-__all__ = ["LiveRoom", "Phase", "RoomLoop"]
+__all__ = ["LiveRoom", "Phase", "RoomLoop", "ServedLoop"]
 
 
 class Phase(enum.IntEnum):
@@ -198,6 +207,40 @@ class RoomLoop(Generic[PlanT, LiveT]):
             return True
         return self.advance(item, status)
 
+    def advance_sender(
+        self,
+        item: LiveT,
+        status: KVPoll,
+        chunks: Sequence[npt.NDArray[np.int32]],
+        src_aux: int,
+        abort_at: int | None,
+    ) -> bool:
+        """Prefill's part of a room (for :meth:`advance`), as SGLang's scheduler plays it: once
+        the room is WaitingForInput, ``init`` (its page count and ``src_aux``), then one chunk
+        per iteration; every chunk handed over, FINISHING. A planned abort (``abort_at``,
+        :meth:`abort_planned`) comes at 0 instead of ``init``, at k in 1..len(chunks) right after
+        chunk k was handed over: in flight, the seed race when it is not the last one. (-1,
+        before the room's destination arrives, is for :meth:`start`.)"""
+        sender = item.room
+        assert isinstance(sender, SenderRoom)
+        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
+            if abort_at == 0:
+                self.abort_planned(item)
+            else:
+                self.call("init", sender.init, sum(len(c) for c in chunks), src_aux)
+                item.phase = Phase.SENDING
+            return True
+        if item.phase is Phase.SENDING:
+            self.call("send", sender.send, chunks[item.step])
+            item.step += 1
+            if item.step == abort_at:
+                self.abort_planned(item)
+                item.phase = Phase.FINISHING
+            elif item.step == len(chunks):
+                item.phase = Phase.FINISHING
+            return True
+        return False
+
     # -- the hooks -----------------------------------------------------------------------------
 
     def clock(self) -> float:
@@ -214,6 +257,10 @@ class RoomLoop(Generic[PlanT, LiveT]):
 
     def advance(self, item: LiveT, status: KVPoll) -> bool:
         """Move a live, non-terminal room on; whether anything happened."""
+        raise NotImplementedError
+
+    def abort_planned(self, item: LiveT) -> None:
+        """Abort the room as its plan says (see :meth:`advance_sender`)."""
         raise NotImplementedError
 
     def ended(self, item: LiveT, status: KVPoll) -> None:
@@ -245,3 +292,37 @@ class RoomLoop(Generic[PlanT, LiveT]):
     def stopping(self) -> bool:
         """Whether to stop before the plan is done."""
         return False
+
+
+class ServedLoop(RoomLoop[PlanT, LiveT]):
+    """A :class:`RoomLoop` in a rank process that its parent drives over ``conn`` (the demo's
+    ranks, the chaos ranks): between two iterations it answers one request (:meth:`answer`)
+    or, when nothing happened, naps (:meth:`nap_s`). It stops when told to (``quit``) or
+    orphaned: with its parent gone, no one is left to tell it."""
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__()
+        self.conn = conn
+        self.parent = os.getppid()
+        self.quit = False
+        self.orphaned = False
+
+    def between(self, progressed: bool) -> None:
+        if self.conn.poll(0):
+            self.answer(self.conn.recv())
+        elif not progressed:
+            if os.getppid() != self.parent:
+                self.orphaned = True
+                return
+            time.sleep(self.nap_s())
+
+    def stopping(self) -> bool:
+        return self.quit or self.orphaned
+
+    def answer(self, request: Any) -> None:
+        """Answer one request from the parent (``(op, *args)``)."""
+        raise NotImplementedError
+
+    def nap_s(self) -> float:
+        """How long to nap after an iteration in which nothing happened."""
+        return self.idle_sleep_s

@@ -35,10 +35,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
-from kvfsm.rooms import ReceiverRoom, SenderRoom
+from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll
 from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout
-from kvfsm.workload.loop import LiveRoom, Phase, RoomLoop
+from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
 from kvfsm.workload.options import ABORT_REASON, DemoOptions
 from kvfsm.workload.plan import Request, fill_sources, make_plan
 
@@ -80,27 +80,24 @@ class _Live(LiveRoom):
     mismatched: int = 0
 
 
-class _Rank(RoomLoop[Request, _Live]):
+class _Rank(ServedLoop[Request, _Live]):
     """The pipe and the loop both ranks share; the role-specific parts are the hooks."""
 
     manager: PrefillManager | DecodeManager
 
     def __init__(self, conn: Connection, opts: DemoOptions, seed: int) -> None:
-        super().__init__()
-        self.conn = conn
+        super().__init__(conn)
         self.opts = opts
         self.seed = seed
         self.room_timeout_s = opts.room_timeout_s
         self.settle_grace_s = opts.settle_grace_s
         self.idle_sleep_s = opts.idle_sleep_s
-        self.parent = os.getppid()
         self.reports: list[Outcome] = []
-        self.quit = False
         self.acked = False
 
     def serve(self) -> None:
         """Answer requests until ``run``, run the plan (still answering), then until ``quit``."""
-        while not self.quit:
+        while not self.stopping():
             if not self.conn.poll(0.05):
                 if os.getppid() != self.parent:
                     return
@@ -110,9 +107,9 @@ class _Rank(RoomLoop[Request, _Live]):
                 first_room = int(request[1]) if len(request) > 1 else 0
                 self.run(make_plan(self.opts, self.seed, first_room))
             else:
-                self._answer(request)
+                self.answer(request)
 
-    def _answer(self, request: Any) -> None:
+    def answer(self, request: Any) -> None:
         op = request[0]
         if op == "quit":
             self.quit = True
@@ -147,17 +144,6 @@ class _Rank(RoomLoop[Request, _Live]):
         # Report the rest as not started rather than spin.
         for req in rest:
             self.reports.append(Outcome(req.room, int(KVPoll.Failed), STARVED, 0.0))
-
-    def between(self, progressed: bool) -> None:
-        if self.conn.poll(0):
-            self._answer(self.conn.recv())
-        elif not progressed:
-            if os.getppid() != self.parent:
-                self.quit = True
-            time.sleep(self.idle_sleep_s)
-
-    def stopping(self) -> bool:
-        return self.quit
 
     def ended(self, item: _Live, status: KVPoll) -> None:
         item.ended_at = time.time()
@@ -210,28 +196,12 @@ class _PrefillRank(_Rank):
         return item
 
     def advance(self, item: _Live, status: KVPoll) -> bool:
-        sender, req = item.room, item.req
-        assert isinstance(sender, SenderRoom)
-        mine = req.abort_side == "prefill"
-        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
-            if mine and req.abort_at == 0:
-                sender.abort(ABORT_REASON)
-            else:
-                sender.init(len(req.src), req.src_aux)
-                item.phase = Phase.SENDING
-            return True
-        if item.phase is Phase.SENDING:
-            if mine and req.abort_at == item.step and item.step > 0:
-                sender.abort(ABORT_REASON)  # between two chunks
-                return True
-            sender.send(item.chunks[item.step])
-            item.step += 1
-            if item.step == len(item.chunks):
-                item.phase = Phase.FINISHING
-                if mine and req.abort_at >= item.step:  # while the last chunk is in flight
-                    sender.abort(ABORT_REASON)
-            return True
-        return False
+        req = item.req
+        abort_at = req.abort_at if req.abort_side == "prefill" else None
+        return self.advance_sender(item, status, item.chunks, req.src_aux, abort_at)
+
+    def abort_planned(self, item: _Live) -> None:
+        item.room.abort(ABORT_REASON)
 
 
 class _DecodeRank(_Rank):
@@ -273,13 +243,13 @@ class _DecodeRank(_Rank):
             self.rng.shuffle(picked)
         return picked
 
-    def _answer(self, request: Any) -> None:
+    def answer(self, request: Any) -> None:
         if request[0] == "late":  # every free page and aux row checked now
             checks = self.checks
             checks.check_all()
             self.conn.send({"late_writes": checks.late_writes, "notes": list(checks.late_notes)})
         else:
-            super()._answer(request)
+            super().answer(request)
 
     def start(self, plan: Request) -> _Live | None:
         dst = self._pick(self.free_pages, len(plan.src))
@@ -313,17 +283,12 @@ class _DecodeRank(_Rank):
         return True
 
     def _landed(self, item: _Live) -> None:
-        """Check every byte of the room's pages and its aux row against the sources."""
-        assert item.dst is not None
-        req = item.req
-        item.checked, item.mismatched = self.checks.landed(
-            dst=item.dst, src=req.src, dst_aux=item.dst_aux, src_aux=req.src_aux
-        )
+        self.checks.landed(item, item.req)
 
     def _release(self, item: _Live) -> None:
         """The room settled: poison its pages and aux row, watch them and give them back."""
+        self.checks.settled(item, item.req)
         assert item.dst is not None
-        self.checks.watch(item.dst, [item.dst_aux], item.req.room)
         self.free_pages[item.dst] = True
         self.free_aux[item.dst_aux] = True
 
