@@ -1,20 +1,19 @@
 """The scheduler loop of every workload rank, and the phases a room goes through in it.
 
-``kvfsm run`` (prefill rooms in this process, a passive decode process) and ``kvfsm demo`` (a
-prefill and a decode rank, each in its own process) drive their rooms the way SGLang's
-scheduler does: every iteration admits new rooms up to a window, polls every live room once
-and never blocks on one. What differs is only what a role does with a room, so
-:class:`RoomLoop` holds the loop and the life of a room (admission, the wedge timeout, the
-settle grace, prefill's ``init`` and chunks in :meth:`RoomLoop.advance_sender`) and its hooks
-hold the rest. :class:`ServedLoop` is the loop
-of a rank process driven over a pipe (the demo's).
+``kvfsm run`` (prefill rooms in this process, a passive decode process), ``kvfsm demo`` (a
+prefill and a decode rank, each in its own process) and the chaos ranks
+(:mod:`kvfsm.chaos._rank`) drive their rooms the way SGLang's scheduler does: every iteration
+admits new rooms up to a window, polls every live room once and never blocks on one. What
+differs is only what a role does with a room, so :class:`RoomLoop` holds the loop and the life
+of a room (admission, the wedge timeout, the settle grace, prefill's ``init`` and chunks in
+:meth:`RoomLoop.advance_sender`) and its hooks hold the rest. :class:`ServedLoop` is the loop
+of a rank process driven over a pipe (the demo's and the chaos campaign's).
 
 Two hooks are for the chaos ranks, which are timed and stopped on purpose: :meth:`RoomLoop.call`,
 through which the loop makes every call on a room (they time each one: never block), and
 ``stop_gap_s``: a gap that long between two iterations is time this process spent stopped,
 when no timer of its own could fire either, so it is added to the wedge and settle bounds of
-the rooms that were live then. Off for ``kvfsm run`` and the demo, whose ranks nobody stops. The
-chaos ranks (:mod:`kvfsm.chaos._rank`) still run their own loop, over the same :class:`Phase`."""
+the rooms that were live then. Off for ``kvfsm run`` and the demo, whose ranks nobody stops."""
 
 from __future__ import annotations
 
