@@ -1,4 +1,9 @@
-"""A campaign rank: one OS process with a prefill or decode manager and a scheduler-shaped loop.
+"""A campaign rank: one OS process with a prefill or decode manager and the workload's room loop.
+
+The loop is :class:`~kvfsm.workload.loop.RoomLoop`, the one ``kvfsm run`` and ``kvfsm demo``
+run: the same admission, wedge timeout, settle grace and life of a room. The rank adds the
+loop's two chaos hooks: every call on a room goes through :meth:`_Rank.call` (timed), and the
+loop counts the time this process spent stopped (``stop_gap_s``).
 
 The campaign process drives it over a pipe: ``("episode", index, first_room)`` starts that
 episode's rooms (from :func:`~kvfsm.chaos._options.episode_plan`, the same list on both ranks),
@@ -12,7 +17,8 @@ counting anything twice and loses at most one poll's worth when the rank is kill
 What a rank checks itself, because only it can:
 
 * **bounded time**: every room must be terminal within its role's deadline sum plus slack; the
-  time this process spent stopped (SIGSTOP, seen as a gap between two loop iterations) is added,
+  time this process spent stopped (SIGSTOP, seen by the loop as a gap of over
+  ``_FROZEN_GAP_S`` between two iterations) is added to that bound and to the settle timeout,
   since no timer of a stopped process can fire. Only this process's own stops count: a room
   whose *peer* is stopped must not wait for it (law 3). A room past that is *wedged* (and
   aborted).
@@ -21,8 +27,9 @@ What a rank checks itself, because only it can:
   An oversized ``send_metadata`` is timed on its own: the facade packs (copies) the caller's
   page list before refusing it, so its bound is ``slow_call_ms`` plus 1 ms per MB.
 * **no late writes** (decode): a settled room's pages are filled with a canary, and checked before
-  they are handed out again and at every drain. A changed byte is a write that landed after its
-  pages were declared free. Pages are handed out oldest-freed first, so a canary stays in place
+  they are handed out again and at every drain (:class:`~kvfsm.workload.buffers.DecodeChecks`,
+  the demo's decode rank's check too). A changed byte is a write that landed after its pages
+  were declared free. Pages are handed out oldest-freed first, so a canary stays in place
   as long as the pool allows (through a freeze of prefill past decode's settle bound).
 * **settled** (both): a terminal room must settle before its own settle timeout; decode rooms of
   a lost link settle the lease plus the fence margin after the last lease granted on it. A
@@ -54,10 +61,10 @@ import signal
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -68,14 +75,15 @@ from kvfsm.chaos._options import OVERSIZED_PAGES, CampaignOptions, RoomPlan, epi
 from kvfsm.chaos._plan import FaultPlan
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, PrefillManager
-from kvfsm.rooms import ReceiverRoom, SenderRoom
-from kvfsm.states import TERMINAL, KVPoll, Role
-from kvfsm.workload.buffers import Shape, compare_room, make_buffers, make_layout
-from kvfsm.workload.loop import Phase
+from kvfsm.rooms import ReceiverRoom
+from kvfsm.states import KVPoll, Role
+from kvfsm.workload.buffers import DecodeChecks, Shape, make_buffers, make_layout
+from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
 
 __all__ = ["CAMPAIGN_ABORT", "ENGINE", "rank_main"]
 
 _log = logging.getLogger("kvfsm.chaos")
+T = TypeVar("T")
 ENGINE: Final = "chaos"
 #: The reason the campaign's planned aborts give (``kvfsm run``'s and the demo's is
 #: :data:`kvfsm.workload.options.ABORT_REASON`).
@@ -133,22 +141,13 @@ class _Pool:
         self.free.extend(int(i) for i in indices)
 
 
-@dataclass(slots=True)
-class _Live:
+@dataclass(slots=True, kw_only=True)
+class _Live(LiveRoom):
     plan: RoomPlan
-    room: SenderRoom | ReceiverRoom
-    started: float
-    frozen_at_start: float
     #: 0: the room's first generation; 1: the next room of the same id (``plan.reuse``).
     gen: int = 0
-    phase: Phase = Phase.BOOTSTRAP
-    step: int = 0
-    status: int = 0
-    reason: str = ""
-    bound_at: float = 0.0  # first seen past Bootstrapping
-    ended: float = 0.0
-    frozen_s: float = 0.0  # how long this process was stopped while the room was live
-    wedged: bool = False
+    #: Prefill: the plan's source pages, cut into its chunks.
+    chunks: list[Pages] = field(default_factory=list)
     mismatched: int = 0
     checked: int = 0
     dst: Pages | None = None
@@ -164,29 +163,33 @@ class _Live:
         return self.plan.abort_side if self.gen == 0 else ""
 
 
-class _Rank:
+class _Rank(ServedLoop[RoomPlan, _Live]):
+    """A campaign rank of either role: the served room loop and its hooks (prefill's part of a
+    room is the loop's ``advance_sender``, decode's is ``_advance_receiver``)."""
+
+    #: Only this process's own stops stretch its bounds (see the module's docstring).
+    stop_gap_s = _FROZEN_GAP_S
+
     def __init__(self, conn: Connection, role: str, opts: CampaignOptions, url: str) -> None:
-        self.conn, self.role, self.opts, self.url = conn, role, opts, url
-        self.parent = os.getppid()
+        super().__init__(conn)
+        self.role, self.opts, self.url = role, opts, url
         self.kv, self.aux = make_buffers(shape_of(opts))
         self.layout = make_layout(self.kv, self.aux)
         self.outcomes: list[dict[str, Any]] = []
-        self.live: list[_Live] = []
-        self.spawned: list[_Live] = []  # next generations started during an iteration
-        self.pending: list[RoomPlan] = []
-        self.frozen = 0.0
         self.slow: Counter[str] = Counter()
         self.max_call_ms: dict[str, float] = {}
         self.calls = 0
-        self.late_writes = 0
-        self.late_notes: list[str] = []
         self.events: Counter[str] = Counter()  # what this rank did on plan (reuse, oversized)
         self.reported: Counter[str] = Counter()  # cumulative counters as last reported
-        self.settle_wait = opts.settle_wait_s()
         self.broken = False
-        self.quit = False
-        self.bound = opts.bound_s(Role.SENDER if role == "prefill" else Role.RECEIVER)
+        # The loop's bounds: a room must be terminal within its role's deadline sum plus slack,
+        # and settle within the settle wait (both plus this process's stops).
+        side = Role.SENDER if role == "prefill" else Role.RECEIVER
+        self.room_timeout_s = opts.bound_s(side) + opts.slack_s
+        self.settle_grace_s = opts.settle_wait_s()
+        self.idle_sleep_s = opts.idle_sleep_s
         self.window = opts.concurrency * (2 if role == "prefill" else 1)
+        self.checks: DecodeChecks | None = None  # decode's bytes and canaries
         self.manager: PrefillManager | DecodeManager
         self.faults: TransportFaults | None = None
         self.proxy: ProxyThread | None = None
@@ -216,16 +219,14 @@ class _Rank:
             self.manager = DecodeManager(
                 self.layout, self.url, engine_id=ENGINE, resolver=resolver, config=config
             )
-            self.want_kv = [
+            want_kv = [
                 source_rows(opts.seed, b, np.arange(opts.num_pages), opts.page_bytes)
                 for b in range(len(self.kv))
             ]
-            self.want_aux = source_rows(opts.seed, -1, np.arange(opts.aux_rows), opts.aux_row_bytes)
+            want_aux = source_rows(opts.seed, -1, np.arange(opts.aux_rows), opts.aux_row_bytes)
+            self.checks = DecodeChecks(self.kv, self.aux, want_kv, want_aux, marker=_CANARY)
             self.pages = _Pool(opts.num_pages)
             self.aux_pool = _Pool(opts.aux_rows)
-            self.canary_pages = np.zeros(opts.num_pages, bool)
-            self.canary_aux = np.zeros(opts.aux_rows, bool)
-            self.owner = np.full(opts.num_pages, -1, np.int64)
             self.rng = np.random.default_rng(opts.seed + seed_salt)
             # Oversized page lists over the frame limit pass the facade, so the engine holds
             # them as destinations until the room settles: indices past the pool, in slots
@@ -235,29 +236,23 @@ class _Rank:
     # -- the pipe ------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        last = time.monotonic()
-        while not self.quit:
-            now = time.monotonic()
-            if now - last > _FROZEN_GAP_S:
-                self.frozen += now - last
-            last = now
-            progressed = self._iterate(now)
-            if self.conn.poll(0):
-                self._answer(self.conn.recv())
-            elif not progressed:
-                if os.getppid() != self.parent:
-                    return
-                time.sleep(self.opts.idle_sleep_s if self.live or self.pending else 0.01)
+        """Iterate until told to quit or orphaned; the plan comes episode by episode, and one
+        may come while the last one's rooms still settle (the campaign gave up waiting)."""
+        while not self.stopping():
+            self.between(self.iterate())
 
-    def _answer(self, request: Any) -> None:
+    def nap_s(self) -> float:
+        return self.idle_sleep_s if self.busy else 0.01
+
+    def answer(self, request: Any) -> None:
         op = request[0]
         if op == "episode":
-            self.pending = episode_plan(self.opts, request[1], request[2])
+            self.feed(episode_plan(self.opts, request[1], request[2]))
             self.conn.send(True)
         elif op == "poll":
             outcomes, self.outcomes = self.outcomes, []
             answer: dict[str, Any] = {
-                "done": not (self.live or self.pending),
+                "done": not self.busy,
                 "outcomes": outcomes,
                 "counters": self._counters(),
             }
@@ -279,14 +274,13 @@ class _Rank:
 
     # -- timing the scheduler-facing calls -----------------------------------------------------
 
-    def _timed(self, name: str, call: Callable[..., Any], *args: Any) -> Any:
-        return self._timed_within(name, self.opts.slow_call_ms, call, *args)
+    def call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
+        """Every call on a room, the loop's (poll, abort, clear) and the hooks', is timed."""
+        return self._timed_within(name, self.opts.slow_call_ms, fn, *args)
 
-    def _timed_within(
-        self, name: str, limit_ms: float, call: Callable[..., Any], *args: Any
-    ) -> Any:
+    def _timed_within(self, name: str, limit_ms: float, fn: Callable[..., T], *args: Any) -> T:
         t0 = time.perf_counter()
-        result = call(*args)
+        result = fn(*args)
         ms = (time.perf_counter() - t0) * 1e3
         self.calls += 1
         if ms > self.max_call_ms.get(name, 0.0):
@@ -295,83 +289,56 @@ class _Rank:
             self.slow[name] += 1
         return result
 
-    # -- the scheduler loop --------------------------------------------------------------------
+    # -- the loop's hooks ----------------------------------------------------------------------
 
-    def _iterate(self, now: float) -> bool:
-        progressed = False
-        blocked = False  # a room could not start: no free pages
-        while self.pending and len(self.live) < self.window:
-            item = self._start(self.pending[0], now)
-            if item is None:
-                blocked = True
-                break
-            self.pending.pop(0)
-            self.live.append(item)
-            progressed = True
-        for item in self.live:
-            progressed |= self._step(item, now)
-        self.live = [item for item in self.live if item.phase is not Phase.DONE]
-        if self.spawned:
-            self.live += self.spawned
-            self.spawned = []
-        if blocked and not self.live:
-            # Unsettled rooms hold every free page: report the rest rather than spin.
-            for plan in self.pending:
-                self.outcomes.append(_outcome(plan.room, int(KVPoll.Failed), "starved"))
-            self.pending = []
-        return progressed
+    def clock(self) -> float:
+        # Outcomes carry the loop's times, which the campaign compares with the moments it
+        # killed, stopped or cut off the peer: every process of one kernel shares monotonic.
+        return time.monotonic()
 
-    def _step(self, item: _Live, now: float) -> bool:
-        room = item.room
-        if item.phase is Phase.SETTLING:
-            waited_out = now - item.ended > self.settle_wait + self.frozen_since(item)
-            if room.settled or waited_out:
-                self._finish(item, settled=room.settled)
-                item.phase = Phase.DONE
-                return True
-            return False
-        status = self._timed("poll", room.poll)
-        if not item.bound_at and status is not KVPoll.Bootstrapping:
-            item.bound_at = now
-        if status in TERMINAL:
-            item.status, item.reason, item.ended = int(status), room.reason, now
-            item.frozen_s = self.frozen_since(item)
-            if status is KVPoll.Success:
-                self._landed(item)
-            self._check_oversized(item)
-            self._timed("clear", room.clear)
-            item.phase = Phase.SETTLING
-            if self.role == "prefill" and item.plan.reuse and item.gen == 0:
-                # Decode reuses the id after aborting it: serve its next receiver, whatever the
-                # first sender became (it may have finished before decode's abort came, or
-                # served the next receiver itself when the first one's claim was withdrawn
-                # before it existed; then this one waits out its Bootstrapping deadline).
-                self._next_generation(item, now)
-            return True
-        allowed = self.bound + self.opts.slack_s + self.frozen_since(item)
-        if now - item.started > allowed:
-            self._timed("abort", room.abort, "wedged")
-            item.status, item.reason, item.ended = int(KVPoll.Failed), "wedged", now
-            item.frozen_s = self.frozen_since(item)
-            item.wedged = True
-            item.phase = Phase.SETTLING
-            return True
+    def starved(self, rest: Sequence[RoomPlan]) -> None:
+        # Unsettled rooms hold every free page: report the rest rather than spin.
+        for plan in rest:
+            self.outcomes.append(_outcome(plan.room, int(KVPoll.Failed), "starved"))
+
+    def start(self, plan: RoomPlan) -> _Live | None:
+        return self._start(plan)
+
+    def advance(self, item: _Live, status: KVPoll) -> bool:
         if self.role == "prefill":
-            return self._advance_sender(item, status)
-        return self._advance_receiver(item, status, now)
+            plan = item.plan
+            abort_at = plan.abort_at if item.abort_side == "prefill" else None
+            return self.advance_sender(item, status, item.chunks, plan.src_aux, abort_at)
+        return self._advance_receiver(item, status)
 
-    def frozen_since(self, item: _Live) -> float:
-        return self.frozen - item.frozen_at_start
+    def abort_planned(self, item: _Live) -> None:
+        self.call("abort", item.room.abort, CAMPAIGN_ABORT)
 
-    def _start(self, plan: RoomPlan, now: float, gen: int = 0) -> _Live | None:
+    def ended(self, item: _Live, status: KVPoll) -> None:
+        if status is KVPoll.Success and self.checks is not None:
+            self.checks.landed(item, item.plan)
+        self._check_oversized(item)
+        self.call("clear", item.room.clear)
+        if self.role == "prefill" and item.plan.reuse and item.gen == 0:
+            # Decode reuses the id after aborting it: serve its next receiver, whatever the
+            # first sender became (it may have finished before decode's abort came, or
+            # served the next receiver itself when the first one's claim was withdrawn
+            # before it existed; then this one waits out its Bootstrapping deadline).
+            self._next_generation(item)
+
+    def retire(self, item: _Live, *, settled: bool, now: float) -> None:
+        self._finish(item, settled=settled)
+
+    def _start(self, plan: RoomPlan, gen: int = 0) -> _Live | None:
         if self.role == "prefill":
             assert isinstance(self.manager, PrefillManager)
-            sender = self._timed("create", self.manager.sender, plan.room)
-            item = _Live(plan, sender, now, self.frozen, gen=gen)
+            sender = self.call("create", self.manager.sender, plan.room)
+            chunks = np.split(np.asarray(plan.src, np.int32), plan.cuts)
+            item = _Live(room=sender, started=self.now, plan=plan, gen=gen, chunks=chunks)
             if item.abort_side == "prefill" and plan.abort_at == -1:
-                self._timed("abort", sender.abort, CAMPAIGN_ABORT)
+                self.call("abort", sender.abort, CAMPAIGN_ABORT)
             return item
-        # An oversized room names pages past the pool (see _oversized_pages), none of it.
+        # An oversized room names pages past the pool (see _send_oversized), none of it.
         dst = self.pages.take(0 if plan.oversized else len(plan.src), self.rng)
         if dst is None:
             return None
@@ -379,85 +346,62 @@ class _Rank:
         if aux is None:
             self.pages.give(dst)
             return None
-        self._check_canary(dst, int(aux[0]), clear=True)
+        assert self.checks is not None
+        self.checks.check(dst, aux, hand_out=True)
         assert isinstance(self.manager, DecodeManager)
-        receiver = self._timed("create", self.manager.receiver, plan.room)
-        self._timed("init", receiver.init, 0)
-        return _Live(plan, receiver, now, self.frozen, gen=gen, dst=dst, dst_aux=int(aux[0]))
+        receiver = self.call("create", self.manager.receiver, plan.room)
+        self.call("init", receiver.init, 0)
+        return _Live(
+            room=receiver, started=self.now, plan=plan, gen=gen, dst=dst, dst_aux=int(aux[0])
+        )
 
-    def _next_generation(self, item: _Live, now: float) -> None:
+    def _next_generation(self, item: _Live) -> None:
         """The id's next room on this side (``plan.reuse``): right away, while the first one
         may still be settling."""
-        nxt = self._start(item.plan, now, gen=1)
+        nxt = self._start(item.plan, gen=1)
         if nxt is None:  # decode: no free pages; the reuse is skipped, and counted
             self.events["reuse_skipped"] += 1
             return
         self.events[f"reuse_{self.role}"] += 1
-        self.spawned.append(nxt)
+        self.spawn(nxt)
 
-    def _advance_sender(self, item: _Live, status: KVPoll) -> bool:
-        sender, plan = item.room, item.plan
-        assert isinstance(sender, SenderRoom)
-        mine = item.abort_side == "prefill"
-        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
-            if mine and plan.abort_at == 0:
-                self._timed("abort", sender.abort, CAMPAIGN_ABORT)
-            else:
-                self._timed("init", sender.init, len(plan.src), plan.src_aux)
-                item.phase = Phase.SENDING
-            return True
-        if item.phase is Phase.SENDING:
-            bounds = (0, *plan.cuts, len(plan.src))
-            chunk = np.asarray(plan.src[bounds[item.step] : bounds[item.step + 1]], np.int32)
-            self._timed("send", sender.send, chunk)
-            item.step += 1
-            if item.step == plan.chunks:
-                item.phase = Phase.FINISHING
-            if mine and plan.abort_at == item.step:
-                # Right after a chunk was handed over: it is in flight (the seed race when it
-                # is not the last one).
-                self._timed("abort", sender.abort, CAMPAIGN_ABORT)
-                item.phase = Phase.FINISHING
-            return True
-        return False
-
-    def _advance_receiver(self, item: _Live, status: KVPoll, now: float) -> bool:
+    def _advance_receiver(self, item: _Live, status: KVPoll) -> bool:
         receiver, plan = item.room, item.plan
         assert isinstance(receiver, ReceiverRoom)
         assert item.dst is not None
         mine = item.abort_side == "decode"
         if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
             if mine and plan.abort_at == -1:
-                self._timed("abort", receiver.abort, CAMPAIGN_ABORT)
+                self.call("abort", receiver.abort, CAMPAIGN_ABORT)
                 return True
             if plan.oversized and item.gen == 0:
-                self._send_oversized(item, receiver, now)
+                self._send_oversized(item, receiver)
                 item.phase = Phase.SENDING
                 return True
             for buf in self.kv:  # a page that is never written cannot pass the check
                 buf[item.dst] = _POISON
             self.aux[item.dst_aux] = _POISON
-            self._timed("send_metadata", receiver.send_metadata, item.dst, item.dst_aux)
+            self.call("send_metadata", receiver.send_metadata, item.dst, item.dst_aux)
             item.phase = Phase.SENDING
             if mine and plan.abort_at == 0:
-                self._abort_receiver(item, receiver, now)
+                self._abort_receiver(item, receiver)
             return True
         if item.phase is Phase.SENDING:
             item.step += 1
             if mine and plan.abort_at == item.step:
-                self._abort_receiver(item, receiver, now)
+                self._abort_receiver(item, receiver)
         return False
 
-    def _abort_receiver(self, item: _Live, receiver: ReceiverRoom, now: float) -> None:
-        self._timed("abort", receiver.abort, CAMPAIGN_ABORT)
+    def _abort_receiver(self, item: _Live, receiver: ReceiverRoom) -> None:
+        self.call("abort", receiver.abort, CAMPAIGN_ABORT)
         if item.plan.reuse and item.gen == 0:
             # At once, before the aborted generation settled: the next receiver of the id,
             # on fresh pages (the aborted room's stay held until it settles).
-            self._next_generation(item, now)
+            self._next_generation(item)
 
     # -- decode: oversized page lists ----------------------------------------------------------
 
-    def _send_oversized(self, item: _Live, receiver: ReceiverRoom, now: float) -> None:
+    def _send_oversized(self, item: _Live, receiver: ReceiverRoom) -> None:
         kind = item.plan.oversized
         count = OVERSIZED_PAGES[kind]
         slot = 0
@@ -469,7 +413,7 @@ class _Rank:
         start = self.opts.num_pages + slot * count
         pages = np.arange(start, start + count, dtype=np.int32)
         self.events[f"oversized_{kind}"] += 1
-        item.oversized_at = now
+        item.oversized_at = self.now
         # The facade packs the caller's list (a copy of 4 bytes per page) before it can look at
         # its length: that copy is the call's cost, not a wait on anything.
         limit = self.opts.slow_call_ms + pages.nbytes / 1e6
@@ -492,74 +436,25 @@ class _Rank:
             item.oversized_problem = f"ended {KVPoll(item.status).name}"
         elif not item.oversized_at:
             return  # failed before its call (a lost link): nothing to check
-        elif item.ended - item.oversized_at - self.frozen_since(item) > 1.0:
+        elif item.ended - item.oversized_at - item.stopped_s > 1.0:
             item.oversized_problem = (
                 f"failed {item.ended - item.oversized_at:.2f}s after the call: {item.reason!r}"
             )
 
     # -- decode: bytes, canaries ---------------------------------------------------------------
 
-    def _landed(self, item: _Live) -> None:
-        if self.role != "decode":
-            return
-        assert item.dst is not None
-        checked, mismatched = compare_room(
-            self.kv,
-            self.want_kv,
-            self.aux,
-            self.want_aux,
-            dst=item.dst,
-            src=item.plan.src,
-            dst_aux=item.dst_aux,
-            src_aux=item.plan.src_aux,
-        )
-        item.checked += checked
-        item.mismatched += mismatched
-
     def _release(self, item: _Live) -> None:
         """The room is settled: its pages go back to the pool, holding a canary."""
+        assert self.checks is not None
+        self.checks.settled(item, item.plan)
         assert item.dst is not None
-        for buf in self.kv:
-            buf[item.dst] = _CANARY
-        self.aux[item.dst_aux] = _CANARY
-        self.canary_pages[item.dst] = True
-        self.canary_aux[item.dst_aux] = True
-        self.owner[item.dst] = item.plan.room
         self.pages.give(item.dst)
         self.aux_pool.give(np.asarray([item.dst_aux], np.int32))
         self.oversized_held.discard(item.oversized_slot)
         if self.opts.break_invariant == "canary" and not self.broken and item.dst.size:
-            # A deliberate late write, to prove the check below is not vacuous.
+            # A deliberate late write, to prove the check is not vacuous.
             self.kv[0][item.dst[0], 0] ^= 0xFF
             self.broken = True
-
-    def _check_canary(self, pages: Pages, aux: int | None, *, clear: bool) -> None:
-        """Count canaried pages (and the aux row) that changed; unmark what was checked
-        (``clear``: they are being handed out) or only what was found changed."""
-        marked = pages[self.canary_pages[pages]]
-        if marked.size:
-            bad = np.zeros(marked.size, bool)
-            for buf in self.kv:
-                bad |= np.any(buf[marked] != _CANARY, axis=1)
-            for page in marked[bad].tolist():
-                self._late(f"page {page} changed after room {int(self.owner[page])} settled")
-            self.canary_pages[marked if clear else marked[bad]] = False
-        if aux is not None and self.canary_aux[aux]:
-            changed = bool(np.any(self.aux[aux] != _CANARY))
-            if changed:
-                self._late(f"aux row {aux} changed after its room settled")
-            if clear or changed:
-                self.canary_aux[aux] = False
-
-    def _late(self, note: str) -> None:
-        self.late_writes += 1
-        if len(self.late_notes) < 10:
-            self.late_notes.append(note)
-
-    def _check_all_canaries(self) -> None:
-        self._check_canary(np.flatnonzero(self.canary_pages).astype(np.int32), None, clear=False)
-        for aux in np.flatnonzero(self.canary_aux).tolist():
-            self._check_canary(np.empty(0, np.int32), int(aux), clear=False)
 
     def _finish(self, item: _Live, *, settled: bool) -> None:
         disordered = False
@@ -580,11 +475,11 @@ class _Rank:
                 item.status,
                 item.reason,
                 gen=item.gen,
-                elapsed_s=item.ended - item.started - item.frozen_s,
+                elapsed_s=item.ended - item.started - item.stopped_s,
                 started_at=item.started,
                 bound_at=item.bound_at,
                 ended_at=item.ended,
-                frozen_s=item.frozen_s,
+                frozen_s=item.stopped_s,
                 wedged=item.wedged,
                 settled=settled,
                 mismatched=item.mismatched,
@@ -605,14 +500,14 @@ class _Rank:
         deadline = time.monotonic() + timeout
         while engine.stats()["live"] and time.monotonic() < deadline:
             time.sleep(0.02)
-        if self.role == "decode":
-            self._check_all_canaries()
+        if self.checks is not None:
+            self.checks.check_all()
         out: dict[str, Any] = {
             "live_rooms": len(engine.rooms()),
             "engine": engine.stats(),
             "control": dict(self.manager.control.stats) if self.manager.control else {},
             "max_call_ms": {k: round(v, 3) for k, v in self.max_call_ms.items()},
-            "frozen_s": round(self.frozen, 3),
+            "frozen_s": round(self.stopped_s, 3),
             "counters": self._counters(),
         }
         if isinstance(self.manager, PrefillManager):
@@ -633,7 +528,9 @@ class _Rank:
     def _counters(self) -> dict[str, Any]:
         """What was counted since the last call: calls (total and slow, by name), late writes
         and their notes, injected transfer faults, the frame proxy's counters."""
-        now: Counter[str] = Counter({"calls": self.calls, "late_writes": self.late_writes})
+        checks = self.checks
+        late = checks.late_writes if checks is not None else 0
+        now: Counter[str] = Counter({"calls": self.calls, "late_writes": late})
         now.update({f"slow.{name}": n for name, n in self.slow.items()})
         now.update({f"fault.{name}": n for name, n in self.events.items()})
         if isinstance(self.manager, PrefillManager):
@@ -658,11 +555,13 @@ class _Rank:
             )
         delta = {name: n - self.reported[name] for name, n in now.items()}
         self.reported = now
-        notes, self.late_notes = self.late_notes, []
+        notes: list[str] = []
+        if checks is not None:
+            notes, checks.late_notes = checks.late_notes, []
         return {"delta": {k: v for k, v in delta.items() if v}, "late_notes": notes}
 
     def _close(self) -> dict[str, Any]:
-        final = self._drain(self.settle_wait)
+        final = self._drain(self.settle_grace_s)
         manager = self.manager
         if self.client is not None and manager.engine is not None:
             with contextlib.suppress(Exception):

@@ -4,7 +4,8 @@
   ``DemoOptions``), defined once for both commands.
 * ``buffers``: a rank's KV, aux and state buffers as numpy arrays, their NIXL layout, the checks.
 * ``peer``: a passive decode rank in its own process (``kvfsm run``, benchmarks, tests).
-* ``loop``: the scheduler loop of a rank and the phases of a room in it (``Phase``).
+* ``loop``: the scheduler loop of every rank (run, demo and the chaos ranks) and the phases of a
+  room in it (``Phase``).
 * ``peer_run``: ``kvfsm run``'s job: prefill rooms here, the passive decode process there.
 * ``plan``, ``ranks``, ``pair``, ``progress``, ``demo_report``: the demo's pieces: the plan
   made from the seed, the two rank processes, starting and stopping them, the progress line,

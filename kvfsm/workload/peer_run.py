@@ -30,7 +30,7 @@ from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import DestinationReceived, KVPoll
 from kvfsm.workload.buffers import Shape, fill_random, make_buffers, make_layout, page_digests
 from kvfsm.workload.interrupts import sigint_deferred
-from kvfsm.workload.loop import LiveRoom, Phase, RoomLoop
+from kvfsm.workload.loop import LiveRoom, RoomLoop
 from kvfsm.workload.options import ABORT_REASON, RunOptions
 from kvfsm.workload.report import describe_layout, percentile, reason_class
 
@@ -115,6 +115,7 @@ class _Scheduler(RoomLoop[int, _Room]):
         src_kv: list[npt.NDArray[np.uint8]],
         src_aux: npt.NDArray[np.uint8],
     ) -> None:
+        super().__init__()
         self.engine = engine
         self.peer = peer
         self.opts = opts
@@ -176,7 +177,7 @@ class _Scheduler(RoomLoop[int, _Room]):
         sender = self.engine.sender(plan)
         room = _Room(
             room=sender,
-            started=time.perf_counter(),
+            started=self.clock(),
             rid=plan,
             src=src,
             dst=dst,
@@ -202,27 +203,10 @@ class _Scheduler(RoomLoop[int, _Room]):
         room.sender.abort(ABORT_REASON)
 
     def advance(self, item: _Room, status: KVPoll) -> bool:
-        s = item.sender
-        if item.phase is Phase.BOOTSTRAP:
-            if status is KVPoll.WaitingForInput:
-                if item.abort_at == 0:
-                    self._abort(item)
-                else:
-                    s.init(item.src.size, item.src_aux)
-                    item.phase = Phase.SENDING
-                return True
-        elif item.phase is Phase.SENDING:
-            if item.abort_at == item.step:  # between two chunks
-                self._abort(item)
-                return True
-            s.send(item.chunks[item.step])
-            item.step += 1
-            if item.step == len(item.chunks):
-                item.phase = Phase.FINISHING
-                if item.abort_at == item.step:  # while the last chunk is in flight
-                    self._abort(item)
-            return True
-        return False
+        return self.advance_sender(item, status, item.chunks, item.src_aux, item.abort_at)
+
+    def abort_planned(self, item: _Room) -> None:
+        self._abort(item)
 
     def ended(self, item: _Room, status: KVPoll) -> None:
         if status is KVPoll.Success:

@@ -32,8 +32,8 @@ _MUL: Final = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 class Request:
     """One room as both ranks run it. ``abort_side`` is ``"prefill"``, ``"decode"`` or ``""``;
     ``abort_at`` for prefill: -1 before decode's pages arrive, 0 before ``init``, k in
-    1..chunks-1 between chunks, ``len(chunks)`` right after the last; for decode: iterations
-    after ``send_metadata``."""
+    1..chunks right after chunk k was handed over (in flight; k = ``len(chunks)``: the last);
+    for decode: iterations after ``send_metadata``."""
 
     room: int
     src: list[int]

@@ -35,10 +35,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
-from kvfsm.rooms import ReceiverRoom, SenderRoom
+from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll
-from kvfsm.workload.buffers import compare_room, make_buffers, make_layout
-from kvfsm.workload.loop import LiveRoom, Phase, RoomLoop
+from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout
+from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
 from kvfsm.workload.options import ABORT_REASON, DemoOptions
 from kvfsm.workload.plan import Request, fill_sources, make_plan
 
@@ -80,26 +80,24 @@ class _Live(LiveRoom):
     mismatched: int = 0
 
 
-class _Rank(RoomLoop[Request, _Live]):
+class _Rank(ServedLoop[Request, _Live]):
     """The pipe and the loop both ranks share; the role-specific parts are the hooks."""
 
     manager: PrefillManager | DecodeManager
 
     def __init__(self, conn: Connection, opts: DemoOptions, seed: int) -> None:
-        self.conn = conn
+        super().__init__(conn)
         self.opts = opts
         self.seed = seed
         self.room_timeout_s = opts.room_timeout_s
         self.settle_grace_s = opts.settle_grace_s
         self.idle_sleep_s = opts.idle_sleep_s
-        self.parent = os.getppid()
         self.reports: list[Outcome] = []
-        self.quit = False
         self.acked = False
 
     def serve(self) -> None:
         """Answer requests until ``run``, run the plan (still answering), then until ``quit``."""
-        while not self.quit:
+        while not self.stopping():
             if not self.conn.poll(0.05):
                 if os.getppid() != self.parent:
                     return
@@ -109,9 +107,9 @@ class _Rank(RoomLoop[Request, _Live]):
                 first_room = int(request[1]) if len(request) > 1 else 0
                 self.run(make_plan(self.opts, self.seed, first_room))
             else:
-                self._answer(request)
+                self.answer(request)
 
-    def _answer(self, request: Any) -> None:
+    def answer(self, request: Any) -> None:
         op = request[0]
         if op == "quit":
             self.quit = True
@@ -146,17 +144,6 @@ class _Rank(RoomLoop[Request, _Live]):
         # Report the rest as not started rather than spin.
         for req in rest:
             self.reports.append(Outcome(req.room, int(KVPoll.Failed), STARVED, 0.0))
-
-    def between(self, progressed: bool) -> None:
-        if self.conn.poll(0):
-            self._answer(self.conn.recv())
-        elif not progressed:
-            if os.getppid() != self.parent:
-                self.quit = True
-            time.sleep(self.idle_sleep_s)
-
-    def stopping(self) -> bool:
-        return self.quit
 
     def ended(self, item: _Live, status: KVPoll) -> None:
         item.ended_at = time.time()
@@ -203,34 +190,18 @@ class _PrefillRank(_Rank):
 
     def start(self, plan: Request) -> _Live:
         sender = self.manager.sender(plan.room)
-        item = _Live(room=sender, started=time.perf_counter(), req=plan, chunks=plan.chunks())
+        item = _Live(room=sender, started=self.clock(), req=plan, chunks=plan.chunks())
         if plan.abort_side == "prefill" and plan.abort_at == -1:
             sender.abort(ABORT_REASON)
         return item
 
     def advance(self, item: _Live, status: KVPoll) -> bool:
-        sender, req = item.room, item.req
-        assert isinstance(sender, SenderRoom)
-        mine = req.abort_side == "prefill"
-        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
-            if mine and req.abort_at == 0:
-                sender.abort(ABORT_REASON)
-            else:
-                sender.init(len(req.src), req.src_aux)
-                item.phase = Phase.SENDING
-            return True
-        if item.phase is Phase.SENDING:
-            if mine and req.abort_at == item.step and item.step > 0:
-                sender.abort(ABORT_REASON)  # between two chunks
-                return True
-            sender.send(item.chunks[item.step])
-            item.step += 1
-            if item.step == len(item.chunks):
-                item.phase = Phase.FINISHING
-                if mine and req.abort_at >= item.step:  # while the last chunk is in flight
-                    sender.abort(ABORT_REASON)
-            return True
-        return False
+        req = item.req
+        abort_at = req.abort_at if req.abort_side == "prefill" else None
+        return self.advance_sender(item, status, item.chunks, req.src_aux, abort_at)
+
+    def abort_planned(self, item: _Live) -> None:
+        item.room.abort(ABORT_REASON)
 
 
 class _DecodeRank(_Rank):
@@ -248,10 +219,10 @@ class _DecodeRank(_Rank):
     ) -> None:
         super().__init__(conn, opts, seed)
         self.manager = manager
-        self.kv, self.aux = kv, aux
         # What prefill's sources hold, computed once: checking a room is a gather and a compare.
-        self.want_kv, self.want_aux = make_buffers(opts.shape())
-        fill_sources(opts, seed, self.want_kv, self.want_aux)
+        want_kv, want_aux = make_buffers(opts.shape())
+        fill_sources(opts, seed, want_kv, want_aux)
+        self.checks = DecodeChecks(kv, aux, want_kv, want_aux, marker=_POISON)
         self.window = opts.concurrency
         self.free_pages = np.ones(opts.num_pages, dtype=bool)
         self.free_aux = np.ones(opts.aux_rows, dtype=bool)
@@ -259,12 +230,7 @@ class _DecodeRank(_Rank):
         # Every free page and aux row holds the poison, checked when it is handed out and on
         # request ("late"): a byte changed while free landed after its room settled (law 4).
         # A page never written cannot pass a room's byte check either.
-        for buf in self.kv:
-            buf[:] = _POISON
-        self.aux[:] = _POISON
-        self.late_writes = 0
-        self.late_notes: list[str] = []
-        self.last_owner = np.full(opts.num_pages, -1, np.int64)
+        self.checks.watch(np.arange(opts.num_pages), np.arange(opts.aux_rows))
 
     def _pick(self, free: npt.NDArray[np.bool_], n: int) -> Pages | None:
         """``n`` free indices from a random offset, shuffled half the time (fragmentation)."""
@@ -277,47 +243,25 @@ class _DecodeRank(_Rank):
             self.rng.shuffle(picked)
         return picked
 
-    def _answer(self, request: Any) -> None:
+    def answer(self, request: Any) -> None:
         if request[0] == "late":  # every free page and aux row checked now
-            self._check_poison(np.flatnonzero(self.free_pages), np.flatnonzero(self.free_aux))
-            self.conn.send({"late_writes": self.late_writes, "notes": list(self.late_notes)})
+            checks = self.checks
+            checks.check_all()
+            self.conn.send({"late_writes": checks.late_writes, "notes": list(checks.late_notes)})
         else:
-            super()._answer(request)
-
-    def _check_poison(
-        self, pages: npt.NDArray[np.integer[Any]], aux: npt.NDArray[np.integer[Any]]
-    ) -> None:
-        """Count free pages and aux rows that no longer hold the poison (and restore it, so one
-        late write is counted once)."""
-        changed = np.zeros(pages.size, bool)
-        for buf in self.kv:
-            changed |= np.any(buf[pages] != _POISON, axis=1)
-        for page in pages[changed].tolist():
-            self._late(f"page {page} changed after room {int(self.last_owner[page])} settled")
-            for buf in self.kv:
-                buf[page] = _POISON
-        for row in aux[np.any(self.aux[aux] != _POISON, axis=1)].tolist():
-            self._late(f"aux row {row} changed after its room settled")
-            self.aux[row] = _POISON
-
-    def _late(self, note: str) -> None:
-        self.late_writes += 1
-        if len(self.late_notes) < 10:
-            self.late_notes.append(note)
+            super().answer(request)
 
     def start(self, plan: Request) -> _Live | None:
         dst = self._pick(self.free_pages, len(plan.src))
         aux = self._pick(self.free_aux, 1)
         if dst is None or aux is None:
             return None  # wait until a live room settles and gives its pages back
-        self._check_poison(dst, aux)
+        self.checks.check(dst, aux, hand_out=True)
         self.free_pages[dst] = False
         self.free_aux[aux] = False
         receiver = self.manager.receiver(plan.room)
         receiver.init(0)
-        return _Live(
-            room=receiver, started=time.perf_counter(), req=plan, dst=dst, dst_aux=int(aux[0])
-        )
+        return _Live(room=receiver, started=self.clock(), req=plan, dst=dst, dst_aux=int(aux[0]))
 
     def advance(self, item: _Live, status: KVPoll) -> bool:
         receiver, req = item.room, item.req
@@ -339,28 +283,12 @@ class _DecodeRank(_Rank):
         return True
 
     def _landed(self, item: _Live) -> None:
-        """Check every byte of the room's pages and its aux row against the sources."""
-        assert item.dst is not None
-        checked, mismatched = compare_room(
-            self.kv,
-            self.want_kv,
-            self.aux,
-            self.want_aux,
-            dst=item.dst,
-            src=item.req.src,
-            dst_aux=item.dst_aux,
-            src_aux=item.req.src_aux,
-        )
-        item.checked += checked
-        item.mismatched += mismatched
+        self.checks.landed(item, item.req)
 
     def _release(self, item: _Live) -> None:
-        """The room settled: poison its pages and aux row and give them back."""
+        """The room settled: poison its pages and aux row, watch them and give them back."""
+        self.checks.settled(item, item.req)
         assert item.dst is not None
-        for buf in self.kv:
-            buf[item.dst] = _POISON
-        self.aux[item.dst_aux] = _POISON
-        self.last_owner[item.dst] = item.req.room
         self.free_pages[item.dst] = True
         self.free_aux[item.dst_aux] = True
 
