@@ -24,6 +24,9 @@ What a rank checks itself, because only it can:
   aborted).
 * **never block**: every scheduler-facing call (``poll``, ``init``, ``send``, ``send_metadata``,
   ``abort``, ``clear``, and creating the room) is timed; calls over ``slow_call_ms`` are counted.
+  A call's time is its wall time less the time this thread waited on a run queue while other
+  processes held every CPU (:mod:`kvfsm.workload.call_timer`): the machine's load is not a
+  block, a lock or a round trip is.
   An oversized ``send_metadata`` is timed on its own: the facade packs (copies) the caller's
   page list before refusing it, so its bound is ``slow_call_ms`` plus 1 ms per MB.
 * **no late writes** (decode): a settled room's pages are filled with a canary, and checked before
@@ -78,6 +81,7 @@ from kvfsm.manager import DecodeManager, PrefillManager
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll, Role
 from kvfsm.workload.buffers import DecodeChecks, Shape, make_buffers, make_layout
+from kvfsm.workload.call_timer import CallTimer
 from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
 
 __all__ = ["CAMPAIGN_ABORT", "ENGINE", "rank_main"]
@@ -178,6 +182,7 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         self.outcomes: list[dict[str, Any]] = []
         self.slow: Counter[str] = Counter()
         self.max_call_ms: dict[str, float] = {}
+        self.timer = CallTimer()
         self.calls = 0
         self.events: Counter[str] = Counter()  # what this rank did on plan (reuse, oversized)
         self.reported: Counter[str] = Counter()  # cumulative counters as last reported
@@ -279,9 +284,10 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         return self._timed_within(name, self.opts.slow_call_ms, fn, *args)
 
     def _timed_within(self, name: str, limit_ms: float, fn: Callable[..., T], *args: Any) -> T:
-        t0 = time.perf_counter()
-        result = fn(*args)
-        ms = (time.perf_counter() - t0) * 1e3
+        # Judged on the call's own time: wall time less what this thread spent waiting for a
+        # CPU that other processes held (a blocked call still counts in full; call_timer).
+        result, timed = self.timer.time(fn, *args)
+        ms = timed.own_ms
         self.calls += 1
         if ms > self.max_call_ms.get(name, 0.0):
             self.max_call_ms[name] = ms
@@ -568,6 +574,7 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
                 manager.engine.call(self.client.close(), timeout=10)
         manager.close()
         counters = self._counters()  # anything counted during the close itself
+        self.timer.close()
         if self.proxy is not None:
             self.proxy.close()
         agent = manager.agent

@@ -11,6 +11,8 @@
   made from the seed, the two rank processes, starting and stopping them, the progress line,
   the summary.
 * ``report``: percentiles, reason classes, sizes and the layout in words.
+* ``call_timer``: how long a call kept its caller, less the time the machine's load made it
+  wait for a CPU (the chaos ranks' never-block check).
 * ``command``, ``interrupts``: the exit statuses every workload command shares, and a teardown
   that Ctrl-C cannot cut short.
 

@@ -1107,8 +1107,8 @@ class Transport:
         self.peers[peer_id] = NixlPeer(peer_id, next(self._peer_gens))
 
     def remote_disconnect(self) -> None:
-        """NIXL reports the peer gone (``nixlRemoteDisconnectError``): NixlTransport._peer_lost,
-        then a reload of its metadata as a new generation."""
+        """NIXL reports the peer gone (``nixlRemoteDisconnectError``): ``PeerSet.lost`` (the
+        transport drops that generation), then a reload of its metadata as a new one."""
         for peer_id, peer in list(self.peers.items()):
             del self.peers[peer_id]
             self.execute(

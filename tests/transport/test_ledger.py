@@ -648,7 +648,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.lose(slot)
 
     def lose(self, slot: int) -> None:
-        """Like NixlTransport._peer_lost: only the current generation is lost, once."""
+        """Like PeerSet.lost: only the current generation is lost, once."""
         if slot < 0:
             return
         peer = self.peers[slot]

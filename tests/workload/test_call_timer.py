@@ -1,0 +1,96 @@
+"""CallTimer: a call that blocks is charged in full; time the thread only waited for a CPU
+that other processes held is not."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfsm.workload.call_timer import CallTimer, Timed
+
+SCHEDSTAT = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _burn(until: float) -> None:
+    while time.monotonic() < until:
+        pass
+
+
+def test_own_time_is_wall_less_queued_and_never_negative() -> None:
+    assert Timed(30.0, 12.5).own_ms == 17.5
+    assert Timed(1.0, 1.5).own_ms == 0.0
+
+
+def test_a_blocked_call_counts_in_full() -> None:
+    # Asleep on a lock (here: a sleep) is not waiting for a CPU: nothing is subtracted.
+    timer = CallTimer()
+    result, timed = timer.time(lambda: time.sleep(0.05) or "done")
+    timer.close()
+    assert result == "done"
+    assert timed.wall_ms >= 50.0
+    assert timed.own_ms >= 45.0  # at most a scheduling hiccup of the wake-up itself
+
+
+def test_an_exception_propagates() -> None:
+    timer = CallTimer()
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        timer.time(boom)
+    timer.close()
+
+
+@pytest.mark.skipif(not SCHEDSTAT.exists(), reason="this kernel does not report schedstat")
+def test_waiting_for_a_cpu_held_by_other_processes_is_subtracted() -> None:
+    # More CPU-bound processes than CPUs: a CPU-bound call on this thread waits its turn on a
+    # run queue for much of its wall time, and the timer takes exactly that out.
+    cpus = len(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("fork")
+    until = time.monotonic() + 3.0
+    burners = [ctx.Process(target=_burn, args=(until,)) for _ in range(2 * cpus)]
+    for proc in burners:
+        proc.start()
+    try:
+        time.sleep(0.2)  # they are running
+        timer = CallTimer()
+        cpu0 = time.thread_time()
+        _, timed = timer.time(_spin, 0.5)
+        cpu_ms = (time.thread_time() - cpu0) * 1e3
+        timer.close()
+    finally:
+        for proc in burners:
+            proc.join()
+    assert timed.wall_ms >= 500.0
+    # With 2 burners per CPU this thread got at most about a third of a CPU: much of the wall
+    # time was spent queued, and what is left is the spin's own running time.
+    assert timed.queued_ms > 0.25 * timed.wall_ms, timed
+    assert abs(timed.own_ms - cpu_ms) < 0.1 * timed.wall_ms, (timed, cpu_ms)
+
+
+def test_the_timer_follows_the_calling_thread() -> None:
+    # One timer used from two threads reads each thread's own counter, not the first one's.
+    timer = CallTimer()
+    first = timer.run_queue_ns()
+    seen: list[int] = []
+    worker = threading.Thread(target=lambda: seen.append(timer.run_queue_ns()))
+    worker.start()
+    worker.join()
+    assert timer._tid == worker.native_id
+    assert seen
+    # Back on this thread: its own counter again, which only grows.
+    assert timer.run_queue_ns() >= first
+    assert timer._tid == threading.get_native_id()
+    timer.close()
