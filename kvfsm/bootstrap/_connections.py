@@ -37,7 +37,6 @@ counted and logged (at most one line per 10 s). The counters are ``BootstrapServ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import socket
@@ -45,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, cast
 
+from kvfsm._tasks import cancel_and_wait
 from kvfsm.bootstrap._schemas import ConnectionStats
 
 __all__ = ["IDLE_TIMEOUT_S", "MAX_CONNECTIONS", "Connection", "Listener", "bind"]
@@ -172,11 +172,7 @@ class Listener:
             self._recovery_check.cancel()
             self._recovery_check = None
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
 
     # -- the protocol's and the middleware's calls --------------------------------------------
 

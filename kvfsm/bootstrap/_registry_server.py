@@ -65,6 +65,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from kvfsm._tasks import cancel_and_wait
 from kvfsm.bootstrap._auth import AuthError, check_request, check_secret
 from kvfsm.bootstrap._connections import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Listener, bind
 from kvfsm.bootstrap._rank_table import RankTable, RefusedError
@@ -338,10 +339,7 @@ class BootstrapServer:
     async def stop(self) -> None:
         """Stop serving and release the port; idempotent."""
         sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+        await cancel_and_wait(sweeper)
         listener, self._listener = self._listener, None
         if listener is not None:
             await listener.stop()

@@ -12,10 +12,10 @@ about nothing. It lives here because every NIXL call does (design §3).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
+from kvfsm._tasks import cancel_and_wait
 from kvfsm.transport._agent import Agent
 
 __all__ = ["AgentProgress"]
@@ -55,11 +55,7 @@ class AgentProgress:
             await asyncio.sleep(busy if expecting() else idle)
 
     async def aclose(self) -> None:
-        task = self._task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task)
 
 
 def _progress_ended(task: asyncio.Task[None]) -> None:

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvfsm._tasks import cancel_and_wait
 from kvfsm.rooms import Inbox, RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, Event
 from kvfsm.transport._agent import Peer
@@ -269,11 +270,7 @@ class Pump:
 
     async def aclose(self) -> None:
         """Stop the pump coroutine (loop thread); handles are released in :meth:`close`."""
-        task = self._task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task)
 
     def close(self) -> None:
         """After the loop stopped and the poster thread is done: release every handle the
