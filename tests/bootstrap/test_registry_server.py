@@ -1,7 +1,10 @@
-"""The bootstrap registry: the table's rules, the HTTP surface, auth, hostile input, the CLI.
+"""The registry's HTTP server (``kvfsm/bootstrap/_registry_server.py``), end to end with its
+client: the routes, readiness, the server's own clock and sweep, auth, its arguments, the
+connection counters in ``/health``, and hostile input.
 
-Servers bind 127.0.0.1 on a free port. Expiry is the table's rule, driven with explicit ``now``
-values; one server test checks the server's own clock and sweep, without measuring time.
+Servers bind 127.0.0.1 on a free port. How long an entry lives is the table's rule
+(``test_rank_table.py``); one test here checks the server's own clock and sweep, without
+measuring time.
 """
 
 from __future__ import annotations
@@ -10,13 +13,8 @@ import asyncio
 import io
 import json
 import os
-import signal
-import socket
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -25,46 +23,17 @@ import pytest_asyncio
 
 from kvfsm.bootstrap import (
     BootstrapClient,
-    BootstrapError,
     BootstrapServer,
     NotFoundError,
     NotReadyError,
-    RankInfo,
     RejectedError,
     UnauthorizedError,
-    UnreachableError,
 )
 from kvfsm.bootstrap._auth import (
     request_headers,
 )
-from kvfsm.bootstrap._rank_table import RankTable, RefusedError
 from kvfsm.bootstrap._registry_server import MAX_BODY_BYTES
-
-ENGINE = "prefill-a"
-SECRET = b"0123456789abcdef-test-secret"
-
-
-def info(rank: int = 0, *, engine: str = ENGINE, incarnation: int = 1, **kw: Any) -> RankInfo:
-    fields: dict[str, Any] = {
-        "engine": engine,
-        "rank": rank,
-        "tp_rank": rank,
-        "tp_size": 4,
-        "dp_rank": 0,
-        "pp_rank": 0,
-        "host": "10.0.0.7",
-        "port": 17000 + rank,
-        "agent": f"prefill-{rank}",
-        "layout": msgspec.msgpack.encode({"kv": [rank, 4096]}),
-        "incarnation": incarnation,
-    }
-    fields.update(kw)
-    return RankInfo(**fields)
-
-
-def as_json(i: RankInfo) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(msgspec.json.encode(i))
-    return out
+from tests.helpers.rank_info import ENGINE, SECRET, as_json, info
 
 
 @pytest_asyncio.fixture
@@ -83,88 +52,6 @@ async def client(server: BootstrapServer) -> AsyncIterator[BootstrapClient]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:
         yield s
-
-
-# -- the table, without IO -------------------------------------------------------------------------
-
-
-def test_rank_info_validates_its_fields() -> None:
-    with pytest.raises(ValueError, match="tp_rank 4 out of range"):
-        info(tp_rank=4)
-    with pytest.raises(msgspec.ValidationError, match=r"\$\.engine"):
-        msgspec.json.decode(
-            msgspec.json.encode({**as_json(info()), "engine": "a b"}), type=RankInfo
-        )
-    # msgspec's pattern uses re.search; an anchored "$" would let a trailing newline through.
-    bad = {**as_json(info()), "engine": "a\n"}
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(msgspec.json.encode(bad), type=RankInfo)
-
-
-def test_registry_rules_without_io() -> None:
-    reg = RankTable(expected_ranks=2, ttl_s=10.0)
-    assert reg.register(info(0), now=0.0) == "registered"
-    assert reg.register(info(0), now=5.0) == "refreshed"
-    assert reg.register(info(0, incarnation=2, port=9), now=6.0) == "replaced"
-    with pytest.raises(RefusedError) as exc:
-        reg.ranks(ENGINE, now=6.0)
-    assert (exc.value.status, exc.value.registered, exc.value.expected) == (503, 1, 2)
-    reg.register(info(1), now=7.0)
-    assert [i.rank for i in reg.ranks(ENGINE, now=7.0)] == [0, 1]
-    assert reg.health(now=7.0).ready
-    # rank 0 was last registered at 6.0: it expires at 16.0; rank 1 at 17.0.
-    assert reg.rank(ENGINE, 0, now=15.9).port == 9
-    assert [i.rank for i in reg.expire(now=16.0)] == [0]
-    assert [i.rank for i in reg.expire(now=17.0)] == [1]
-    assert len(reg) == 0
-    assert reg.health(now=17.0).detail == "not ready: no ranks registered"
-    with pytest.raises(ValueError, match="expected_ranks"):
-        RankTable(expected_ranks=0, ttl_s=1.0)
-    with pytest.raises(ValueError, match="ttl_s"):
-        RankTable(expected_ranks=1, ttl_s=float("nan"))
-
-
-def test_registry_refuses_clashes_and_bounds_engines() -> None:
-    reg = RankTable(expected_ranks=4, ttl_s=10.0, max_engines=2)
-    reg.register(info(0), now=0.0)
-    cases = [
-        (info(0, port=1), 409, "different fields"),  # same incarnation, other fields
-        (info(1, tp_rank=0), 409, "already held by live rank 0"),
-        (info(1, tp_size=8), 409, "tp_size 8"),
-        (info(4, tp_rank=0, tp_size=1), 400, "ranks 0..3"),
-    ]
-    for bad, status, words in cases:
-        with pytest.raises(RefusedError, match=words) as exc:
-            reg.register(bad, now=1.0)
-        assert exc.value.status == status
-    assert reg.rank(ENGINE, 0, now=1.0) == info(0)
-    reg.register(info(0, engine="b"), now=1.0)
-    with pytest.raises(RefusedError, match="registry full") as exc:
-        reg.register(info(0, engine="c"), now=1.0)
-    assert exc.value.status == 429
-
-
-def test_entries_expire_unless_refreshed() -> None:
-    reg = RankTable(expected_ranks=2, ttl_s=10.0)
-    reg.register(info(0), now=0.0)
-    reg.register(info(1), now=0.0)
-    assert len(reg.ranks(ENGINE, now=0.0)) == 2
-    # Heartbeats keep rank 0 alive across several ttls; rank 1 goes silent (expires at 10.0).
-    for beat in (4.0, 8.0, 12.0, 16.0, 20.0):
-        assert reg.register(info(0), now=beat) == "refreshed"
-    assert reg.rank(ENGINE, 0, now=20.0).rank == 0
-    with pytest.raises(RefusedError, match="rank 1 of engine 'prefill-a' is not registered") as exc:
-        reg.rank(ENGINE, 1, now=20.0)
-    assert exc.value.status == 404
-    with pytest.raises(RefusedError, match="1 of 2") as exc:
-        reg.ranks(ENGINE, now=20.0)
-    assert exc.value.status == 503
-    # Nobody reads now: the sweep's expire() alone empties the table (rank 0 expires at 30.0).
-    assert reg.expire(now=29.9) == []
-    assert [i.rank for i in reg.expire(now=30.0)] == [0]
-    assert len(reg) == 0
-    # An expired rank registers afresh.
-    assert reg.register(info(1), now=31.0) == "registered"
 
 
 # -- over HTTP -------------------------------------------------------------------------------------
@@ -221,7 +108,7 @@ async def test_not_ready_until_expected_ranks(http: aiohttp.ClientSession) -> No
 async def test_the_server_expires_entries_on_its_own_clock() -> None:
     """The server's wiring of the table: registrations and reads share its clock, and its sweep
     task drops entries that nobody reads. (How long an entry lives is the table's rule, tested
-    with explicit ``now`` values above; nothing here measures time.)"""
+    with explicit ``now`` values in test_rank_table.py; nothing here measures time.)"""
     async with (
         BootstrapServer(expected_ranks=2, ttl_s=0.5) as server,
         BootstrapClient(server.url) as client,
@@ -268,22 +155,6 @@ async def test_delete(client: BootstrapClient) -> None:
         await client.ranks(ENGINE)
     assert await client.deregister(ENGINE, 1)
     assert (await client.health()).engines == {}
-
-
-@pytest.mark.asyncio
-async def test_client_errors() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # bound but not listening: connections are refused
-        async with BootstrapClient(f"http://127.0.0.1:{port}", timeout_s=1.0) as client:
-            with pytest.raises(UnreachableError, match="unreachable"):
-                await client.health()
-    client = BootstrapClient("http://127.0.0.1:1")
-    await client.close()
-    with pytest.raises(BootstrapError, match="closed"):
-        await client.health()
-    with pytest.raises(ValueError, match="base_url"):
-        BootstrapClient("127.0.0.1:8998")
 
 
 # -- auth ------------------------------------------------------------------------------------------
@@ -483,96 +354,3 @@ async def test_raw_garbage_does_not_stop_the_server(
         await writer.wait_closed()
     assert not (await client.health()).ready
     assert (await client.register(info(0))).outcome == "registered"
-
-
-# -- the command line ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-async def _wait_healthy(client: BootstrapClient, proc: asyncio.subprocess.Process) -> None:
-    deadline = time.monotonic() + 30.0
-    while True:
-        try:
-            await client.health()
-            return
-        except UnreachableError:
-            if proc.returncode is not None or time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("signed", [False, True], ids=["open", "secret-file"])
-async def test_cli_serves_until_sigint(tmp_path: Path, signed: bool) -> None:
-    port = _free_port()
-    args = ["-m", "kvfsm.bootstrap._cli", "--port", str(port), "--expected-ranks", "1"]
-    args += ["--max-connections", "64", "--idle-timeout", "3", "--request-timeout", "4"]
-    secret: bytes | None = None
-    if signed:
-        secret = SECRET
-        (tmp_path / "secret").write_bytes(SECRET + b"\n")
-        args += ["--secret-file", str(tmp_path / "secret")]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        async with BootstrapClient(f"http://127.0.0.1:{port}", secret=secret) as client:
-            await _wait_healthy(client, proc)
-            await client.register(info(0, tp_size=1))
-            assert await client.ranks(ENGINE) == [info(0, tp_size=1)]
-            assert (await client.health()).ready
-        proc.send_signal(signal.SIGINT)
-        _, err = await asyncio.wait_for(proc.communicate(), timeout=30.0)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    log = err.decode()
-    assert proc.returncode == 0, log
-    assert f"listening on http://127.0.0.1:{port}" in log
-    assert "at most 64 connections, idle timeout 3 s, request timeout 4 s" in log
-    assert f"registered: engine {ENGINE} rank 0" in log
-    assert ("signed writes" if signed else "unsigned writes") in log
-    assert "Traceback" not in log
-
-
-@pytest.mark.asyncio
-async def test_cli_reports_bad_arguments(tmp_path: Path) -> None:
-    (tmp_path / "secret").write_bytes(b"short\n")
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        cases = [
-            (["--expected-ranks", "0"], 2, "expected_ranks"),
-            (
-                ["--expected-ranks", "1", "--secret-file", str(tmp_path / "secret")],
-                2,
-                "at least 16",
-            ),
-            (["--expected-ranks", "1", "--secret-file", str(tmp_path / "none")], 2, "No such file"),
-            (["--expected-ranks", "1", "--port", str(busy.getsockname()[1])], 1, "cannot serve"),
-            (["--expected-ranks", "1", "--max-connections", "0"], 2, "max_connections"),
-            (["--expected-ranks", "1", "--idle-timeout", "0"], 2, "idle_timeout_s"),
-        ]
-        for extra, rc, words in cases:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "kvfsm.bootstrap._cli",
-                "--port",
-                "0",
-                *extra,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            _, err = await asyncio.wait_for(proc.communicate(), timeout=30.0)
-            assert proc.returncode == rc, err
-            assert words in err.decode()
