@@ -5,7 +5,7 @@ What the conformance suite covers (whole scheduler flows, MIN over ranks, byte c
 repeated; these tests pin single calls: what ``poll`` says before ``init``, ``clear``/``abort``
 idempotence, what ``failure_exception`` raises, the requests kvfsm refuses and why, the trailing
 zero-page send, the metric, the deferred-release flags, the manager's lookups and the bootstrap
-server.
+server serving the pair's ranks (the server on its own: ``test_server.py``).
 
 Where a check must see a room before kvfsm's loop moved it on, the loop is held still
 (:func:`frozen`): the scheduler-facing calls only post events, so what ``poll`` says then is the
@@ -15,12 +15,9 @@ adapter's own doing.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,6 +40,7 @@ from kvfsm.sglang import (
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
 from kvfsm.sglang._conn import prefix_problem
 from kvfsm.testing import VirtualClock
+from tests.helpers.http import get_json
 from tests.helpers.sglang_replay import (
     AUX_ROWS,
     LAYERS,
@@ -711,12 +709,6 @@ def test_conn_surface_the_scheduler_reads(pair: Pair) -> None:
 # -- bootstrap server ------------------------------------------------------------------------------
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        assert response.status == 200
-        return json.loads(response.read())
-
-
 def test_bootstrap_server_serves_the_registry(
     pair: Pair, bootstrap: KvfsmKVBootstrapServer
 ) -> None:
@@ -725,25 +717,3 @@ def test_bootstrap_server_serves_the_registry(
     get_json(f"{bootstrap.url}/health")
     rank = get_json(f"{bootstrap.url}/v1/ranks/sglang/0")
     assert (rank["rank"], rank["tp_size"], rank["dp_size"]) == (0, 1, 1)
-
-
-def test_bootstrap_server_close_is_idempotent() -> None:
-    server = KvfsmKVBootstrapServer("127.0.0.1", 0)
-    url = server.url
-    get_json(f"{url}/health")
-    server.close()
-    server.close()
-    with pytest.raises(urllib.error.URLError):
-        get_json(f"{url}/health")
-
-
-def registry_threads() -> int:
-    return sum(t.name == "kvfsm-registry" for t in threading.enumerate())
-
-
-def test_bootstrap_server_on_a_port_in_use_raises(bootstrap: KvfsmKVBootstrapServer) -> None:
-    before = registry_threads()
-    with pytest.raises(OSError, match=r"(?i)address already in use"):
-        KvfsmKVBootstrapServer("127.0.0.1", bootstrap.port)
-    assert registry_threads() == before  # the failed one left no thread behind
-    get_json(f"{bootstrap.url}/health")  # the first one is unaffected
