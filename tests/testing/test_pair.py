@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvfsm.states import TERMINAL, KVPoll
-from kvfsm.testing import CANARY, AbortAt, Faults, KvfsmPair, VirtualClock
+from kvfsm.testing import CANARY, AbortAt, Faults, KvfsmPair
 
 
 @pytest.mark.asyncio
@@ -128,19 +128,3 @@ async def test_pairs_from_the_factory_are_independent(kvfsm_pair_factory: object
     assert two.decode_kv[0].shape[0] == 32
     assert (await one.transfer(1, [1], [2])).succeeded
     assert (await two.transfer(1, [3], [4])).succeeded  # the same id, another pair
-
-
-def test_the_virtual_clock_moves_only_when_told(kvfsm_clock: VirtualClock) -> None:
-    start = kvfsm_clock()
-    assert kvfsm_clock.after(5) == start + 5
-    assert kvfsm_clock() == start
-    assert kvfsm_clock.advance(2.5) == start + 2.5
-    with pytest.raises(ValueError, match="does not go back"):
-        kvfsm_clock.advance(-1)
-
-
-def test_fault_positions_are_checked() -> None:
-    with pytest.raises(ValueError, match="count from 0"):
-        Faults().stall_chunk(-1)
-    with pytest.raises(ValueError, match="direction"):
-        Faults().drop_frame("sideways", 0)  # type: ignore[arg-type]
