@@ -80,7 +80,7 @@ from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, PrefillManager
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll, Role
-from kvfsm.workload.buffers import DecodeChecks, Shape, make_buffers, make_layout
+from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout, shape_of
 from kvfsm.workload.call_timer import CallTimer
 from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
 
@@ -99,16 +99,6 @@ _FROZEN_GAP_S: Final = 0.25
 #: Transport counters each prefill answer carries (as deltas).
 _XFER_COUNTERS: Final = ("chunks_fenced", "chunks_stalled", "chunks_quarantined", "chunks_posted")
 Pages = npt.NDArray[np.int32]
-
-
-def shape_of(opts: CampaignOptions) -> Shape:
-    return Shape(
-        layers=opts.layers,
-        num_pages=opts.num_pages,
-        page_bytes=opts.page_bytes,
-        aux_rows=opts.aux_rows,
-        aux_row_bytes=opts.aux_row_bytes,
-    )
 
 
 def source_rows(seed: int, buffer: int, rows: npt.NDArray[np.int64], width: int) -> Any:
@@ -177,7 +167,7 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
     def __init__(self, conn: Connection, role: str, opts: CampaignOptions, url: str) -> None:
         super().__init__(conn)
         self.role, self.opts, self.url = role, opts, url
-        self.kv, self.aux = make_buffers(shape_of(opts))
+        self.kv, self.aux = make_buffers(shape_of(opts, page_bytes=opts.page_bytes))
         self.layout = make_layout(self.kv, self.aux)
         self.outcomes: list[dict[str, Any]] = []
         self.slow: Counter[str] = Counter()

@@ -22,12 +22,14 @@ from kvfsm.transport import Layout, Region
 __all__ = [
     "DecodeChecks",
     "Shape",
+    "ShapeSizes",
     "compare_room",
     "fill_random",
     "make_buffers",
     "make_layout",
     "make_state",
     "page_digests",
+    "shape_of",
 ]
 
 
@@ -42,6 +44,32 @@ class Shape:
     aux_row_bytes: int = 256
     state_rows: int = 0  # per-request state rows (hybrid models); 0: no state buffer
     state_row_bytes: int = 512
+
+
+class ShapeSizes(Protocol):
+    """The sizes a workload's options give its buffers (``page_bytes`` apart: see
+    :func:`shape_of`)."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def aux_rows(self) -> int: ...
+    @property
+    def aux_row_bytes(self) -> int: ...
+
+
+def shape_of(sizes: ShapeSizes, *, page_bytes: int) -> Shape:
+    """The buffers of one side of a workload: ``sizes``' layers, pages and aux rows, with pages
+    of ``page_bytes`` per K or V buffer (each workload's options say how they get that)."""
+    return Shape(
+        layers=sizes.layers,
+        num_pages=sizes.num_pages,
+        page_bytes=page_bytes,
+        aux_rows=sizes.aux_rows,
+        aux_row_bytes=sizes.aux_row_bytes,
+    )
 
 
 def make_buffers(shape: Shape) -> tuple[list[npt.NDArray[np.uint8]], npt.NDArray[np.uint8]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvfsm.bootstrap import Fingerprint
-from kvfsm.workload.buffers import Shape
+from kvfsm.workload.buffers import Shape, shape_of
 
 __all__ = [
     "ABORT_REASON",
@@ -84,13 +84,7 @@ class WorkloadOptions:
 
     def shape(self) -> Shape:
         """The buffers of one side."""
-        return Shape(
-            layers=self.layers,
-            num_pages=self.num_pages,
-            page_bytes=self.buffer_page_bytes,
-            aux_rows=self.aux_rows,
-            aux_row_bytes=self.aux_row_bytes,
-        )
+        return shape_of(self, page_bytes=self.buffer_page_bytes)
 
     def validate_workload(self, count_flag: str, count: int) -> None:
         """Raise ``ValueError`` naming the flag that is out of range."""
