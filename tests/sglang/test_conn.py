@@ -40,7 +40,7 @@ from kvfsm.sglang import (
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
 from kvfsm.sglang._conn import prefix_problem
 from kvfsm.testing import VirtualClock
-from tests.helpers.http import get_json
+from tests.helpers.http_json import get_json
 from tests.helpers.sglang_replay import (
     AUX_ROWS,
     LAYERS,

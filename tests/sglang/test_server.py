@@ -10,7 +10,7 @@ import urllib.error
 import pytest
 
 from kvfsm.sglang import KvfsmKVBootstrapServer
-from tests.helpers.http import get_json
+from tests.helpers.http_json import get_json
 
 
 def test_bootstrap_server_close_is_idempotent() -> None:

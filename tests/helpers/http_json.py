@@ -1,4 +1,6 @@
-"""Plain HTTP for tests: a GET that must answer 200 with JSON."""
+"""Plain HTTP for tests: a GET that must answer 200 with JSON. (Not named ``http``: the
+registry child script runs with tests/helpers first on its path, where that name would shadow
+the standard library's ``http`` for everything it imports.)"""
 
 from __future__ import annotations
 
