@@ -335,6 +335,14 @@ def _one_room(registry: str, prefill_fp: Fingerprint, decode_fp: Fingerprint) ->
                 sender.init(2, aux_index=1)
                 sender.send(np.asarray([5, 6], np.int32))
             wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
+
+            def concluded(manager: PrefillManager | DecodeManager) -> bool:
+                control = manager.stats()["control"]
+                return bool(control["handshakes_refused"] or control["links_opened"])
+
+            # The receiver can end on decode's verdict before prefill's loop thread has
+            # counted its own: read the counters once both sides are through the handshake.
+            wait_for(lambda: concluded(prefill) and concluded(decode), timeout=10)
             out: dict[str, object] = {
                 "status": receiver.poll(),
                 "reason": receiver.reason,
