@@ -11,6 +11,7 @@ runs in another network namespace (kvfsm.chaos's two-host tests), still driven o
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -23,9 +24,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import resource_tracker, spawn
+from multiprocessing.connection import Connection
 from typing import Any, Final, TypeVar
 
-__all__ = ["NIXL_LEVELS", "ChildProcess", "environ", "spawn_quietly"]
+__all__ = ["NIXL_LEVELS", "ChildProcess", "dump_stacks_on_sigusr1", "environ", "spawn_quietly"]
 
 #: ``NIXL_LOG_LEVEL`` for a child, by the level name of our ``nixl`` logger.
 NIXL_LEVELS: Final = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARN", "ERROR": "ERROR"}
@@ -47,6 +49,19 @@ def _launcher(prefix: Sequence[str], directory: str) -> str:
     return path
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` prints every thread's Python stack to stderr and the process goes
+    on: how an operator (or a test that gave up waiting) sees where a wedged ``kvfsm`` command
+    or one of its children is stuck, without a debugger."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _entry(target: Callable[..., None], conn: Connection, *args: object) -> None:
+    """Every child's first frame: stacks on SIGUSR1 like its parent's, then ``target``."""
+    dump_stacks_on_sigusr1()
+    target(conn, *args)
+
+
 class ChildProcess:
     """Start ``target(conn, *args)`` in a new process and wait for its greeting. With
     ``prefix``, the process is started as ``prefix + [python, ...]`` (see the module doc)."""
@@ -62,7 +77,7 @@ class ChildProcess:
         ctx = mp.get_context("spawn")
         self.what = what
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.process = ctx.Process(target=_entry, args=(target, child, *args), daemon=True)
         scratch = tempfile.mkdtemp(prefix="kvfsm-child-") if prefix else None
         try:
             with _START_LOCK:

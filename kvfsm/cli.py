@@ -22,6 +22,7 @@ from typing import Any
 with contextlib.redirect_stdout(sys.stderr):
     from kvfsm import demo
     from kvfsm import diagram as diagram_cli
+    from kvfsm._child import dump_stacks_on_sigusr1
     from kvfsm.bootstrap import _cli as bootstrap_cli
     from kvfsm.chaos import _cli as chaos_cli
     from kvfsm.workload import demo_report, peer_run
@@ -180,6 +181,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    dump_stacks_on_sigusr1()
     _configure_logging(args.verbose)
     if args.command == "bootstrap":
         return bootstrap_cli.run(args)

@@ -3,6 +3,7 @@ to the whole group, and what must be true afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -54,7 +55,24 @@ def interrupt_and_check(
             time.sleep(0.05)
         time.sleep(moving_s)  # rooms are moving now
         os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=timeout)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # Still running: every process of the group prints its threads' stacks (kvfsm's
+            # commands and children dump them on SIGUSR1), one process at a time so that they
+            # do not interleave, and the failure says where it hangs.
+            members = sorted(group_members(proc.pid).items())
+            for pid, _ in members:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+                time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            raise AssertionError(
+                f"kvfsm {name} still running {timeout:.0f} s after Ctrl-C; its group "
+                f"{[f'{pid}: {cmd[:100]}' for pid, cmd in members]}; its stderr, with the "
+                f"stacks of every process of the group, in that order:\n{stderr[-20000:]}"
+            ) from None
     finally:
         if proc.poll() is None:
             proc.kill()
