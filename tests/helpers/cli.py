@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["REPO", "group_members", "interrupt_and_check"]
@@ -32,6 +33,24 @@ def group_members(pgid: int) -> dict[int, str]:
     return members
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """Children started in the block get SIGINT's default action, as a terminal's foreground
+    job does. An ignored signal stays ignored across ``exec`` (a handler does not), and a test
+    run started in the background of a non-interactive shell (``.ci/run &``) has SIGINT and
+    SIGQUIT ignored from the start: the command under test then never heard the Ctrl-C (two
+    clean-clone runs here timed out on it, with ``SigIgn`` in /proc showing SIGINT ignored in
+    pytest itself). So while the child is started, a handler stands in for the ignore."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def interrupt_and_check(
     command: list[str], name: str, *, children: int, moving_s: float, timeout: float
 ) -> None:
@@ -39,14 +58,15 @@ def interrupt_and_check(
     and ``moving_s`` more, send SIGINT to the whole group (what a terminal's Ctrl-C does), and
     check: exit 130, "kvfsm <name>: interrupted", no traceback, nothing on stdout, no process
     of the group left behind."""
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    with _sigint_not_ignored():
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + timeout
         while sum("spawn_main" in cmd for cmd in group_members(proc.pid).values()) < children:
