@@ -1,6 +1,8 @@
-"""The room actor: one asyncio task per room, a bounded mailbox, deadlines, a published status.
+"""The room actor: one task per room, a bounded mailbox, deadlines, a published status.
 
-The task is the room's only writer (law 2). It takes events from its mailbox, hands each to the
+The task (``Room.run``, a coroutine resumed by the engine's :class:`RoomScheduler`, see
+:mod:`kvfsm.rooms._scheduler` for why not an ``asyncio.Task``) is the room's only writer
+(law 2). It takes events from its mailbox, hands each to the
 sans-IO :class:`RoomCore`, publishes the status when it changes, re-arms the deadline of the new
 state, and then hands the core's commands to the sink (decide, then do IO). After the room is
 terminal the task keeps draining settlement events until its pages are settled, then exits and
@@ -31,10 +33,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from typing import Any
 
 from kvfsm.rooms._core import Claim, RoomCore
 from kvfsm.rooms._ports import CommandSink, Inbox, Publication, RoomHost, RoomKey
+from kvfsm.rooms._scheduler import SUSPEND
 from kvfsm.states import (
     SETTLEMENT_EVENTS,
     TERMINAL,
@@ -73,7 +77,10 @@ class Room:
         "_shortest",
         "_mailbox",
         "_bound",
-        "_waiter",
+        "_tasks",
+        "coro",
+        "suspended",
+        "done",
         "_timer",
         "_due",
         "born",
@@ -117,7 +124,12 @@ class Room:
         #: may reuse its id at once (the caller's abort() already reads Failed).
         self.ending = False
         self._bound = mailbox_size
-        self._waiter: asyncio.Future[None] | None = None
+        self._tasks = host.tasks
+        #: The task: set by the scheduler's ``start``, None once it finished (RoomScheduler).
+        self.coro: Coroutine[Any, Any, None] | None = None
+        self.suspended = False
+        #: True once the task ended (the room is reaped).
+        self.done = False
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0
 
@@ -125,7 +137,9 @@ class Room:
         self._settle_expired = False
         self._loop = host.loop
         self.born = self._loop.time()
-        self.task: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Room {self.role.value} {self.key.room} gen {self.key.generation}>"
 
     # -- the mailbox (loop thread) -------------------------------------------------------------
 
@@ -141,14 +155,8 @@ class Room:
             mailbox.append(event)
             if kind is AbortRequested or kind is EventRejected:
                 self.ending = True
-        waiter = self._waiter  # _wake, inlined: one call less per event
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self.suspended:  # a queued or running room drains its mailbox before suspending
+            self._tasks.wake(self)
 
     # -- the task ------------------------------------------------------------------------------
 
@@ -175,9 +183,8 @@ class Room:
                         sorted(core.in_flight),
                     )
                     break
-                self._waiter = self._loop.create_future()
-                await self._waiter
-                self._waiter = None
+                if not self._mailbox:  # an event its own commands delivered: go on
+                    await SUSPEND
         except asyncio.CancelledError:
             # Engine shutdown. Cleanup below is synchronous, so it cannot be cancelled halfway.
             try:
@@ -190,6 +197,7 @@ class Room:
         finally:
             if self._timer is not None:
                 self._timer.cancel()
+            self.done = True
             self._host.reap(self.key)
 
     def _died(self, exc: Exception) -> None:
@@ -364,4 +372,5 @@ class Room:
             seconds = deadline_of(self.role, state, self._deadlines)
             # Bypass the mailbox bound: a deadline must never be lost to a flood.
             self._mailbox.append(DeadlineExpired(state, seconds))
-        self._wake()
+        if self.suspended:
+            self._tasks.wake(self)

@@ -14,14 +14,13 @@ from kvfsm.rooms._actor import Room
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._ports import CommandSink, Observer, Publication, RoomKey
+from kvfsm.rooms._scheduler import RoomScheduler
 from kvfsm.rooms._stats import RoomStats
 from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
 
 _log = logging.getLogger("kvfsm.rooms")
-#: ``Role.value`` is a slow descriptor on 3.11; task names are built once per room.
-_ROLE_NAMES: dict[Role, str] = {role: role.value for role in Role}
 
 
 class DuplicateRoomError(RuntimeError):
@@ -64,6 +63,8 @@ class Registry:
         self._closing = False
         #: The loop this registry lives on (rooms take it from here).
         self.loop = asyncio.get_running_loop()
+        #: Runs every room's task (kvfsm.rooms._scheduler: a run queue, not a Task per room).
+        self.tasks = RoomScheduler(self.loop)
         self._seconds: dict[
             tuple[Role, int], tuple[Mapping[KVPoll, float] | None, Mapping[KVPoll, float]]
         ] = {}
@@ -139,9 +140,7 @@ class Registry:
                 self.observer.spawned(role)
             except Exception as exc:  # a metric must not leave a room without its task
                 self.record_error(key, exc)
-        room.task = self.loop.create_task(
-            room.run(), name=f"kvfsm-{_ROLE_NAMES[role]}-{key.room}-{key.generation}"
-        )
+        self.tasks.start(room)
         # The control plane may hold a message that arrived before this room existed.
         try:
             self._on_spawn(key, role)
@@ -276,8 +275,7 @@ class Registry:
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
         except TimeoutError:
-            tasks = [room.task for room in self._rooms.values() if room.task is not None]
-            _log.warning("shutdown: cancelling %d rooms that did not settle", len(tasks))
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            rooms = list(self._rooms.values())
+            _log.warning("shutdown: cancelling %d rooms that did not settle", len(rooms))
+            for room in rooms:  # each fails ("engine shut down") and is reaped, here and now
+                self.tasks.cancel(room)

@@ -129,8 +129,8 @@ async def test_status_is_published_and_the_room_is_reaped_once_settled() -> None
     await drain()
     assert pub.settled
     assert len(registry) == 0
-    assert room.task is not None
-    assert room.task.done()
+    assert room.done
+    assert room.coro is None
     assert registry.stats.reaped == 1
     assert registry.stats.late_events == 1
 

@@ -1,10 +1,11 @@
 """Law 2: only a room's own task changes its state. Every write to every publication in a busy
 engine (pairs completing, aborts from the caller's thread and from the peer, duplicates) is
-checked for who made it."""
+checked for who made it: the thread, and the room task that was running (the engine's
+scheduler names it, as ``asyncio.current_task`` names a task), which must be the room whose
+publication it is."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 
@@ -16,24 +17,22 @@ from kvfsm.rooms._loopback import LoopbackSink
 from kvfsm.states import TERMINAL, KVPoll
 from tests.helpers.rooms import wait_until
 
-WRITES: list[tuple[str, str | None, object]] = []
+#: (thread, the running room task's own publication? None outside any room task, value)
+WRITES: list[tuple[str, bool | None, object]] = []
+ENGINE: list[RoomEngine] = []
 
 
 class WatchedPublication(Publication):
-    """Records the thread and the asyncio task behind every status write."""
+    """Records the thread and the room task behind every status write."""
 
     __slots__ = ()
 
     def __setattr__(self, name: str, value: object) -> None:
         initialised = hasattr(self, "status")  # the creator's first write is not a change
         if name == "status" and initialised:
-            try:
-                task = asyncio.current_task()
-            except RuntimeError:  # no running loop in this thread
-                task = None
-            WRITES.append(
-                (threading.current_thread().name, task.get_name() if task else None, value)
-            )
+            running = ENGINE[0].registry_on_loop().tasks.current()
+            own = None if running is None else running.publication is self  # type: ignore[attr-defined]
+            WRITES.append((threading.current_thread().name, own, value))
         super().__setattr__(name, value)
 
 
@@ -42,6 +41,7 @@ def test_only_the_room_task_writes_its_status(monkeypatch: object) -> None:
     monkeypatch.setattr(engine_module, "Publication", WatchedPublication)  # type: ignore[attr-defined]
     rng = random.Random(7)
     with RoomEngine(LoopbackSink(), name="kvfsm-loop-under-test") as engine:
+        ENGINE[:] = [engine]
         pairs = []
         for room in range(60):
             sender, receiver = engine.sender(room), engine.receiver(room)
@@ -67,5 +67,6 @@ def test_only_the_room_task_writes_its_status(monkeypatch: object) -> None:
     refused = [w for w in WRITES if w[1] is None]
     # The single write outside a room task is the registry refusing the duplicate.
     assert [value for _, _, value in refused] == [KVPoll.Failed]
-    by_task = [w for w in WRITES if w[1] is not None]
-    assert all(task.startswith("kvfsm-") for _, task, _ in by_task)  # type: ignore[union-attr]
+    # Every other write was made by the task of the room whose publication it is.
+    assert all(own for _, own, _ in WRITES if own is not None)
+    assert len([w for w in WRITES if w[1]]) == len(WRITES) - 1

@@ -3,8 +3,6 @@ room, and so does any other exception in the task; the room is still published a
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvfsm.rooms import Publication, Registry, RoomConfig, RoomKey
@@ -70,8 +68,7 @@ async def test_a_send_metadata_that_raises_fails_the_receiver_with_the_reason() 
     assert [type(error) for _, error in registry.errors] == [FrameError]
     # The failure's own commands went out too: the abort towards the sender.
     assert sink.of(key, ReportOutcome) == [ReportOutcome(KVPoll.Failed, pub.reason)]
-    assert room.task is not None
-    assert not room.task.done()  # the task lives on, waiting for its pages to settle
+    assert not room.done  # the task lives on, waiting for its pages to settle
     # The frame may or may not have left: the pages stay exposed until the sender's
     # acknowledgement of the abort, then the room is reaped and its pages are free.
     assert not pub.settled
@@ -79,8 +76,8 @@ async def test_a_send_metadata_that_raises_fails_the_receiver_with_the_reason() 
     await drain()
     assert pub.settled
     assert len(registry) == 0
-    assert room.task.done()
-    assert room.task.exception() is None
+    assert room.done
+    assert registry.tasks.escaped == []  # nothing escaped the task
     assert len(registry.owners) == 0
 
 
@@ -99,8 +96,8 @@ async def test_errors_in_the_failures_own_commands_are_recorded_and_end_there() 
     registry.deliver(key, PeerSettled(0))
     await drain()
     assert len(registry) == 0
-    assert room.task is not None
-    assert room.task.exception() is None
+    assert room.done
+    assert registry.tasks.escaped == []
 
 
 async def test_a_post_chunk_that_raises_fails_the_sender_and_releases_its_handles() -> None:
@@ -172,8 +169,8 @@ async def test_an_exception_anywhere_in_the_task_fails_publishes_and_reaps_the_r
     assert "internal error: KeyError" in pub.reason
     assert sink.of(key, ReportOutcome) == [ReportOutcome(KVPoll.Failed, pub.reason)]
     assert len(registry) == 0  # reaped
-    assert room.task is not None
-    assert room.task.exception() is None  # nothing escaped the task
+    assert room.done
+    assert registry.tasks.escaped == []  # nothing escaped the task
     assert registry.stats.task_errors == 1
     # The settlement event never reached the ledger: the pages are not claimed safe, and the
     # receiver's destinations stay held.
@@ -207,10 +204,10 @@ async def test_cancellation_still_fails_the_room_when_its_commands_raise() -> No
     room = registry.spawn(key, Role.SENDER, pub)
     registry.deliver(key, DestinationReceived(DST, 5))
     await drain()
-    assert room.task is not None
-    room.task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await room.task
+    assert not room.done
+    registry.tasks.cancel(room)  # what shutdown does to a room that outlives its grace
+    assert room.done
+    assert registry.tasks.escaped == []
     assert pub.status is KVPoll.Failed
     assert "engine shut down" in pub.reason
     assert len(registry) == 0

@@ -1,0 +1,175 @@
+"""``RoomScheduler``: runs the rooms' tasks on the engine's loop from one run queue.
+
+A room's task is a coroutine (``Room.run``) that owns the room's state machine and suspends
+between events; it is the only writer of its room (law 2). This module is what resumes it.
+It is not an ``asyncio.Task`` per room because rooms live for milliseconds and wake four or
+five times each, and asyncio's per-task machinery is most of what a room costs: creating a
+Task (and registering it in asyncio's set of all tasks, a ``WeakSet`` in Python) and, for
+every wake-up, a Future to wait on, its ``set_result``, a ``call_soon`` of the task's wake-up
+and the task's step around the coroutine's ``send``. Measured on uvloop: about 24 us per room
+for a spawn and four wake-ups, against 3 us for the same through a run queue
+(``benchmarks/README.md``, the room lifecycle ablation).
+
+The rules, kept as small as trio's or curio's scheduler:
+
+* A room's coroutine suspends only by awaiting :data:`SUSPEND`; it awaits nothing else. A room
+  coroutine run by an ``asyncio.Task`` by mistake fails at once ("bad yield"), never spins.
+* :meth:`~RoomScheduler.wake` puts a suspended room on the ready queue (a room already queued
+  or running is left alone: it drains its whole mailbox before it suspends again). One loop
+  callback resumes the ready rooms in wake order, at most ``batch`` of them, and schedules
+  itself again when more are left, so a flood of rooms never starves the loop's other work.
+* :meth:`~RoomScheduler.cancel` throws ``CancelledError`` into a room's coroutine at its
+  suspension point, as ``Task.cancel`` would (engine shutdown): the room fails and is reaped.
+* :meth:`~RoomScheduler.current` names the room being resumed, as ``asyncio.current_task``
+  names a task: law 2's test reads it to check who writes each status.
+* A room coroutine that returns or raises is finished; nothing resumes it again. An exception
+  that escapes ``Room.run`` (which catches everything it can: law 3) is logged, never
+  swallowed silently; ``KeyboardInterrupt`` and ``SystemExit`` propagate, as from a Task.
+
+Loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Coroutine, Generator
+from typing import Any, Final, Protocol
+
+__all__ = ["SUSPEND", "RoomScheduler", "Schedulable"]
+
+_log = logging.getLogger("kvfsm.rooms")
+
+#: Ready rooms resumed per loop callback before yielding to the loop's other work.
+DEFAULT_BATCH: Final = 256
+
+
+class _Suspended:
+    """What a suspended room's coroutine yields to its scheduler (an ``asyncio.Task`` refuses
+    it: a room must never be run as one)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<room suspended>"
+
+
+_SUSPENDED: Final = _Suspended()
+
+
+class _Suspend:
+    """``await SUSPEND``: give control back to the scheduler until the room is woken."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        yield _SUSPENDED
+
+
+SUSPEND: Final = _Suspend()
+
+
+class Schedulable(Protocol):
+    """What the scheduler keeps on a room: its coroutine and where it stands."""
+
+    #: The running coroutine; None before ``start`` and once finished.
+    coro: Coroutine[Any, Any, None] | None
+    #: True while the coroutine waits at ``await SUSPEND`` and is not queued.
+    suspended: bool
+
+    def run(self) -> Coroutine[Any, Any, None]: ...
+
+
+class RoomScheduler:
+    """The run queue of one engine's room tasks (loop thread only)."""
+
+    __slots__ = ("_batch", "_current", "_loop", "_ready", "_scheduled", "escaped", "resumes")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, batch: int = DEFAULT_BATCH) -> None:
+        self._loop = loop
+        self._batch = batch
+        self._ready: deque[Schedulable] = deque()
+        self._scheduled = False
+        self._current: Schedulable | None = None
+        #: Coroutine resumptions so far (a room's wake-ups, for benchmarks and tests).
+        self.resumes = 0
+        #: Exceptions that escaped a room's coroutine (none should: ``Room.run`` catches them).
+        self.escaped: list[BaseException] = []
+
+    def start(self, room: Schedulable) -> None:
+        """Create ``room``'s coroutine and queue its first step (it runs on a later loop
+        callback, as a new Task's would: events delivered meanwhile are in its mailbox)."""
+        if room.coro is not None:
+            raise RuntimeError("room task already started")
+        room.coro = room.run()
+        room.suspended = False
+        self._queue(room)
+
+    def wake(self, room: Schedulable) -> None:
+        """Resume ``room`` soon if it is suspended. Never runs it inline."""
+        if room.suspended:
+            room.suspended = False
+            self._queue(room)
+
+    def cancel(self, room: Schedulable) -> None:
+        """Throw ``CancelledError`` into ``room``'s task now (engine shutdown). A room that
+        is running (the caller is inside its step) or finished is left alone."""
+        if room.coro is None or room is self._current:
+            return
+        if not room.suspended:  # queued: drop it from the queue, it resumes here instead
+            with contextlib.suppress(ValueError):
+                self._ready.remove(room)
+        room.suspended = False
+        self._resume(room, asyncio.CancelledError())
+
+    def current(self) -> Schedulable | None:
+        """The room whose task is running, None outside any room's step."""
+        return self._current
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def _queue(self, room: Schedulable) -> None:
+        self._ready.append(room)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._run_ready)
+
+    def _run_ready(self) -> None:
+        self._scheduled = False
+        ready = self._ready
+        for _ in range(min(len(ready), self._batch)):
+            room = ready.popleft()
+            if room.coro is not None:
+                self._resume(room, None)
+        if ready and not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._run_ready)
+
+    def _resume(self, room: Schedulable, exc: BaseException | None) -> None:
+        coro = room.coro
+        assert coro is not None
+        outer, self._current = self._current, room
+        self.resumes += 1
+        try:
+            yielded = coro.send(None) if exc is None else coro.throw(exc)
+        except (StopIteration, asyncio.CancelledError):
+            room.coro = None
+        except (KeyboardInterrupt, SystemExit):
+            room.coro = None
+            raise
+        except BaseException as escaped:  # Room.run catches what it can: the last resort
+            room.coro = None
+            self.escaped.append(escaped)
+            _log.exception("room task %r ended with an exception", room)
+        else:
+            if yielded is not _SUSPENDED:
+                room.coro = None
+                coro.close()
+                raise RuntimeError(f"room task {room!r} awaited {yielded!r}, not SUSPEND")
+            room.suspended = True
+        finally:
+            self._current = outer

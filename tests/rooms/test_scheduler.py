@@ -1,0 +1,167 @@
+"""The room scheduler (kvfsm.rooms._scheduler): the run queue that resumes rooms' tasks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from kvfsm.rooms._scheduler import SUSPEND, RoomScheduler
+
+pytestmark = pytest.mark.asyncio
+
+
+class Toy:
+    """A room-shaped task: takes what is in its box each time it runs, suspends between."""
+
+    def __init__(self, scheduler: RoomScheduler, name: str, log: list[str]) -> None:
+        self.coro: Coroutine[Any, Any, None] | None = None
+        self.suspended = False
+        self.scheduler = scheduler
+        self.name = name
+        self.log = log
+        self.box: list[str] = []
+        self.stop_after: int | None = None
+        self.raise_on: str | None = None
+        self.cleaned = False
+
+    async def run(self) -> None:
+        steps = 0
+        try:
+            while True:
+                self.log.append(
+                    f"{self.name}:{','.join(self.box)}:{self.scheduler.current() is self}"
+                )
+                if self.raise_on is not None and self.raise_on in self.box:
+                    raise ValueError(self.raise_on)
+                self.box.clear()
+                steps += 1
+                if self.stop_after is not None and steps >= self.stop_after:
+                    return
+                await SUSPEND
+        finally:
+            self.cleaned = True
+
+    def deliver(self, item: str) -> None:
+        self.box.append(item)
+        self.scheduler.wake(self)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_rooms_run_once_per_wake_in_wake_order_never_inline() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    log: list[str] = []
+    a, b = Toy(scheduler, "a", log), Toy(scheduler, "b", log)
+    scheduler.start(a)
+    scheduler.start(b)
+    a.deliver("x")  # queued, not suspended yet: the first step takes it
+    assert log == []  # start and wake never run a task inline
+    await settle()
+    assert log == ["a:x:True", "b::True"]
+    b.deliver("1")
+    a.deliver("2")
+    a.deliver("3")  # a second wake of a queued room queues nothing more
+    assert scheduler.ready == 2
+    await settle()
+    assert log[2:] == ["b:1:True", "a:2,3:True"]
+    assert scheduler.current() is None
+    assert scheduler.resumes == 4
+
+
+async def test_a_flood_of_ready_rooms_yields_to_the_loop_between_batches() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop(), batch=10)
+    log: list[str] = []
+    toys = [Toy(scheduler, str(i), log) for i in range(35)]
+    for toy in toys:
+        scheduler.start(toy)
+    await asyncio.sleep(0)  # one loop callback: one batch
+    assert len(log) == 10
+    await settle()
+    assert len(log) == 35
+
+
+async def test_a_finished_task_is_never_resumed_and_cleans_up() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    log: list[str] = []
+    toy = Toy(scheduler, "t", log)
+    toy.stop_after = 1
+    scheduler.start(toy)
+    await settle()
+    assert toy.coro is None
+    assert toy.cleaned
+    toy.deliver("late")
+    await settle()
+    assert log == ["t::True"]
+
+
+async def test_cancel_throws_cancelled_error_at_the_suspension_point() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    log: list[str] = []
+    suspended, queued = Toy(scheduler, "s", log), Toy(scheduler, "q", log)
+    scheduler.start(suspended)
+    await settle()
+    scheduler.start(queued)  # queued, never run
+    scheduler.cancel(suspended)
+    scheduler.cancel(queued)
+    assert suspended.coro is None
+    assert suspended.cleaned
+    assert queued.coro is None
+    await settle()
+    assert log == ["s::True"]  # the queued one was never resumed after its cancel
+    assert scheduler.escaped == []
+
+
+async def test_an_exception_that_escapes_a_task_is_recorded_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    toy = Toy(scheduler, "e", [])
+    toy.raise_on = "boom"
+    scheduler.start(toy)
+    await settle()
+    toy.deliver("boom")
+    await settle()
+    assert toy.coro is None
+    assert [type(exc) for exc in scheduler.escaped] == [ValueError]
+    assert "ended with an exception" in caplog.text
+
+
+async def test_a_task_that_awaits_anything_but_suspend_is_stopped_loudly() -> None:
+    loop = asyncio.get_running_loop()
+    scheduler = RoomScheduler(loop)
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+
+    class Bad(Toy):
+        async def run(self) -> None:
+            await asyncio.sleep(0)  # a Future-based await: not allowed in a room task
+
+    bad = Bad(scheduler, "bad", [])
+    scheduler.start(bad)
+    await settle()
+    loop.set_exception_handler(None)
+    assert bad.coro is None
+    assert errors
+    assert "not SUSPEND" in str(errors[0]["exception"])
+
+
+async def test_a_room_task_run_as_an_asyncio_task_fails_instead_of_spinning() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    toy = Toy(scheduler, "t", [])
+    with pytest.raises(RuntimeError, match="bad yield"):
+        await asyncio.wait_for(asyncio.ensure_future(toy.run()), 1.0)
+
+
+async def test_starting_a_task_twice_is_refused() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    toy = Toy(scheduler, "t", [])
+    scheduler.start(toy)
+    with pytest.raises(RuntimeError, match="already started"):
+        scheduler.start(toy)
+    scheduler.cancel(toy)
