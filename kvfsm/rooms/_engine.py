@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -45,6 +46,7 @@ class RoomEngine:
         self._observer = observer
         self._sink = sink
         self._registry: Registry | None = None
+        self._deliver: Callable[[RoomKey, Event], bool] | None = None
         self._thread = LoopThread(self._main, use_uvloop=use_uvloop, name=name)
         # next() on itertools.count is atomic under the GIL: generations need no lock.
         self._generations = itertools.count(1)
@@ -118,7 +120,10 @@ class RoomEngine:
 
     def post(self, key: RoomKey, event: Event) -> None:
         """Deliver ``event`` to room ``key`` from any thread. Never blocks."""
-        self._thread.post(self.registry_on_loop().deliver, key, event)
+        deliver = self._deliver  # bound once the registry exists: every facade call posts
+        if deliver is None:
+            deliver = self._deliver = self.registry_on_loop().deliver
+        self._thread.post(deliver, key, event)
 
     def rooms(self, timeout: float = 5.0) -> list[dict[str, object]]:
         """Live rooms (state, age, deadline remaining, in flight, reason): a loop round trip,

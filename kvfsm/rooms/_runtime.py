@@ -140,7 +140,9 @@ class LoopThread:
     def post(self, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` on the loop soon, after everything posted before. Never blocks.
         Raises ``RuntimeError`` once the loop is closed."""
-        loop = self.loop
+        loop = self._loop  # not the property: this is every caller's hot path
+        if loop is None:
+            raise RuntimeError("loop thread is not running")
         if loop.is_closed():
             raise RuntimeError("event loop is closed")
         self._posted.append((fn, args))

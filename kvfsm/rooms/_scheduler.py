@@ -36,7 +36,14 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Coroutine, Generator
+from contextvars import ContextVar
 from typing import Any, Final, Protocol
+
+_library: ContextVar[str | None] | None
+try:  # anyio finds its backend through sniffio when sniffio is installed
+    from sniffio import current_async_library_cvar as _library
+except ImportError:  # pragma: no cover - then anyio assumes asyncio whenever a loop runs
+    _library = None
 
 __all__ = ["SUSPEND", "RoomScheduler", "Schedulable"]
 
@@ -59,13 +66,21 @@ class _Suspended:
 _SUSPENDED: Final = _Suspended()
 
 
+_ONCE: Final = (_SUSPENDED,)
+
+
 class _Suspend:
-    """``await SUSPEND``: give control back to the scheduler until the room is woken."""
+    """``await SUSPEND``: give control back to the scheduler until the room is woken.
+
+    The awaited iterator is a tuple's (one C object, where a generator would be a frame per
+    wait): the coroutine yields its one item, and ends the ``await`` when resumed."""
 
     __slots__ = ()
 
     def __await__(self) -> Generator[Any, None, None]:
-        yield _SUSPENDED
+        # A tuple iterator is all ``await`` needs here: the scheduler only ever sends None
+        # (yield-from then calls __next__) or throws (raised at the await, as from a Task).
+        return iter(_ONCE)  # type: ignore[return-value]
 
 
 SUSPEND: Final = _Suspend()
@@ -140,6 +155,11 @@ class RoomScheduler:
 
     def _run_ready(self) -> None:
         self._scheduled = False
+        # Room commands may start anyio tasks (the control channel's task group), and anyio
+        # finds its backend through sniffio, which looks for a running asyncio.Task: name it
+        # here, for this callback's context only (call_soon runs each in a copy).
+        if _library is not None:
+            _library.set("asyncio")
         ready = self._ready
         for _ in range(min(len(ready), self._batch)):
             room = ready.popleft()
