@@ -198,23 +198,25 @@ def _parts(agent: Agent, record: Xfer) -> list[_Part]:
     parts: list[_Part] = []
     src, dst = record.src, record.dst
     if src.size:
-        # Bad input fails this chunk (LayoutError) before anything reaches NIXL.
-        layout.check_pages(src, "source page")
-        remote.check_pages(dst, "destination page")
+        piece = peer.piece
+        # Bad input fails this chunk (LayoutError) before anything reaches NIXL. Whole pages:
+        # page_index below checks the range itself (one reduction per side per chunk).
+        if piece is not None:
+            layout.check_pages(src, "source page")
+            remote.check_pages(dst, "destination page")
         if src.size > 1:
             # Destination order makes contiguous runs consecutive, and NIXL merges them.
             order = np.argsort(dst, kind="stable")
             src, dst = src[order], dst[order]
-        piece = peer.piece
         if piece is NO_KV:
             raise LayoutError(
                 f"{src.size} pages for peer {peer.peer_id}, which this rank writes no KV "
                 "into (its heads come from another rank: a dummy link)"
             )
         if piece is None:
-            parts.append(
-                (agent.local("kv"), layout.page_index(src), peer.kv, remote.page_index(dst))
-            )
+            local_idx = layout.page_index(src, "source page")
+            remote_idx = remote.page_index(dst, "destination page")
+            parts.append((agent.local("kv"), local_idx, peer.kv, remote_idx))
         else:  # a head slice: one descriptor per row of each page (pages checked above)
             rows = piece.rows
             local_idx = sliced_index(len(layout.kv), layout.num_pages, rows, src)

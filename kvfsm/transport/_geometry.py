@@ -158,7 +158,7 @@ class Geometry:
         """
         _checked(pages, self._shape("kv")[1], what)
 
-    def page_index(self, pages: npt.ArrayLike) -> Indices:
+    def page_index(self, pages: npt.ArrayLike, what: str = "page") -> Indices:
         """Indices into ``kv_descs()`` for ``pages`` across all kv regions, buffer-major:
         ``[b * num_pages + p for b in range(len(kv)) for p in pages]``, int32.
 
@@ -166,7 +166,7 @@ class Geometry:
         another request's page, so this fails closed (two numpy reductions).
         """
         regions, items = self._shape("kv")
-        return _spread(regions, items, _checked(pages, items, "page"))
+        return _spread(regions, items, _checked(pages, items, what))
 
     def check_row(self, row: int, what: str = "aux row") -> None:
         """Raise ``LayoutError`` unless ``row`` is in ``[0, aux_rows)``."""
