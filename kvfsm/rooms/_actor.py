@@ -37,6 +37,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from kvfsm.rooms._core import Claim, RoomCore
+from kvfsm.rooms._deadlines import Entry
 from kvfsm.rooms._ports import CommandSink, Inbox, Publication, RoomHost, RoomKey
 from kvfsm.rooms._scheduler import SUSPEND
 from kvfsm.states import (
@@ -81,6 +82,7 @@ class Room:
         "coro",
         "suspended",
         "done",
+        "_deadlines_queue",
         "_timer",
         "_due",
         "born",
@@ -130,7 +132,8 @@ class Room:
         self.suspended = False
         #: True once the task ended (the room is reaped).
         self.done = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadlines_queue = host.deadlines
+        self._timer: Entry | None = None
         self._due = 0.0
 
         self._overflowed = False
@@ -196,7 +199,8 @@ class Room:
             self._died(exc)
         finally:
             if self._timer is not None:
-                self._timer.cancel()
+                self._deadlines_queue.cancel(self._timer)
+                self._timer = None
             self.done = True
             self._host.reap(self.key)
 
@@ -331,39 +335,40 @@ class Room:
 
     # -- timers --------------------------------------------------------------------------------
     #
-    # One timer per room, re-armed lazily. Deadlines are seconds to minutes while rooms live for
-    # milliseconds, so nearly every timer is cancelled unfired. Entering a state only records
-    # when its deadline falls due (``_due``); the armed timer is replaced only if it would fire
-    # *later* than that. A timer that fires early re-arms itself for the remainder. This saves a
-    # cancel and a new timer per state change without ever firing late. A new timer is armed
-    # no later than the shortest deadline of the role's states from now, so that a later state
-    # with a shorter deadline (a sender's Transferring, 120 s after WaitingForInput's 300 s)
-    # still finds it early enough: one timer per room, armed once, cancelled once.
+    # One deadline per room in the engine's DeadlineQueue (one loop timer for all rooms), re-armed
+    # lazily. Deadlines are seconds to minutes while rooms live for milliseconds, so nearly every
+    # deadline is cancelled unfired. Entering a state only records when its deadline falls due
+    # (``_due``); the armed entry is replaced only if it would fire *later* than that. An entry
+    # that fires early re-arms for the remainder. This saves a cancel and a new entry per state
+    # change without ever firing late. A new entry is armed no later than the shortest deadline
+    # of the role's states from now, so that a later state with a shorter deadline (a sender's
+    # Transferring, 120 s after WaitingForInput's 300 s) still finds it early enough.
 
     def _arm_deadline(self, state: KVPoll) -> None:
+        deadlines = self._deadlines_queue
         if state in TERMINAL:
             if self._timer is not None:
-                self._timer.cancel()
+                deadlines.cancel(self._timer)
                 self._timer = None
             if not self.core.settled:
                 self._due = self._loop.time() + self._host.config.settle_timeout_s
-                self._timer = self._loop.call_at(self._due, self._on_timer)
+                self._timer = deadlines.arm(self._due, self._on_timer)
             return
         now = self._loop.time()
         self._due = due = now + self._seconds[state]
         timer = self._timer
-        if timer is not None and timer.when() <= due:
-            return
         if timer is not None:
-            timer.cancel()
-        self._timer = self._loop.call_at(min(due, now + self._shortest), self._on_timer)
+            if timer[0] <= due:
+                return
+            deadlines.cancel(timer)
+        self._timer = deadlines.arm(min(due, now + self._shortest), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         # Armed for an earlier state and not due yet. (The millisecond of slack absorbs timer
         # granularity: loops may fire a timer a little before its time.)
         if self._due - self._loop.time() > _TIMER_SLACK_S:
-            self._timer = self._loop.call_at(self._due, self._on_timer)
+            self._timer = self._deadlines_queue.arm(self._due, self._on_timer)
             return
         state = self.core.state
         if state in TERMINAL:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 from kvfsm.rooms._config import RoomConfig
+from kvfsm.rooms._deadlines import DeadlineQueue
 from kvfsm.rooms._scheduler import RoomScheduler
 from kvfsm.rooms._stats import RoomStats
 from kvfsm.states import Command, Event, KVPoll, Role
@@ -160,9 +161,9 @@ class Claims(Protocol):
 class RoomHost(Protocol):
     """What a room needs from whoever spawned it (the registry), and nothing more.
 
-    A room takes its loop, the scheduler that runs its task, its sink, the engine's counters,
-    settings, destination owners and observer, and its role's deadline table once; it reports
-    its errors, and asks to be reaped as its task ends.
+    A room takes its loop, the scheduler that runs its task, the deadline queue, its sink, the
+    engine's counters, settings, destination owners and observer, and its role's deadline table
+    once; it reports its errors, and asks to be reaped as its task ends.
     """
 
     @property
@@ -170,6 +171,9 @@ class RoomHost(Protocol):
 
     @property
     def tasks(self) -> RoomScheduler: ...
+
+    @property
+    def deadlines(self) -> DeadlineQueue: ...
 
     @property
     def sink(self) -> CommandSink: ...

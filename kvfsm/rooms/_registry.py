@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 
 from kvfsm.rooms._actor import Room
 from kvfsm.rooms._config import RoomConfig
+from kvfsm.rooms._deadlines import DeadlineQueue
 from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._ports import CommandSink, Observer, Publication, RoomKey
 from kvfsm.rooms._scheduler import RoomScheduler
@@ -65,6 +66,8 @@ class Registry:
         self.loop = asyncio.get_running_loop()
         #: Runs every room's task (kvfsm.rooms._scheduler: a run queue, not a Task per room).
         self.tasks = RoomScheduler(self.loop)
+        #: Every room's deadline, behind one loop timer (kvfsm.rooms._deadlines).
+        self.deadlines = DeadlineQueue(self.loop)
         self._seconds: dict[
             tuple[Role, int], tuple[Mapping[KVPoll, float] | None, Mapping[KVPoll, float]]
         ] = {}
