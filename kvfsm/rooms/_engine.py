@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -46,7 +47,7 @@ class RoomEngine:
         self._observer = observer
         self._sink = sink
         self._registry: Registry | None = None
-        self._deliver: Callable[[RoomKey, Event], bool] | None = None
+        self._post: Callable[[RoomKey, Event], None] | None = None
         self._thread = LoopThread(self._main, use_uvloop=use_uvloop, name=name)
         # next() on itertools.count is atomic under the GIL: generations need no lock.
         self._generations = itertools.count(1)
@@ -96,7 +97,7 @@ class RoomEngine:
         """A new prefill-side room. A duplicate live room id (and leg) is published as Failed.
         ``leg``: one of the rooms of a request written into several decode ranks."""
         key, pub = self._spawn(Role.SENDER, room, leg)
-        return SenderRoom(key, pub, self.post, max_pages=self.config.max_pages)
+        return SenderRoom(key, pub, self._post_event(), max_pages=self.config.max_pages)
 
     def receiver(self, room: int, *, leg: int = 0, group: int | None = None) -> ReceiverRoom:
         """A new decode-side room. A duplicate live room id (and leg) is published as Failed.
@@ -104,7 +105,7 @@ class RoomEngine:
         ``leg``/``group``: one of several receiver rooms of one request, each fed by its own
         prefill rank, sharing the request's pages (see ``Registry.spawn``)."""
         key, pub = self._spawn(Role.RECEIVER, room, leg, group)
-        return ReceiverRoom(key, pub, self.post, max_pages=self.config.max_pages)
+        return ReceiverRoom(key, pub, self._post_event(), max_pages=self.config.max_pages)
 
     def _spawn(
         self, role: Role, room: int, leg: int = 0, group: int | None = None
@@ -120,10 +121,17 @@ class RoomEngine:
 
     def post(self, key: RoomKey, event: Event) -> None:
         """Deliver ``event`` to room ``key`` from any thread. Never blocks."""
-        deliver = self._deliver  # bound once the registry exists: every facade call posts
-        if deliver is None:
-            deliver = self._deliver = self.registry_on_loop().deliver
-        self._thread.post(deliver, key, event)
+        self._post_event()(key, event)
+
+    def _post_event(self) -> Callable[[RoomKey, Event], None]:
+        """``post`` as the facades call it: one C-level partial of the loop thread's ``post``
+        and the registry's ``deliver``, bound once (every facade call posts)."""
+        post = self._post
+        if post is None:
+            post = self._post = functools.partial(
+                self._thread.post, self.registry_on_loop().deliver
+            )
+        return post
 
     def rooms(self, timeout: float = 5.0) -> list[dict[str, object]]:
         """Live rooms (state, age, deadline remaining, in flight, reason): a loop round trip,
