@@ -206,7 +206,7 @@ def _parts(agent: Agent, record: Xfer) -> list[_Part]:
             remote.check_pages(dst, "destination page")
         if src.size > 1:
             # Destination order makes contiguous runs consecutive, and NIXL merges them.
-            order = np.argsort(dst, kind="stable")
+            order = dst.argsort(kind="stable")
             src, dst = src[order], dst[order]
         if piece is NO_KV:
             raise LayoutError(

@@ -53,6 +53,13 @@ def _descs(specs: Sequence[RegionSpec]) -> Descs:
 
 def _checked(ids: npt.ArrayLike, bound: int, what: str) -> Indices:
     """``ids`` as a 1-D int32 array, after proving every entry is in ``[0, bound)``."""
+    if type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1:
+        # What the wire carries and the poster passes for every chunk: one reduction and no
+        # conversion (a negative int32 read as uint32 is >= 2**31 > bound).
+        if ids.size and int(ids.view(np.uint32).max()) >= bound:
+            bad = (ids < 0) | (ids >= bound)
+            raise LayoutError(f"{what} index {ids[int(bad.argmax())]} out of range [0, {bound})")
+        return ids
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise LayoutError(f"{what} indices must be a 1-D array, got shape {arr.shape}")
@@ -95,6 +102,8 @@ def _bases(n_regions: int, items: int) -> Indices:
 
 def _spread(n_regions: int, items: int, ids: Indices) -> Indices:
     """Buffer-major descriptor indices of item ids ``ids`` (checked) across ``n_regions``."""
+    if n_regions == 1:  # one region: the ids are the descriptor indices
+        return ids
     # Cannot overflow: ids < items and n_regions * items <= INT32_MAX (checked by validation).
     return np.add.outer(_bases(n_regions, items), ids).reshape(-1)
 

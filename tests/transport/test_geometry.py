@@ -37,6 +37,7 @@ def test_descriptor_rows_are_buffer_major() -> None:
 def test_indices_spread_item_ids_over_every_region() -> None:
     ids = np.asarray([2, 0], np.int32)
     assert _spread(2, 3, ids).tolist() == [2, 0, 5, 3]
+    assert _spread(1, 3, ids).tolist() == [2, 0]  # one region: the ids themselves
     assert _row_index(2, 3, 1, "aux row").tolist() == [1, 4]
 
 
@@ -46,6 +47,10 @@ def test_indices_spread_item_ids_over_every_region() -> None:
         ([0, 3], "page index 3 out of range [0, 3)"),
         (np.asarray([-1], np.int64), "page index -1 out of range [0, 3)"),
         (np.asarray([-1], np.int8), "page index -1 out of range [0, 3)"),
+        # int32, what the wire carries, takes the fast path: the same checks, the same words
+        (np.asarray([0, 2, -7], np.int32), "page index -7 out of range [0, 3)"),
+        (np.asarray([1, 3], np.int32), "page index 3 out of range [0, 3)"),
+        (np.asarray([-(2**31)], np.int32), f"page index {-(2**31)} out of range [0, 3)"),
         ([[0]], "must be a 1-D array"),
         (np.asarray([0.0]), "must be integers"),
     ],
@@ -60,6 +65,9 @@ def test_checked_indices_come_back_as_int32_and_empty_is_fine() -> None:
     assert out.dtype == np.int32
     assert out.tolist() == [2, 1]
     assert _checked([], 3, "page").size == 0
+    wire = np.asarray([2, 0, 1], np.int32)
+    assert _checked(wire, 3, "page") is wire  # int32 is checked, never copied
+    assert _checked(wire[:0], 3, "page").size == 0
 
 
 def test_a_row_must_be_an_int_in_range() -> None:
