@@ -43,6 +43,8 @@ from kvfsm.transport._slices import NO_KV, sliced_index
 __all__ = ["Xfer", "accept", "post_xfer"]
 
 Indices = npt.NDArray[np.int32]
+_NONE: Indices = np.zeros(0, dtype=np.int32)
+_NONE.flags.writeable = False
 #: One prepped transfer: (local list, local indices, remote list, remote indices).
 _Part = tuple[Any, Indices, Any, Indices]
 
@@ -124,8 +126,9 @@ def _record(key: RoomKey, command: PostChunk, local: Layout, peer: Peer) -> Xfer
         src_aux = local.aux_index(command.src_aux)
         dst_aux = remote.aux_index(command.dst_aux)
         aux_bytes = local.aux_row_bytes()
-    src_state = np.frombuffer(command.src_state, dtype=np.int32)
-    dst_state = np.frombuffer(command.dst_state, dtype=np.int32)
+    # Most chunks carry no state rows: share one empty array rather than wrap b"" twice.
+    src_state = np.frombuffer(command.src_state, dtype=np.int32) if command.src_state else _NONE
+    dst_state = np.frombuffer(command.dst_state, dtype=np.int32) if command.dst_state else _NONE
     if src_state.size != dst_state.size:
         raise LayoutError(f"{src_state.size} source state rows but {dst_state.size} destination")
     if src.size == 0 and src_aux is None and src_state.size == 0:

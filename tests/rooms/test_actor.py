@@ -131,6 +131,7 @@ async def test_status_is_published_and_the_room_is_reaped_once_settled() -> None
     assert len(registry) == 0
     assert room.done
     assert room.coro is None
+    assert registry.deadlines.live == 0  # its deadline went with it: an idle engine arms none
     assert registry.stats.reaped == 1
     assert registry.stats.late_events == 1
 
