@@ -16,6 +16,9 @@ Measured here, side by side:
 * ablation - core and engine again with every state change fired through ``transitions``'
             own ``Event.trigger`` on the built machine (the room as the model), as kvfsm did
             before the compiled dispatch: what the dispatch saves. Same edges, same checks.
+* runtime ablation - the engine again with each room's task run by an ``asyncio.Task`` of its
+            own (a Future per wait: before ``RoomScheduler``), and again with a loop timer per
+            deadline (``call_at``/``cancel``: before ``DeadlineQueue``). What each saves.
 * poll()  - median cost of one facade ``poll()`` from the caller thread.
 * memory  - bytes per live room with 10,000 rooms parked in Bootstrapping (task, mailbox,
             deadline timer, publication, facade), from tracemalloc and from RSS.
@@ -26,6 +29,7 @@ Run: ``python benchmarks/room_lifecycle.py`` (``--json`` for one JSON object).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import json
@@ -41,7 +45,10 @@ from typing import Any
 import numpy as np
 
 from kvfsm.rooms import MACHINES, RoomCore, RoomEngine
+from kvfsm.rooms import _registry as registry_module
+from kvfsm.rooms._deadlines import DeadlineQueue, Entry
 from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.rooms._scheduler import RoomScheduler
 from kvfsm.states import (
     TABLES,
     TERMINAL,
@@ -154,6 +161,65 @@ def firing_transitions() -> Any:
         yield
     finally:
         RoomCore._fire = original  # type: ignore[method-assign]
+
+
+class _TaskPerRoom(RoomScheduler):
+    """Ablation: each room's task run by an ``asyncio.Task`` of its own, waiting on a Future
+    between events (what kvfsm did before its run queue). The same room coroutine, the same
+    wake-ups: only what resumes it differs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self._waits: dict[int, asyncio.Future[None]] = {}
+
+    def start(self, room: Any) -> None:
+        room.coro = room.run()
+        room.suspended = False
+        name = f"kvfsm-{room.role.value}-{room.key.room}-{room.key.generation}"
+        self._loop.create_task(self._drive(room), name=name)
+
+    async def _drive(self, room: Any) -> None:
+        coro = room.coro
+        while True:
+            try:
+                coro.send(None)
+            except StopIteration:
+                room.coro = None
+                return
+            wait = self._waits[id(room)] = self._loop.create_future()
+            room.suspended = True
+            await wait
+
+    def wake(self, room: Any) -> None:
+        if room.suspended:
+            room.suspended = False
+            self._waits.pop(id(room)).set_result(None)
+
+
+class _TimerPerDeadline(DeadlineQueue):
+    """Ablation: a loop timer per armed deadline (``call_at``, then ``cancel``), as before
+    the deadline queue."""
+
+    def arm(self, when: float, callback: Callable[[], None]) -> Entry:
+        return [when, 0, callback, self._loop.call_at(when, callback)]
+
+    def cancel(self, entry: Entry) -> None:
+        if entry[2] is not None:
+            entry[2] = None
+            entry[3].cancel()
+
+
+@contextlib.contextmanager
+def ablated_runtime(scheduler: type[RoomScheduler], deadlines: type[DeadlineQueue]) -> Any:
+    """Engines built inside use these for their rooms' tasks and deadlines."""
+    saved = {name: getattr(registry_module, name) for name in ("RoomScheduler", "DeadlineQueue")}
+    setattr(registry_module, "RoomScheduler", scheduler)  # noqa: B010 (a module's global)
+    setattr(registry_module, "DeadlineQueue", deadlines)  # noqa: B010
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(registry_module, name, value)
 
 
 def engine_lifecycles(n: int, concurrency: int) -> dict[str, float]:
@@ -282,12 +348,20 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
     # The engine figure is the median of ``runs`` runs, each one compiled-dispatch run then one
     # run firing transitions' trigger (the ablation), interleaved so load hits both alike.
     engines, ablated = [], []
+    task_per_room: list[float] = []
+    timer_per_deadline: list[float] = []
     for _ in range(runs):
         engines.append(engine_lifecycles(rooms, concurrency))
         with firing_transitions():
             ablated.append(engine_lifecycles(rooms, concurrency)["cpu_us_per_room"])
+        with ablated_runtime(_TaskPerRoom, DeadlineQueue):
+            task_per_room.append(engine_lifecycles(rooms, concurrency)["cpu_us_per_room"])
+        with ablated_runtime(RoomScheduler, _TimerPerDeadline):
+            timer_per_deadline.append(engine_lifecycles(rooms, concurrency)["cpu_us_per_room"])
     per_room = [e["cpu_us_per_room"] for e in engines]
-    engine = sorted(engines, key=lambda e: e["cpu_us_per_room"])[len(engines) // 2]
+    engine: dict[str, Any] = dict(
+        sorted(engines, key=lambda e: e["cpu_us_per_room"])[len(engines) // 2]
+    )
     engine["runs"] = runs
     engine["cpu_us_per_room_all"] = per_room
     with firing_transitions():
@@ -296,6 +370,12 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
             "engine_cpu_us_per_room": statistics.median(ablated),
             "engine_cpu_us_per_room_all": ablated,
         }
+    runtime_ablation = {
+        "task_per_room_cpu_us_per_room": statistics.median(task_per_room),
+        "task_per_room_all": task_per_room,
+        "timer_per_deadline_cpu_us_per_room": statistics.median(timer_per_deadline),
+        "timer_per_deadline_all": timer_per_deadline,
+    }
     poll_ns = poll_ns_median()
     memory = memory_per_live_room(live)
     return {
@@ -305,6 +385,7 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
         "core_us_per_room": core,
         "engine": engine,
         "firing_transitions": ablation,
+        "runtime_ablation": runtime_ablation,
         "poll_ns_median": poll_ns,
         "memory": memory,
         "ratio_engine_to_floor": engine["cpu_us_per_room"] / floor,
@@ -320,6 +401,7 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
 
 def print_table(r: dict[str, Any]) -> None:
     e, m, a = r["engine"], r["memory"], r["firing_transitions"]
+    t = r["runtime_ablation"]
     rows = [
         ("floor: bare dict-table FSM, sender+receiver", f"{r['floor_us_per_room']:.2f} us CPU", ""),
         (
@@ -342,6 +424,16 @@ def print_table(r: dict[str, Any]) -> None:
             "ablation: core / engine firing transitions' trigger",
             f"{a['core_us_per_room']:.1f} / {a['engine_cpu_us_per_room']:.1f} us",
             "each state change an Event.trigger (before the dispatch)",
+        ),
+        (
+            "ablation: engine with an asyncio.Task per room",
+            f"{t['task_per_room_cpu_us_per_room']:.1f} us CPU",
+            "a Future per wait (before the run queue), medians",
+        ),
+        (
+            "ablation: engine with a loop timer per deadline",
+            f"{t['timer_per_deadline_cpu_us_per_room']:.1f} us CPU",
+            "call_at and cancel (before the deadline queue)",
         ),
         ("engine throughput", f"{e['rooms_per_s']:,.0f} pairs/s", f"{e['rooms']} pairs"),
         (
