@@ -162,5 +162,8 @@ class _NoInbox:
     def role_of(self, key: RoomKey) -> Role | None:
         return None
 
+    def run_woken(self) -> None:
+        pass
+
     def ended(self, key: RoomKey) -> bool:
         return True

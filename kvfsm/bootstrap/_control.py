@@ -426,6 +426,7 @@ class ControlPlane(CommandSink):
     def _do(self, actions: Iterable[Action]) -> None:
         registry = self._registry
         assert registry is not None
+        delivered = False
         for action in actions:
             if isinstance(action, Send):
                 link = self._by_generation.get(action.link)
@@ -433,11 +434,14 @@ class ControlPlane(CommandSink):
                     self._send(link, action.frame)
             elif isinstance(action, Deliver):
                 registry.deliver(action.key, action.event)
+                delivered = True
             elif isinstance(action, GrantLease):
                 if self._leases is not None:
                     self._leases.grant(action.fence, action.until)
             elif isinstance(action, RevokeLease) and self._leases is not None:
                 self._leases.revoke(action.fence)
+        if delivered:  # a frame's events are handled now, not on the loop's next iteration
+            registry.run_woken()
 
     def _send(self, link: _Link, frame: Frame) -> None:
         if link.closed:

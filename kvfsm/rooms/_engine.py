@@ -83,6 +83,8 @@ class RoomEngine:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(_log_loop_exception)
         self._registry = Registry(self._sink, self.config, self._observer)
+        # Rooms woken by a drain of callers' posts run in that same loop iteration.
+        self._thread.after_drain = self._registry.run_woken
         self._thread.ready()
         await stop.wait()
         await self._registry.shutdown()

@@ -88,6 +88,12 @@ class Inbox(Protocol):
         key."""
         ...
 
+    def run_woken(self) -> None:
+        """Run the rooms woken by the deliveries so far, now rather than on the loop's next
+        iteration: call it at the end of a callback that delivered a batch. Optional for
+        correctness (woken rooms run soon anyway), never harmful."""
+        ...
+
     def current(self, role: Role, room_id: int) -> RoomKey | None:
         """The newest key for ``room_id`` in ``role`` that still has a task, if any."""
         ...

@@ -180,6 +180,11 @@ class Registry:
         room.deliver(event)
         return True
 
+    def run_woken(self) -> None:
+        """Run the rooms that deliveries so far woke, now (``RoomScheduler.run_woken``): a
+        sink calls it at the end of a callback that delivered a batch of events."""
+        self.tasks.run_woken()
+
     def current(self, role: Role, room_id: int) -> RoomKey | None:
         """The newest key for ``room_id`` in ``role`` that still has a task, if any."""
         key = self._current.get((role, room_id))

@@ -115,6 +115,9 @@ class LoopThread:
         self._stop: asyncio.Event | None = None
         self._posted: deque[tuple[Callable[..., object], tuple[object, ...]]] = deque()
         self._wake_pending = False
+        #: Called (on the loop) after each drain of posted callbacks: the engine runs the rooms
+        #: those posts woke, in the same loop iteration (``RoomScheduler.run_woken``).
+        self.after_drain: Callable[[], None] | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -165,6 +168,12 @@ class LoopThread:
             # A flood: yield to the loop's other work, then go on.
             self._wake_pending = True
             self.loop.call_soon(self._drain)
+        after = self.after_drain
+        if after is not None:
+            try:
+                after()
+            except Exception:
+                _log.exception("after-drain hook %r failed", after)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for its result. Not for the hot path."""

@@ -132,6 +132,7 @@ class Pump:
             wake = self._wake
             assert wake is not None
             wake.set()
+        self._run_woken()
 
     def linger(self) -> None:
         """Bytes of a released WRITE may still be queued in the agent: keep progressing it for
@@ -193,6 +194,13 @@ class Pump:
             return
         self.stats.handles_released += 1
 
+    def _run_woken(self) -> None:
+        """The rooms this batch's events woke run now, in this loop iteration
+        (``Inbox.run_woken``)."""
+        inbox = self._inbox
+        if inbox is not None:
+            inbox.run_woken()
+
     def _deliver(self, key: RoomKey, event: Event) -> None:
         inbox = self._inbox
         if inbox is None or not inbox.deliver(key, event):
@@ -252,6 +260,7 @@ class Pump:
                         pacer.finished(record.nbytes, now - record.t0)
                 if actions:
                     self.execute(actions)
+            self._run_woken()
             stats.pump_rounds += 1
             # Poll where completions are due, sleep elsewhere (bounded: see _pacer): a pump
             # that spins costs the scheduler thread its GIL. Held records (nothing expected)

@@ -629,6 +629,9 @@ class Process:
         room.deliver(event)
         return True
 
+    def run_woken(self) -> None:
+        """Inbox.run_woken: the model's rooms run when its clock runs them."""
+
     def reap(self, room: ModelRoom) -> None:
         room.reaped = True
         room.cancel_timer()

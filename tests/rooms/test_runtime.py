@@ -195,3 +195,33 @@ def test_threads_carry_their_names_into_the_os_and_the_thread_table() -> None:
     other.start()
     other.join()
     assert seen == ["kvfsm-renamed-t"]
+
+
+def test_the_after_drain_hook_runs_after_each_drain_and_a_raising_one_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # What the engine hangs its woken rooms on: they run in the drain's own loop iteration.
+    thread = started()
+    try:
+        seen: list[list[int]] = []
+        ran: list[int] = []
+        thread.after_drain = lambda: seen.append(list(ran))
+        thread.post(ran.append, 1)
+        thread.post(ran.append, 2)
+        drained(thread)
+        assert seen
+        assert seen[0][:2] == [1, 2]  # after the posts of its drain, never before them
+
+        def boom() -> None:
+            raise ValueError("a bug in the hook")
+
+        thread.after_drain = boom
+        with caplog.at_level("ERROR", logger="kvfsm.runtime"):
+            thread.post(ran.append, 3)
+            drained(thread)
+            thread.post(ran.append, 4)
+            drained(thread)
+        assert ran == [1, 2, 3, 4]
+        assert "after-drain hook" in caplog.text
+    finally:
+        thread.stop()

@@ -165,3 +165,42 @@ async def test_starting_a_task_twice_is_refused() -> None:
     with pytest.raises(RuntimeError, match="already started"):
         scheduler.start(toy)
     scheduler.cancel(toy)
+
+
+async def test_run_woken_runs_the_woken_rooms_now_but_never_inside_a_step() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    log: list[str] = []
+    a, b = Toy(scheduler, "a", log), Toy(scheduler, "b", log)
+    scheduler.start(a)
+    scheduler.start(b)
+    await settle()
+    a.deliver("x")
+    scheduler.run_woken()  # a drain's end: no loop round trip
+    assert log[-1] == "a:x:True"
+
+    class Nested(Toy):
+        async def run(self) -> None:
+            while True:
+                b.deliver("from a step")
+                scheduler.run_woken()  # inside a step: must not run b here
+                self.log.append(f"nested saw {b.box}")
+                await SUSPEND
+
+    n = Nested(scheduler, "n", log)
+    scheduler.start(n)
+    await asyncio.sleep(0)
+    assert "nested saw ['from a step']" in log
+    await settle()
+    assert log[-1] == "b:from a step:True"  # b ran after, from the queue
+
+
+async def test_run_woken_takes_one_batch_and_leaves_the_rest_queued() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop(), batch=4)
+    log: list[str] = []
+    toys = [Toy(scheduler, str(i), log) for i in range(10)]
+    for toy in toys:
+        scheduler.start(toy)
+    scheduler.run_woken()
+    assert len(log) == 4
+    await settle()
+    assert len(log) == 10

@@ -80,13 +80,19 @@ class Inbox:
         self.pair = pair
         self.accepting = accepting
         self.got: list[tuple[Event, int]] = []
+        self.runs = 0  # run_woken calls: the pump asks for woken rooms to run at once
+        self.runs_at: list[int] = []  # ``runs`` at each delivery
 
     def deliver(self, key: RoomKey, event: Event) -> bool:
         self.got.append((event, self.pair.stats.handles_released))
+        self.runs_at.append(self.runs)
         return self.accepting
 
     def events(self) -> list[type]:
         return [type(event) for event, _ in self.got]
+
+    def run_woken(self) -> None:
+        self.runs += 1
 
 
 class Observer:
@@ -335,3 +341,27 @@ async def test_an_event_for_a_room_that_is_gone_is_counted_stale(
     world.send([1], [1])
     await until(lambda: bool(world.inbox.got))
     assert world.pair.stats.stale_deliveries == 1
+
+
+@pytest.mark.asyncio
+async def test_the_rooms_a_batch_of_completions_woke_are_asked_to_run_in_the_same_callback(
+    make: Callable[..., World],
+) -> None:
+    # The callback that delivers completions (the poster's hand-back, posted(); a polling round
+    # of the pump) ends by asking the inbox to run the rooms it woke there and then, not on the
+    # loop's next iteration.
+    world = make()
+    before = world.inbox.runs
+    world.pump.posted([])  # the poster's hand-back, synchronously
+    assert world.inbox.runs == before + 1
+    world.proxy.stuck = True
+    world.send([3], [4])
+    await until(lambda: world.pair.stats.pump_rounds > 1)
+    world.proxy.stuck = False
+    await until(lambda: len(world.inbox.got) == 1)
+    delivered_at = world.inbox.runs_at[0]
+    rounds = world.pair.stats.pump_rounds
+    await asyncio.sleep(0)  # let the round that delivered finish
+    # That round asked once more after the delivery, before counting itself.
+    assert world.inbox.runs > delivered_at
+    assert world.pair.stats.pump_rounds >= rounds
