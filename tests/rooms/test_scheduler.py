@@ -54,12 +54,18 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_rooms_run_once_per_wake_in_wake_order_never_inline() -> None:
+def two_started(log: list[str]) -> tuple[RoomScheduler, Toy, Toy]:
+    """A scheduler on the running loop with rooms ``a`` and ``b`` started (not yet run)."""
     scheduler = RoomScheduler(asyncio.get_running_loop())
-    log: list[str] = []
     a, b = Toy(scheduler, "a", log), Toy(scheduler, "b", log)
     scheduler.start(a)
     scheduler.start(b)
+    return scheduler, a, b
+
+
+async def test_rooms_run_once_per_wake_in_wake_order_never_inline() -> None:
+    log: list[str] = []
+    scheduler, a, b = two_started(log)
     a.deliver("x")  # queued, not suspended yet: the first step takes it
     assert log == []  # start and wake never run a task inline
     await settle()
@@ -168,11 +174,8 @@ async def test_starting_a_task_twice_is_refused() -> None:
 
 
 async def test_run_woken_runs_the_woken_rooms_now_but_never_inside_a_step() -> None:
-    scheduler = RoomScheduler(asyncio.get_running_loop())
     log: list[str] = []
-    a, b = Toy(scheduler, "a", log), Toy(scheduler, "b", log)
-    scheduler.start(a)
-    scheduler.start(b)
+    scheduler, a, b = two_started(log)
     await settle()
     a.deliver("x")
     scheduler.run_woken()  # a drain's end: no loop round trip
