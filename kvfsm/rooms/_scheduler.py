@@ -7,8 +7,9 @@ five times each, and asyncio's per-task machinery is most of what a room costs: 
 Task (and registering it in asyncio's set of all tasks, a ``WeakSet`` in Python) and, for
 every wake-up, a Future to wait on, its ``set_result``, a ``call_soon`` of the task's wake-up
 and the task's step around the coroutine's ``send``. Measured on uvloop: about 24 us per room
-for a spawn and four wake-ups, against 3 us for the same through a run queue
-(``benchmarks/README.md``, the room lifecycle ablation).
+for a spawn and four wake-ups, against 3 us for the same through a run queue; in the engine,
+15 to 23% of a room pair's CPU (``benchmarks/room_lifecycle.py``, its runtime ablation, and
+``benchmarks/README.md``).
 
 The rules, kept as small as trio's or curio's scheduler:
 
@@ -18,6 +19,9 @@ The rules, kept as small as trio's or curio's scheduler:
   or running is left alone: it drains its whole mailbox before it suspends again). One loop
   callback resumes the ready rooms in wake order, at most ``batch`` of them, and schedules
   itself again when more are left, so a flood of rooms never starves the loop's other work.
+* :meth:`~RoomScheduler.run_woken` runs the ready rooms at once, from the end of a callback
+  that delivered a batch of events (never from inside a room's step), so those events are
+  handled in the loop iteration that brought them.
 * :meth:`~RoomScheduler.cancel` throws ``CancelledError`` into a room's coroutine at its
   suspension point, as ``Task.cancel`` would (engine shutdown): the room fails and is reaped.
 * :meth:`~RoomScheduler.current` names the room being resumed, as ``asyncio.current_task``
