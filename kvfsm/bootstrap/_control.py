@@ -426,7 +426,6 @@ class ControlPlane(CommandSink):
     def _do(self, actions: Iterable[Action]) -> None:
         registry = self._registry
         assert registry is not None
-        delivered = False
         for action in actions:
             if isinstance(action, Send):
                 link = self._by_generation.get(action.link)
@@ -434,13 +433,18 @@ class ControlPlane(CommandSink):
                     self._send(link, action.frame)
             elif isinstance(action, Deliver):
                 registry.deliver(action.key, action.event)
-                delivered = True
             elif isinstance(action, GrantLease):
                 if self._leases is not None:
                     self._leases.grant(action.fence, action.until)
             elif isinstance(action, RevokeLease) and self._leases is not None:
                 self._leases.revoke(action.fence)
-        if delivered:  # a frame's events are handled now, not on the loop's next iteration
+
+    def _run_woken(self) -> None:
+        """The rooms a whole frame (or a tick) woke run now, not on the loop's next iteration
+        (``Inbox.run_woken``). Called only where the control plane is done with that frame or
+        tick, never from ``_do``: ``_do`` also runs inside rooms' commands and hooks."""
+        registry = self._registry
+        if registry is not None:
             registry.run_woken()
 
     def _send(self, link: _Link, frame: Frame) -> None:
@@ -888,6 +892,7 @@ class ControlPlane(CommandSink):
             core = self._prefill if self._prefill is not None else self._decode
             assert core is not None
             self._do(core.tick(mono))
+            self._run_woken()
 
     def _lose(self, link: _Link, reason: str) -> None:
         if link.closed:
@@ -952,6 +957,7 @@ class ControlPlane(CommandSink):
             self._send(link, Error(room, reason, getattr(frame, "generation", None)))
             return
         self._do(actions)
+        self._run_woken()
 
     def _rejected(self, link: _Link, error: FrameError) -> None:
         self.stats["frames_rejected"] += 1
