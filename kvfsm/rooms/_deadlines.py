@@ -116,10 +116,10 @@ class DeadlineQueue:
     def _fire(self) -> None:
         self._handle = None
         self._head = math.inf
-        heap = self._heap
         limit = self._loop.time() + FIRE_SLACK_S
-        while heap and heap[0][0] <= limit:
-            entry = heapq.heappop(heap)
+        # ``self._heap`` is read afresh each time: a callback's cancel may rebuild it.
+        while self._heap and self._heap[0][0] <= limit:
+            entry = heapq.heappop(self._heap)
             callback = entry[2]
             if callback is None:
                 self._cancelled -= 1
@@ -130,6 +130,7 @@ class DeadlineQueue:
                 callback()
             except Exception:
                 _log.exception("deadline callback %r failed", callback)
+        heap = self._heap
         while heap and heap[0][2] is None:  # do not wake up for a cancelled one
             heapq.heappop(heap)
             self._cancelled -= 1

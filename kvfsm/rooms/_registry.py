@@ -287,3 +287,4 @@ class Registry:
             _log.warning("shutdown: cancelling %d rooms that did not settle", len(rooms))
             for room in rooms:  # each fails ("engine shut down") and is reaped, here and now
                 self.tasks.cancel(room)
+        self.deadlines.close()  # every room is reaped: nothing may fire after shutdown

@@ -13,8 +13,10 @@ for a spawn and four wake-ups, against 3 us for the same through a run queue; in
 
 The rules, kept as small as trio's or curio's scheduler:
 
-* A room's coroutine suspends only by awaiting :data:`SUSPEND`; it awaits nothing else. A room
-  coroutine run by an ``asyncio.Task`` by mistake fails at once ("bad yield"), never spins.
+* A room's coroutine suspends only by awaiting :data:`SUSPEND`; it awaits nothing else. One
+  that awaits anything else gets a ``RuntimeError`` raised at that await (the room's own
+  handler fails it); one run by an ``asyncio.Task`` by mistake fails at once ("bad yield").
+  Neither spins.
 * :meth:`~RoomScheduler.wake` puts a suspended room on the ready queue (a room already queued
   or running is left alone: it drains its whole mailbox before it suspends again). One loop
   callback resumes the ready rooms in wake order, at most ``batch`` of them, and schedules
@@ -203,10 +205,34 @@ class RoomScheduler:
             self.escaped.append(escaped)
             _log.exception("room task %r ended with an exception", room)
         else:
-            if yielded is not _SUSPENDED:
-                room.coro = None
-                coro.close()
-                raise RuntimeError(f"room task {room!r} awaited {yielded!r}, not SUSPEND")
-            room.suspended = True
+            if yielded is _SUSPENDED:
+                room.suspended = True
+            else:
+                self._awaited_wrongly(room, coro, yielded)
         finally:
             self._current = outer
+
+    def _awaited_wrongly(
+        self, room: Schedulable, coro: Coroutine[Any, Any, None], yielded: object
+    ) -> None:
+        """A room task awaited something other than SUSPEND (a bug): raise that in the task, at
+        that await, so the room's own handler fails and reaps it (law 3) rather than leaving it
+        stranded, and never into whoever ran it (a drain, the pump, a control frame)."""
+        error = RuntimeError(f"room task {room!r} awaited {yielded!r}, not SUSPEND")
+        self.escaped.append(error)
+        _log.error("%s", error)
+        try:
+            again = coro.throw(error)
+        except (KeyboardInterrupt, SystemExit):
+            room.coro = None
+            raise
+        except BaseException as escaped:  # ended: handled inside, or out of it (recorded)
+            room.coro = None
+            if escaped is not error and not isinstance(escaped, StopIteration):
+                self.escaped.append(escaped)
+        else:
+            if again is _SUSPENDED:  # it handled the error and waits for events again
+                room.suspended = True
+            else:
+                room.coro = None
+                coro.close()

@@ -125,3 +125,30 @@ async def test_a_callback_may_arm_again_and_close_cancels_everything() -> None:
     await asyncio.sleep(5.0)
     assert len(fired) == 3
     assert queue.live == 0
+
+
+@pytest.mark.looptime
+async def test_callbacks_that_cancel_many_entries_while_firing_keep_the_count_right() -> None:
+    # A callback's cancels may rebuild the heap under the firing loop: what is still live fires
+    # once, what was cancelled never does, and the live count ends at zero.
+    loop = asyncio.get_running_loop()
+    queue = DeadlineQueue(loop)
+    start = loop.time()
+    fired: list[int] = []
+    later = [queue.arm(start + 50.0, lambda i=i: fired.append(i)) for i in range(3000)]  # type: ignore[misc]
+
+    def sweep() -> None:
+        fired.append(-1)
+        for entry in later[:2500]:
+            queue.cancel(entry)
+
+    queue.arm(start + 10.0, sweep)
+    queue.arm(start + 10.0, lambda: fired.append(-2))
+    await asyncio.sleep(20.0)
+    assert fired == [-1, -2]
+    assert queue.rebuilds > 0
+    assert queue.live == 500
+    await asyncio.sleep(40.0)
+    assert sorted(fired[2:]) == list(range(2500, 3000))
+    assert queue.live == 0
+    assert queue._handle is None

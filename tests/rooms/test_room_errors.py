@@ -3,6 +3,8 @@ room, and so does any other exception in the task; the room is still published a
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import pytest
 
 from kvfsm.rooms import Publication, Registry, RoomConfig, RoomKey
@@ -211,3 +213,30 @@ async def test_cancellation_still_fails_the_room_when_its_commands_raise() -> No
     assert pub.status is KVPoll.Failed
     assert "engine shut down" in pub.reason
     assert len(registry) == 0
+
+
+class _NotSuspend:
+    """An await a room task must never make (a bug): it yields what a Future yields."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield None
+
+
+async def test_a_room_task_that_awaits_anything_else_fails_its_room_and_is_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The scheduler raises the error at that await; Room.run's own handler fails the room
+    # (published Failed, law 3) instead of the room being left stranded, never resumed.
+    import kvfsm.rooms._actor as actor
+
+    registry = Registry(ScriptedSink(), RoomConfig(strict=True))
+    pub, key = Publication(), RoomKey(29, 1)
+    monkeypatch.setattr(actor, "SUSPEND", _NotSuspend())
+    room = registry.spawn(key, Role.SENDER, pub)
+    await drain()
+    assert pub.status is KVPoll.Failed
+    assert "not SUSPEND" in pub.reason
+    assert room.done
+    assert len(registry) == 0
+    assert registry.stats.task_errors == 1
+    assert [type(exc) for exc in registry.tasks.escaped] == [RuntimeError]

@@ -360,8 +360,7 @@ async def test_the_rooms_a_batch_of_completions_woke_are_asked_to_run_in_the_sam
     world.proxy.stuck = False
     await until(lambda: len(world.inbox.got) == 1)
     delivered_at = world.inbox.runs_at[0]
-    rounds = world.pair.stats.pump_rounds
     await asyncio.sleep(0)  # let the round that delivered finish
-    # That round asked once more after the delivery, before counting itself.
+    # Only the pump's rounds ask from here on (posted() is not called again): the round that
+    # delivered asked after the delivery.
     assert world.inbox.runs > delivered_at
-    assert world.pair.stats.pump_rounds >= rounds
