@@ -37,7 +37,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from kvfsm.rooms._core import Claim, RoomCore
-from kvfsm.rooms._deadlines import Entry
+from kvfsm.rooms._deadlines import FIRE_SLACK_S, Entry
 from kvfsm.rooms._ports import CommandSink, Inbox, Publication, RoomHost, RoomKey
 from kvfsm.rooms._scheduler import SUSPEND
 from kvfsm.states import (
@@ -58,7 +58,6 @@ from kvfsm.states import (
 __all__ = ["CommandSink", "Inbox", "Publication", "Room", "RoomKey"]
 
 _log = logging.getLogger("kvfsm.rooms")
-_TIMER_SLACK_S = 0.001
 
 
 class Room:
@@ -367,7 +366,7 @@ class Room:
         self._timer = None
         # Armed for an earlier state and not due yet. (The millisecond of slack absorbs timer
         # granularity: loops may fire a timer a little before its time.)
-        if self._due - self._loop.time() > _TIMER_SLACK_S:
+        if self._due - self._loop.time() > FIRE_SLACK_S:
             self._timer = self._deadlines_queue.arm(self._due, self._on_timer)
             return
         state = self.core.state

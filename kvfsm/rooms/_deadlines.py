@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
-__all__ = ["DeadlineQueue", "Entry"]
+__all__ = ["FIRE_SLACK_S", "DeadlineQueue", "Entry"]
 
 _log = logging.getLogger("kvfsm.rooms")
 
