@@ -24,6 +24,9 @@ benchmark's source buffer to a destination buffer:
 * kvfsm_spin - kvfsm with the pump's pacing off (``TransferConfig(poll_max_wait_s=0)``: it
              polls every loop iteration while chunks are in flight): the baseline for what
              bounded adaptive polling saves in CPU and costs in latency. Not run by default.
+* kvfsm_alone - kvfsm posting every chunk alone (``TransferConfig(merge_max_chunks=1)``): the
+             baseline for what merging the small chunks of one loop callback into one NIXL
+             request (the ledger's rule 8) is worth. Not run by default.
 
 Every row also reports its process CPU over the best repetition (all threads of this process;
 the peer's are not counted) and, for rooms, the per-room latency p50/p99 (first post to done
@@ -104,6 +107,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import multiprocessing
@@ -827,6 +831,7 @@ class Kvfsm:
         *,
         heads: Heads | None = None,
         spin: bool = False,
+        alone: bool = False,
         name: str = "kvfsm",
     ) -> None:
         from kvfsm.rooms import RoomEngine
@@ -851,7 +856,12 @@ class Kvfsm:
         self.agent = Agent(f"bench-{name}-{os.getpid()}-{tag}", self.layout)
         # spin: the pump polls every loop iteration (pacing off), the baseline for what the
         # bounded adaptive polling saves and costs.
-        config = TransferConfig(poll_max_wait_s=0.0) if spin else TransferConfig()
+        # alone: every chunk its own NIXL request (no merging), the baseline for rule 8.
+        config = TransferConfig()
+        if spin:
+            config = dataclasses.replace(config, poll_max_wait_s=0.0)
+        if alone:
+            config = dataclasses.replace(config, merge_max_chunks=1)
         self.transport = NixlTransport(self.agent, config=config)
         self.engine = RoomEngine(self.transport).start()
         remote = LayoutSummary(
@@ -991,6 +1001,16 @@ def run_kvfsm_spin(case: Case, bench: Bench) -> Result:
     return runner.run(case)
 
 
+def run_kvfsm_alone(case: Case, bench: Bench) -> Result:
+    runner = bench.resource(
+        f"kvfsm_alone-{case.page_bytes}-{case.pages}-{case.heads}",
+        lambda: Kvfsm(
+            bench, case.page_bytes, case.pages, heads=case.heads, alone=True, name="kvfsm_alone"
+        ),
+    )
+    return runner.run(case)
+
+
 def _latency(seconds: list[float]) -> dict[str, float]:
     """Per-room latency (first post to the room seen done), p50 and p99, microseconds."""
     if not seconds:
@@ -1011,6 +1031,8 @@ RUNNERS: dict[str, Runner] = {
     "kvfsm": run_kvfsm,
     # Not run by default: kvfsm with pacing off (--runners ...,kvfsm_spin).
     "kvfsm_spin": run_kvfsm_spin,
+    # Not run by default: kvfsm posting every chunk alone (--runners ...,kvfsm_alone).
+    "kvfsm_alone": run_kvfsm_alone,
 }
 DEFAULT_RUNNERS: Final = ("copy", "raw_nixl", "kvfsm")
 
@@ -1018,6 +1040,8 @@ DEFAULT_RUNNERS: Final = ("copy", "raw_nixl", "kvfsm")
 RATIOS: tuple[tuple[str, str], ...] = (
     ("kvfsm", "raw_nixl"),
     ("kvfsm", "kvfsm_spin"),
+    ("kvfsm", "kvfsm_alone"),
+    ("kvfsm_alone", "raw_nixl"),
     ("raw_nixl", "copy"),
     ("kvfsm", "copy"),
 )

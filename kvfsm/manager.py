@@ -157,6 +157,10 @@ class CommandRouter(CommandSink):
         for sink in self._sinks:
             sink.room_reaped(key, role)
 
+    def rooms_ran(self) -> None:
+        for sink in self._sinks:
+            sink.rooms_ran()
+
     async def aclose(self) -> None:
         try:
             await self.control.aclose()

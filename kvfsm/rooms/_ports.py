@@ -135,6 +135,11 @@ class CommandSink(Protocol):
         """As room ``key``'s task ends: drop every per-room entry kept for it."""
         del key, role
 
+    def rooms_ran(self) -> None:
+        """After each batch of room steps (a scheduler's calls, a transport's completions): a
+        sink that held the batch's commands back, to execute them together, does it now."""
+        return
+
     async def aclose(self) -> None:
         """At engine shutdown, after the rooms, on the loop: stop background tasks."""
         return

@@ -75,6 +75,9 @@ class Registry:
         self._idle.set()
         self._on_spawn: Callable[[RoomKey, Role], None] = sink.room_spawned
         self._on_reap: Callable[[RoomKey, Role], None] = sink.room_reaped
+        # The sink may hold a batch's commands back to execute them together (NixlTransport
+        # merges small chunks): it hears when each batch of room steps is over.
+        self.tasks.after_batch = sink.rooms_ran
         sink.attach(self)
 
     def deadline_seconds(

@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from contextvars import ContextVar
 from typing import Any, Final, Protocol
 
@@ -106,7 +106,16 @@ class Schedulable(Protocol):
 class RoomScheduler:
     """The run queue of one engine's room tasks (loop thread only)."""
 
-    __slots__ = ("_batch", "_current", "_loop", "_ready", "_scheduled", "escaped", "resumes")
+    __slots__ = (
+        "_batch",
+        "_current",
+        "_loop",
+        "_ready",
+        "_scheduled",
+        "after_batch",
+        "escaped",
+        "resumes",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, batch: int = DEFAULT_BATCH) -> None:
         self._loop = loop
@@ -118,6 +127,8 @@ class RoomScheduler:
         self.resumes = 0
         #: Exceptions that escaped a room's coroutine (none should: ``Room.run`` catches them).
         self.escaped: list[BaseException] = []
+        #: Called after each batch of steps (``CommandSink.rooms_ran``): the registry sets it.
+        self.after_batch: Callable[[], None] | None = None
 
     def start(self, room: Schedulable) -> None:
         """Create ``room``'s coroutine and queue its first step (it runs on a later loop
@@ -187,6 +198,12 @@ class RoomScheduler:
         if ready and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._run_ready)
+        after = self.after_batch
+        if after is not None:
+            try:
+                after()
+            except Exception:  # a sink's hook must not stop the next batch
+                _log.exception("after-batch hook %r failed", after)
 
     def _resume(self, room: Schedulable, exc: BaseException | None) -> None:
         coro = room.coro

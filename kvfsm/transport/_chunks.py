@@ -5,7 +5,9 @@ Two steps, on two threads:
 * :func:`accept` (loop thread, inside the room's command) does the O(1) checks against the
   peer and both layouts, sizes the chunk and hands it to the ledger. Sans-IO: it decides and
   returns the ledger's actions (``[Post(record)]``, or the chunk's end to deliver after the
-  current callback); it calls no NIXL and reads no clock.
+  current callback); it calls no NIXL and reads no clock. :func:`prepare` is its first half
+  (the record, not yet the ledger's), and :func:`merge` makes the records of small chunks that
+  arrive together one record (the ledger's rule 8): one NIXL request instead of one each.
 * :func:`post_xfer` (poster thread, :mod:`kvfsm.transport._poster`) does the O(pages) work,
   page-range checks and the destination-order sort, then makes and posts one prepped transfer
   per part (kv, aux, state) and checks each once. ``transfer()`` copies synchronously on
@@ -26,6 +28,7 @@ waking, and the window between check and post is a few bytecodes. A part stopped
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,10 +40,10 @@ from kvfsm.transport._agent import Agent, Peer
 from kvfsm.transport._config import TransportStats
 from kvfsm.transport._fence import FenceError, Leases
 from kvfsm.transport._layout import Layout, LayoutError
-from kvfsm.transport._ledger import Action, ChunkLedger, Deliver, Record
+from kvfsm.transport._ledger import Action, ChunkLedger, Deliver, LedgerStats, Record
 from kvfsm.transport._slices import NO_KV, sliced_index
 
-__all__ = ["Xfer", "accept", "post_xfer"]
+__all__ = ["Xfer", "accept", "merge", "post_xfer", "prepare"]
 
 Indices = npt.NDArray[np.int32]
 _NONE: Indices = np.zeros(0, dtype=np.int32)
@@ -52,7 +55,16 @@ _Part = tuple[Any, Indices, Any, Indices]
 class Xfer(Record):
     """A record plus what the poster needs to post it (the ledger never reads these)."""
 
-    __slots__ = ("dst", "dst_aux", "dst_state", "src", "src_aux", "src_state")
+    __slots__ = (
+        "checked",
+        "dst",
+        "dst_aux",
+        "dst_state",
+        "mergeable",
+        "src",
+        "src_aux",
+        "src_state",
+    )
 
     def __init__(
         self,
@@ -76,6 +88,10 @@ class Xfer(Record):
         self.dst_aux = dst_aux
         self.src_state = src_state
         self.dst_state = dst_state
+        #: May share a NIXL request with other records (:func:`prepare`).
+        self.mergeable = False
+        #: Every page proven in range on both sides (:func:`merge`): the poster skips that.
+        self.checked = False
 
 
 # -- accepting (loop thread) ----------------------------------------------------------------------
@@ -94,11 +110,35 @@ def accept(
     or its end (``Deliver`` or the ledger's ``Finish``), which the caller delivers after the
     current callback: the room is in the middle of a command. ``peer``: the connected
     generation ``command.peer`` names, None if none is."""
-    stats = ledger.stats
+    prepared = prepare(ledger.stats, key, command, layout=layout, peer=peer)
+    if isinstance(prepared, list):
+        return prepared
+    return ledger.accepted(prepared, now)
+
+
+def prepare(
+    stats: LedgerStats,
+    key: RoomKey,
+    command: PostChunk,
+    *,
+    layout: Layout,
+    peer: Peer | None,
+    merge_bytes: int = 0,
+) -> Xfer | list[Action]:
+    """``command`` as a record for the ledger, or its end (a ``Deliver`` to execute after the
+    current callback): bad input fails the chunk here. A record of at most ``merge_bytes``
+    without state rows (whose per-row checks run on the poster) is marked ``mergeable``."""
     try:
         if peer is None:
             raise LayoutError(f"no connected peer {command.peer!r}")
         record = _record(key, command, layout, peer)
+        if (
+            record is not None
+            and record.nbytes <= merge_bytes
+            and not record.src_state.size
+            and peer.piece is not NO_KV  # (its pages fail on the poster: alone)
+        ):
+            record.mergeable = True
     except LayoutError as exc:
         stats.chunks_rejected += 1
         stats.chunks_failed += 1
@@ -106,7 +146,70 @@ def accept(
     if record is None:  # nothing to move: an empty chunk without an aux row or state
         stats.chunks_done += 1
         return [Deliver(key, ChunkDone(command.chunk))]
-    return ledger.accepted(record, now)
+    return record
+
+
+def merge(
+    records: Sequence[Xfer], layout: Layout
+) -> tuple[Xfer | None, list[tuple[Xfer, LayoutError]]]:
+    """One record for the chunks of ``records`` (the ledger's rule 8): mergeable records (see
+    :func:`prepare`) to one peer generation under one fence, their pages and aux rows posted
+    as one NIXL request; each chunk still ends with its own event. Returns it (None if no
+    record is left) and the records left out for a page out of range, with why.
+
+    Pages are range-checked here, for the whole request at once (one reduction per side), and
+    the poster skips its own check. Once chunks share a request a bad page found on the poster
+    would fail every room in it, not just its own (law 7): when the request's check fails,
+    each record is checked alone and only the bad ones are left out."""
+    merged = _joined(records)
+    try:
+        _check_pages(merged, layout)
+    except LayoutError:
+        good: list[Xfer] = []
+        bad: list[tuple[Xfer, LayoutError]] = []
+        for record in records:
+            try:
+                _check_pages(record, layout)
+            except LayoutError as exc:
+                bad.append((record, exc))
+            else:
+                good.append(record)
+        if not good:
+            return None, bad
+        merged = good[0] if len(good) == 1 else _joined(good)
+        merged.checked = True
+        return merged, bad
+    merged.checked = True
+    return merged, []
+
+
+def _check_pages(record: Xfer, layout: Layout) -> None:
+    if record.src.size:
+        layout.check_pages(record.src, "source page")
+        record.peer.summary.check_pages(record.dst, "destination page")
+
+
+def _joined(records: Sequence[Xfer]) -> Xfer:
+    first = records[0]
+    if any(not r.mergeable or r.peer is not first.peer or r.fence != first.fence for r in records):
+        raise ValueError("only mergeable records of one peer generation and fence merge")
+    aux = [r for r in records if r.src_aux is not None and r.dst_aux is not None]
+    merged = Xfer(
+        first.key,
+        first.chunk,
+        peer=first.peer,
+        fence=first.fence,
+        src=np.concatenate([r.src for r in records]),
+        dst=np.concatenate([r.dst for r in records]),
+        src_aux=np.concatenate([r.src_aux for r in aux]) if aux else None,
+        dst_aux=np.concatenate([r.dst_aux for r in aux]) if aux else None,
+        src_state=_NONE,
+        dst_state=_NONE,
+        nbytes=sum(r.nbytes for r in records),
+    )
+    merged.members = tuple(member for r in records for member in r.members)
+    merged.mergeable = True
+    return merged
 
 
 def _record(key: RoomKey, command: PostChunk, local: Layout, peer: Peer) -> Xfer | None:
@@ -204,7 +307,8 @@ def _parts(agent: Agent, record: Xfer) -> list[_Part]:
         piece = peer.piece
         # Bad input fails this chunk (LayoutError) before anything reaches NIXL. Whole pages:
         # page_index below checks the range itself (one reduction per side per chunk).
-        if piece is not None:
+        checked = record.checked  # (merge proved every page of a merged record in range)
+        if piece is not None and not checked:
             layout.check_pages(src, "source page")
             remote.check_pages(dst, "destination page")
         if src.size > 1:
@@ -217,8 +321,8 @@ def _parts(agent: Agent, record: Xfer) -> list[_Part]:
                 "into (its heads come from another rank: a dummy link)"
             )
         if piece is None:
-            local_idx = layout.page_index(src, "source page")
-            remote_idx = remote.page_index(dst, "destination page")
+            local_idx = layout.page_index(src, "source page", checked=checked)
+            remote_idx = remote.page_index(dst, "destination page", checked=checked)
             parts.append((agent.local("kv"), local_idx, peer.kv, remote_idx))
         else:  # a head slice: one descriptor per row of each page (pages checked above)
             rows = piece.rows

@@ -45,6 +45,14 @@ class TransferConfig:
     #: ``poll_max_wait_s = 0`` polls every loop iteration (a spinning pump).
     poll_spin_s: float = 0.0005
     poll_max_wait_s: float = 0.001
+    #: Small chunks that rooms post in the same loop callback (a scheduler iteration's worth)
+    #: to one peer under one fence go out as one NIXL request (the ledger's rule 8): chunks of
+    #: at most ``merge_max_bytes``, up to ``merge_max_chunks`` of them and ``merge_max_bytes``
+    #: in all per request. Fewer requests, handles and GIL round trips on the poster; the
+    #: first chunk of a request finishes when the request does (2 ms for 16 MiB at 8 GB/s).
+    #: ``merge_max_chunks = 1`` posts every chunk alone, as soon as its room commands it.
+    merge_max_bytes: int = 16 << 20
+    merge_max_chunks: int = 64
 
     def __post_init__(self) -> None:
         if not (self.deadline_base_s > 0 and self.floor_bandwidth_bps > 0):
@@ -55,6 +63,8 @@ class TransferConfig:
             raise ValueError("linger_interval_s must be > 0")
         if self.poll_spin_s < 0 or self.poll_max_wait_s < 0:
             raise ValueError("poll_spin_s and poll_max_wait_s must be >= 0")
+        if self.merge_max_chunks < 1 or self.merge_max_bytes < 0:
+            raise ValueError("merge_max_chunks must be >= 1 and merge_max_bytes >= 0")
 
     def deadline_s(self, nbytes: int) -> float:
         return self.deadline_base_s + nbytes / self.floor_bandwidth_bps

@@ -167,14 +167,20 @@ class Geometry:
         """
         _checked(pages, self._shape("kv")[1], what)
 
-    def page_index(self, pages: npt.ArrayLike, what: str = "page") -> Indices:
+    def page_index(
+        self, pages: npt.ArrayLike, what: str = "page", *, checked: bool = False
+    ) -> Indices:
         """Indices into ``kv_descs()`` for ``pages`` across all kv regions, buffer-major:
         ``[b * num_pages + p for b in range(len(kv)) for p in pages]``, int32.
 
         Checks ``pages`` as ``check_pages`` does: a wrong index would make NIXL write into
-        another request's page, so this fails closed (two numpy reductions).
+        another request's page, so this fails closed (one numpy reduction). ``checked``: the
+        caller already ran ``check_pages`` on this very int32 array (read-only, so it cannot
+        have changed since), and the check is skipped.
         """
         regions, items = self._shape("kv")
+        if checked and type(pages) is np.ndarray and pages.dtype == np.int32:
+            return _spread(regions, items, pages)
         return _spread(regions, items, _checked(pages, items, what))
 
     def check_row(self, row: int, what: str = "aux row") -> None:

@@ -50,6 +50,14 @@ A record is one accepted chunk. It moves through four phases, and only forward:
    has not reached yet is skipped and fails settled ("dropped"); a posted one is still polled
    until it is over or hits a rule above. Handles belong to the ledger, not to rooms.
 
+8. **Chunks posted together.** A record may carry several chunks (``members``: each one's
+   room, chunk number and bytes), of one or several rooms, posted to one peer generation under
+   one fence as one NIXL request. The record is still the unit of every rule above: its
+   handles are polled, held, released and judged together, and when it ends each of its
+   chunks gets its own final event (``Finish.events``), so rule 1 holds per chunk. A release
+   request marks it dropped only once every room in it asked (the others' chunks are still
+   wanted; a failed room's chunk that is posted anyway settles when the record does).
+
 Hot path: a chunk done inside ``transfer()`` costs ``accepted`` (one ``Post``) and ``posted``
 (one ``Finish``); a pump round costs one ``polled`` per ACTIVE record, which allocates nothing
 while the record stays in progress.
@@ -59,7 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, cast
 
 from kvfsm.rooms import RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, ChunkStalled, Event, PeerLost
@@ -76,11 +84,15 @@ __all__ = [
     "Deliver",
     "Finish",
     "LedgerStats",
+    "Member",
     "Post",
     "Record",
     "Release",
     "StartQuarantine",
 ]
+
+#: One chunk a record carries: its room, its number in that room, its bytes (rule 8).
+Member: TypeAlias = tuple[RoomKey, int, int]
 
 # Phases (plain ints: compared once per record per pump round).
 QUEUED: Final = 1  # accepted, in the poster's hands
@@ -100,12 +112,14 @@ class Record:
     by the loop. The transport subclasses it with what the poster needs to post."""
 
     __slots__ = (
+        "_asked",
         "chunk",
         "dropped",
         "due",
         "fence",
         "handles",
         "key",
+        "members",
         "nbytes",
         "peer",
         "phase",
@@ -128,9 +142,14 @@ class Record:
         self.states: list[str] = []
         self.dropped = False
         self.reason = ""  # why it is held
+        #: Rule 8: every chunk this record carries, as (room, chunk, bytes); the first is
+        #: ``key``/``chunk``. One entry for a record of one chunk.
+        self.members: tuple[Member, ...] = ((key, chunk, nbytes),)
+        self._asked: set[RoomKey] | None = None  # rooms that asked to release (rule 8)
 
     def __repr__(self) -> str:
-        return f"<Record room {self.key.room} chunk {self.chunk} phase {self.phase}>"
+        more = f" (+{len(self.members) - 1} chunks)" if len(self.members) > 1 else ""
+        return f"<Record room {self.key.room} chunk {self.chunk}{more} phase {self.phase}>"
 
 
 # -- actions ------------------------------------------------------------------------------------
@@ -176,13 +195,24 @@ class StartQuarantine:
 
 
 class Finish:
-    """Release whatever handles ``record`` still holds, then deliver its final ``event``."""
+    """Release whatever handles ``record`` still holds, then deliver the final event of each of
+    its chunks: ``event`` (for its first chunk) made for each (``events``)."""
 
     __slots__ = ("event", "record")
 
     def __init__(self, record: Record, event: ChunkDone | ChunkFailed) -> None:
         self.record = record
         self.event = event
+
+    def events(self) -> list[tuple[RoomKey, ChunkDone | ChunkFailed]]:
+        """(room, final event) for every chunk of the record, in the record's order."""
+        event, members = self.event, self.record.members
+        if len(members) == 1:
+            return [(members[0][0], event)]
+        if type(event) is ChunkDone:
+            return [(key, ChunkDone(chunk)) for key, chunk, _ in members]
+        reason = cast("ChunkFailed", event).reason
+        return [(key, ChunkFailed(chunk, reason)) for key, chunk, _ in members]
 
 
 Action: TypeAlias = Post | Release | Deliver | StartQuarantine | Finish
@@ -294,12 +324,12 @@ class ChunkLedger:
             # Posted while its peer was being lost: its state means nothing now.
             return self._hold(record, "peer lost while posting; released", now)
         if not states:
-            self.stats.chunks_dropped += 1
+            self.stats.chunks_dropped += len(record.members)
             return [self._finish(record, ChunkFailed(record.chunk, _DROPPED))]
         if _PROC not in states:
             if states.count(_DONE) != len(states):
                 return [self._finish(record, ChunkFailed(record.chunk, ERR_REASON))]
-            self.stats.done_at_post += 1
+            self.stats.done_at_post += len(record.members)
             return [self._finish(record, ChunkDone(record.chunk))]
         record.phase = ACTIVE
         self._active.append(record)
@@ -309,7 +339,7 @@ class ChunkLedger:
         """The poster found bad input before posting anything (a page out of range)."""
         if record.phase != QUEUED:
             return self._stray(record)
-        self.stats.chunks_rejected += 1
+        self.stats.chunks_rejected += len(record.members)
         return [self._finish(record, ChunkFailed(record.chunk, reason))]
 
     def fenced(self, record: Record, reason: str, now: float) -> list[Action]:
@@ -317,7 +347,7 @@ class ChunkLedger:
         and the later ones were not posted; ``record.states`` says what the earlier ones did."""
         if record.phase != QUEUED:
             return self._stray(record)
-        self.stats.chunks_fenced += 1
+        self.stats.chunks_fenced += len(record.members)
         return self.errored(record, reason, now)
 
     def errored(self, record: Record, reason: str, now: float) -> list[Action]:
@@ -354,7 +384,7 @@ class ChunkLedger:
                 return [self._finish(record, ChunkFailed(record.chunk, ERR_REASON))]
             return [self._finish(record, ChunkDone(record.chunk))]
         if now > record.due:
-            self.stats.chunks_stalled += 1
+            self.stats.chunks_stalled += len(record.members)
             deadline = self._deadline_s(record.nbytes)
             return self._hold(record, f"in flight past its {deadline:g}s deadline; released", now)
         self._active.append(record)
@@ -370,7 +400,7 @@ class ChunkLedger:
         out: list[Action] | None = None
         for record in self._active:
             if record.phase == ACTIVE and not leases.valid(record.fence, now):
-                self.stats.chunks_fenced += 1
+                self.stats.chunks_fenced += len(record.members)
                 why = leases.describe(record.fence, now)
                 held = self._hold(record, f"write lease of fence {record.fence} {why}", now)
                 if out is None:
@@ -387,7 +417,7 @@ class ChunkLedger:
         for record in self._records:
             if record.peer is peer:
                 count += 1
-                out.append(Deliver(record.key, PeerLost(reason)))
+                out += [Deliver(key, PeerLost(reason)) for key in _rooms(record)]
                 record.dropped = True  # not posted yet: the poster skips it
                 if record.phase == ACTIVE:
                     out += self._hold(record, f"peer lost ({reason}); released", now)
@@ -406,8 +436,14 @@ class ChunkLedger:
     def release_requested(self, key: RoomKey) -> list[Action]:
         """The room ``key`` failed and asks to release its chunks (rule 7)."""
         for record in self._records:
-            if record.key == key:
-                record.dropped = True  # the poster skips it if it has not posted it yet
+            if len(record.members) == 1:
+                if record.key == key:
+                    record.dropped = True  # the poster skips it if it has not posted it yet
+                continue
+            rooms = _rooms(record)
+            if key in rooms:  # rule 8: dropped once every room in it asked
+                asked = record._asked = (record._asked or set()) | {key}
+                record.dropped = len(asked) == len(rooms)
         return _NOTHING
 
     def drain(self) -> list[Record]:
@@ -429,12 +465,11 @@ class ChunkLedger:
         record.phase = HELD
         record.reason = reason
         self._held.add(record)
-        self.stats.chunks_quarantined += 1
-        return [
-            Release(record),
-            Deliver(record.key, ChunkStalled(record.chunk, reason)),
-            StartQuarantine(record, now + self._quarantine_s),
+        self.stats.chunks_quarantined += len(record.members)
+        stalled: list[Action] = [
+            Deliver(key, ChunkStalled(chunk, reason)) for key, chunk, _ in record.members
         ]
+        return [Release(record), *stalled, StartQuarantine(record, now + self._quarantine_s)]
 
     def _finish(self, record: Record, event: ChunkDone | ChunkFailed) -> Finish:
         record.phase = FINAL
@@ -449,22 +484,27 @@ class ChunkLedger:
                     del lost[record.peer]  # its last chunk is over: nothing left to judge
         stats = self.stats
         if type(event) is ChunkDone:
-            stats.chunks_done += 1
+            stats.chunks_done += len(record.members)
             stats.bytes_done += record.nbytes
         else:
-            stats.chunks_failed += 1
+            stats.chunks_failed += len(record.members)
         return Finish(record, event)
 
     def _refuse(self, record: Record, reason: str) -> Finish:
         record.phase = FINAL
-        self.stats.chunks_fenced += 1
-        self.stats.chunks_failed += 1
+        self.stats.chunks_fenced += len(record.members)
+        self.stats.chunks_failed += len(record.members)
         return Finish(record, ChunkFailed(record.chunk, reason))
 
     def _stray(self, record: Record) -> list[Action]:
         # The poster handed back a record the ledger no longer tracks (drained at shutdown):
         # nothing to decide, but its handles must not leak.
         return [Release(record)] if record.handles else _NOTHING
+
+
+def _rooms(record: Record) -> dict[RoomKey, None]:
+    """The rooms of ``record``'s chunks, each once, in order."""
+    return dict.fromkeys(key for key, _, _ in record.members)
 
 
 _DROPPED: Final = "dropped: room failed before posting"

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvfsm._tasks import cancel_and_wait
 from kvfsm.rooms import Inbox, RoomKey
-from kvfsm.states import ChunkDone, ChunkFailed, Event
+from kvfsm.states import ChunkDone, Event
 from kvfsm.transport._agent import Peer
 from kvfsm.transport._config import ChunkObserver, TransferConfig, TransportStats
 from kvfsm.transport._fence import FenceError, Leases
@@ -132,7 +132,7 @@ class Pump:
             wake = self._wake
             assert wake is not None
             wake.set()
-        self._run_woken()
+        self.run_woken()
 
     def linger(self) -> None:
         """Bytes of a released WRITE may still be queued in the agent: keep progressing it for
@@ -146,7 +146,7 @@ class Pump:
     def execute(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Finish):
-                self._finish(action.record, action.event)
+                self._finish(action)
             elif isinstance(action, Deliver):
                 self._deliver(action.key, action.event)
             elif isinstance(action, Release):
@@ -173,12 +173,17 @@ class Pump:
     def _quarantine_over(self, record: Record) -> None:
         self.execute(self.ledger.quarantine_over(record))
 
-    def _finish(self, record: Record, event: ChunkDone | ChunkFailed) -> None:
+    def _finish(self, finish: Finish) -> None:
+        record = finish.record
         self._release_all(record)
-        if self.observer is not None:
-            ok = type(event) is ChunkDone
-            self.observer.chunk(record.nbytes, time.monotonic() - record.t0, ok)
-        self._deliver(record.key, event)
+        observer = self.observer
+        if observer is not None:
+            ok = type(finish.event) is ChunkDone
+            seconds = time.monotonic() - record.t0
+            for _, _, nbytes in record.members:  # a metric per chunk, as posted by its room
+                observer.chunk(nbytes, seconds, ok)
+        for key, event in finish.events():
+            self._deliver(key, event)
 
     def _release_all(self, record: Record) -> None:
         handles, record.handles = record.handles, []
@@ -194,7 +199,7 @@ class Pump:
             return
         self.stats.handles_released += 1
 
-    def _run_woken(self) -> None:
+    def run_woken(self) -> None:
         """The rooms this batch's events woke run now, in this loop iteration
         (``Inbox.run_woken``)."""
         inbox = self._inbox
@@ -260,7 +265,7 @@ class Pump:
                         pacer.finished(record.nbytes, now - record.t0)
                 if actions:
                     self.execute(actions)
-            self._run_woken()
+            self.run_woken()
             stats.pump_rounds += 1
             # Poll where completions are due, sleep elsewhere (bounded: see _pacer): a pump
             # that spins costs the scheduler thread its GIL. Held records (nothing expected)

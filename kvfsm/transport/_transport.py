@@ -13,6 +13,10 @@ each on its own thread, and this one only wires them:
 * :mod:`kvfsm.transport._chunks`: a ``PostChunk`` checked and made into a record (loop
   thread), and its transfers made, fenced and posted (the poster thread,
   :mod:`kvfsm.transport._poster`): ``transfer()`` copies synchronously on shared-memory paths.
+  The records of one loop callback (the chunks that rooms post while handling one batch of a
+  scheduler's calls) are handed to the ledger together at its end, small ones to the same
+  peer and fence merged into one request (``TransferConfig.merge_max_bytes``; the ledger's
+  rule 8): one ``make_prepped_xfer``, ``transfer()`` and handle instead of one per chunk.
 * :mod:`kvfsm.transport._pump`: the ledger's actions and the completion pump (loop thread);
   it owns every posted handle until it is released, and keeps progressing the agent after a
   hold.
@@ -45,13 +49,13 @@ from dataclasses import asdict
 from typing import cast
 
 from kvfsm.rooms import CommandSink, Inbox, RoomKey
-from kvfsm.states import Command, PostChunk, ReleaseHandles
+from kvfsm.states import ChunkFailed, Command, PostChunk, ReleaseHandles
 from kvfsm.transport._agent import Agent, Peer
-from kvfsm.transport._chunks import Xfer, accept, post_xfer
+from kvfsm.transport._chunks import Xfer, merge, post_xfer, prepare
 from kvfsm.transport._config import ChunkObserver, TransferConfig, TransportStats
 from kvfsm.transport._fence import Leases
 from kvfsm.transport._layout import LayoutSummary
-from kvfsm.transport._ledger import ChunkLedger, Post, Record
+from kvfsm.transport._ledger import Action, ChunkLedger, Deliver, Post, Record
 from kvfsm.transport._peers import PeerSet
 from kvfsm.transport._poster import Poster
 from kvfsm.transport._pump import Pump
@@ -114,6 +118,8 @@ class NixlTransport(CommandSink):
         self._poster: Poster[Xfer] = Poster(
             functools.partial(post_xfer, agent, leases, self.stats), self._pump.posted
         )
+        #: Records of this loop callback, handed to the ledger at its end (``_flush``).
+        self._staged: list[Xfer] = []
         self._closed = False
 
     @property
@@ -138,21 +144,100 @@ class NixlTransport(CommandSink):
         if isinstance(command, PostChunk):
             loop = self._running_loop()
             self.stats.chunks_posted += 1
-            actions = accept(
-                self._ledger,
+            config = self.config
+            merging = config.merge_max_chunks > 1
+            prepared = prepare(
+                self.stats,
                 key,
                 command,
                 layout=self.agent.layout,
                 peer=self._peers.get(command.peer),
-                now=time.monotonic(),
+                merge_bytes=config.merge_max_bytes if merging else 0,
             )
-            if len(actions) == 1 and type(actions[0]) is Post:
-                self._post(actions[0].record)
-            else:  # its end: told after this callback, the room is in the middle of a command
-                loop.call_soon(self._pump.execute, actions)
+            if isinstance(prepared, list):
+                # Its end: told after this callback, the room is in the middle of a command.
+                loop.call_soon(self._pump.execute, prepared)
+            elif merging:
+                # Every record waits for the batch's end (``rooms_ran``), merged or not, so
+                # that chunks reach the poster in the order their rooms posted them. The
+                # call_soon is a backstop for a command outside a batch of steps.
+                if not self._staged:
+                    loop.call_soon(self._flush)
+                self._staged.append(prepared)
+            else:
+                self._accept(prepared, time.monotonic(), later=True)
         elif isinstance(command, ReleaseHandles):
             self._ledger.release_requested(key)  # marks only: no actions
         # Anything else is the control channel's (see the module docstring): dropped here.
+
+    def rooms_ran(self) -> None:
+        if self._staged:
+            self._flush()
+
+    def _accept(self, record: Xfer, now: float, *, later: bool = False) -> None:
+        actions = self._ledger.accepted(record, now)
+        if len(actions) == 1 and type(actions[0]) is Post:
+            self._post(record)
+        elif later:  # inside a room's command: its end is told after this callback
+            self._running_loop().call_soon(self._pump.execute, actions)
+        else:
+            self._pump.execute(actions)
+
+    def _flush(self) -> None:
+        """The records of the batch of room steps that just ended, to the ledger and the poster
+        in the order rooms posted them: runs of mergeable ones to one peer generation and
+        fence as one record each (within ``merge_max_chunks`` and ``merge_max_bytes``), the
+        rest alone."""
+        staged, self._staged = self._staged, []
+        now = time.monotonic()
+        config = self.config
+        run: list[Xfer] = []
+        run_bytes = 0
+        for record in staged:
+            if run and not (
+                record.mergeable
+                and record.peer is run[0].peer
+                and record.fence == run[0].fence
+                and len(run) < config.merge_max_chunks
+                and run_bytes + record.nbytes <= config.merge_max_bytes
+            ):
+                self._hand_over(run, now)
+                run, run_bytes = [], 0
+            if record.mergeable:
+                run.append(record)
+                run_bytes += record.nbytes
+            else:
+                self._hand_over([record], now)
+        if run:
+            self._hand_over(run, now)
+        self._pump.run_woken()
+
+    def _hand_over(self, records: list[Xfer], now: float) -> None:
+        peer = records[0].peer
+        if self._peers.get(peer.peer_id) is not peer:
+            # Its generation went while they waited for the batch's end: as if the poster had
+            # dropped them (what a queued record of a lost generation gets).
+            self._fail(records, f"peer {peer.peer_id} lost before posting")
+            return
+        if len(records) == 1:
+            self._accept(records[0], now)
+            return
+        merged, bad = merge(records, self.agent.layout)
+        for record, exc in bad:
+            self.stats.chunks_rejected += 1
+            self._fail([record], str(exc))
+        if merged is not None:
+            self._accept(merged, now)
+
+    def _fail(self, records: list[Xfer], reason: str) -> None:
+        """Fail records the ledger never saw (outside any room's command)."""
+        actions: list[Action] = [
+            Deliver(key, ChunkFailed(chunk, reason))
+            for record in records
+            for key, chunk, _ in record.members
+        ]
+        self.stats.chunks_failed += len(actions)
+        self._pump.execute(actions)
 
     def _post(self, record: Record) -> None:
         self._poster.submit(cast("Xfer", record))
@@ -211,6 +296,8 @@ class NixlTransport(CommandSink):
 
     async def aclose(self) -> None:
         """Engine shutdown hook (loop thread): stop the pump; handles are released in close()."""
+        if self._staged:  # (their flush is scheduled, but the loop may stop before it runs)
+            self._flush()
         await self._pump.aclose()
 
     def close(self) -> None:
