@@ -219,3 +219,34 @@ async def test_run_woken_takes_one_batch_and_leaves_the_rest_queued() -> None:
     assert len(log) == 4
     await settle()
     assert len(log) == 10
+
+
+async def test_after_batch_runs_once_after_each_batch_of_steps_and_a_raising_one_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``after_batch`` (``CommandSink.rooms_ran``): after every batch, whether the loop or a
+    ``run_woken`` ran it, once the batch's steps are all over; a hook that raises is logged and
+    the next batch still runs."""
+    scheduler = RoomScheduler(asyncio.get_running_loop(), batch=3)
+    log: list[str] = []
+    scheduler.after_batch = lambda: log.append(f"after (in a step: {scheduler.current()})")
+    toys = [Toy(scheduler, str(i), log) for i in range(5)]
+    for toy in toys:
+        scheduler.start(toy)
+    scheduler.run_woken()
+    assert log == ["0::True", "1::True", "2::True", "after (in a step: None)"]
+    await settle()
+    assert log[4:] == ["3::True", "4::True", "after (in a step: None)"]
+
+    def broken() -> None:
+        raise RuntimeError("hook broke")
+
+    scheduler.after_batch = broken
+    toys[0].deliver("x")
+    toys[1].deliver("y")
+    await settle()
+    assert log[-2:] == ["0:x:True", "1:y:True"]
+    assert "after-batch hook" in caplog.text
+    toys[2].deliver("z")  # the scheduler still runs rooms
+    await settle()
+    assert log[-1] == "2:z:True"

@@ -4,14 +4,16 @@ this process, DRAM to DRAM: what lands is compared with what was sent."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from kvfsm.rooms import RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, PostChunk
 from kvfsm.transport import NO_KV, LayoutError, Leases
-from kvfsm.transport._chunks import Xfer, accept
+from kvfsm.transport._chunks import Xfer, accept, merge, prepare
 from kvfsm.transport._fence import FenceError
 from kvfsm.transport._ledger import QUEUED, Deliver, Finish
 from kvfsm.workload.buffers import page_digests
@@ -169,3 +171,91 @@ def test_a_lease_gone_before_the_post_stops_it_after_the_handle_is_made(pair: Pa
     assert len(record.handles) == 1  # ...but the handle was made: the pump must release it
     assert pair.settle(record) == []
     assert pair.theirs.pages([8]) != pair.mine.pages([4])
+
+
+# -- merge: several chunks, one NIXL request (the ledger's rule 8) -----------------------------
+
+
+def prepared(
+    pair: Pair, command: PostChunk, key: RoomKey = KEY, merge_bytes: int = 1 << 30
+) -> Xfer:
+    record = prepare(
+        pair.stats, key, command, layout=pair.mine.agent.layout, peer=pair.peer,
+        merge_bytes=merge_bytes,
+    )  # fmt: skip
+    assert isinstance(record, Xfer)
+    return record
+
+
+def test_merged_chunks_of_several_rooms_land_as_one_request(pair: Pair) -> None:
+    a = prepared(pair, chunk([1, 2], [9, 3], index=0), RoomKey(1, 1))
+    b = prepared(pair, chunk([5], [0], index=1, is_last=True, src_aux=2, dst_aux=1), RoomKey(1, 1))
+    c = prepared(
+        pair, chunk([7, 4], [12, 6], index=0, is_last=True, src_aux=0, dst_aux=3), RoomKey(2, 1)
+    )
+    assert all(r.mergeable for r in (a, b, c))
+    merged, bad = merge([a, b, c], pair.mine.agent.layout)
+    assert bad == []
+    assert merged is not None
+    assert merged.checked
+    assert merged.members == (
+        (RoomKey(1, 1), 0, a.nbytes), (RoomKey(1, 1), 1, b.nbytes), (RoomKey(2, 1), 0, c.nbytes)
+    )  # fmt: skip
+    assert merged.nbytes == a.nbytes + b.nbytes + c.nbytes
+    pair.ledger.accepted(merged, time.monotonic())
+    pair.post(merged)
+    assert len(merged.states) == 2  # one kv request, one aux request, for all three chunks
+    assert pair.stats.handles_created == 2
+    assert pair.settle(merged) == ["DONE", "DONE"]
+    assert pair.theirs.pages([9, 3, 0, 12, 6]) == pair.mine.pages([1, 2, 5, 7, 4])
+    assert pair.theirs.aux[1].tobytes() == pair.mine.aux[2].tobytes()
+    assert pair.theirs.aux[3].tobytes() == pair.mine.aux[0].tobytes()
+
+
+@pytest.mark.parametrize(
+    ("bad_src", "bad_dst", "reason"),
+    [([1], [SHAPE.num_pages], "destination page index"), ([-1], [2], "source page index")],
+    ids=["destination", "source"],
+)
+def test_a_bad_page_leaves_only_its_own_chunk_out_of_a_merge(
+    pair: Pair, bad_src: list[int], bad_dst: list[int], reason: str
+) -> None:
+    good = [prepared(pair, chunk([i], [i + 4], index=i), RoomKey(i, 1)) for i in (1, 3)]
+    bad = prepared(pair, chunk(bad_src, bad_dst), RoomKey(2, 1))
+    assert bad.mergeable  # pages are checked when merged, not when prepared
+    merged, left_out = merge([good[0], bad, good[1]], pair.mine.agent.layout)
+    assert [(record, reason in str(exc)) for record, exc in left_out] == [(bad, True)]
+    assert merged is not None
+    assert merged.checked
+    assert [key for key, _, _ in merged.members] == [RoomKey(1, 1), RoomKey(3, 1)]
+    pair.ledger.accepted(merged, time.monotonic())
+    pair.post(merged)
+    assert pair.settle(merged) == ["DONE"]
+    assert pair.theirs.pages([5, 7]) == pair.mine.pages([1, 3])
+
+
+def test_a_merge_with_only_bad_chunks_leaves_nothing_and_one_good_chunk_goes_alone(
+    pair: Pair,
+) -> None:
+    layout = pair.mine.agent.layout
+    bad = [prepared(pair, chunk([SHAPE.num_pages + i], [1]), RoomKey(i, 1)) for i in (1, 2)]
+    merged, left_out = merge(bad, layout)
+    assert merged is None
+    assert [record for record, _ in left_out] == bad
+    good = prepared(pair, chunk([3], [4]), RoomKey(3, 1))
+    merged, left_out = merge([bad[0], good], layout)
+    assert merged is good  # not copied: checked, and posted alone
+    assert good.checked
+
+
+def test_only_small_chunks_without_state_rows_are_mergeable_and_only_alike_ones_merge(
+    pair: Pair,
+) -> None:
+    page = 2 * SHAPE.layers * SHAPE.page_bytes
+    assert not prepared(pair, chunk([1, 2], [3, 4]), merge_bytes=page).mergeable  # too big
+    assert prepared(pair, chunk([1], [3]), merge_bytes=page).mergeable
+    with_state = chunk([1], [3], is_last=True, src_state=ints([1]), dst_state=ints([2]))
+    assert not prepared(pair, with_state).mergeable  # its rows are checked on the poster
+    one, other = prepared(pair, chunk([1], [3])), prepared(pair, chunk([2], [4], fence=3))
+    with pytest.raises(ValueError, match="one peer generation and fence"):
+        merge([one, other], pair.mine.agent.layout)

@@ -4,7 +4,8 @@ One test per rule of ``kvfsm.transport._ledger``, then a hypothesis state machin
 the transport (poster, pump, timers, peers, leases, rooms) around the production ledger with
 a physical model of every handle: whatever the order, every accepted chunk gets exactly one
 final event, none is final while a handle of it may still move bytes (unless it was released
-and its quarantine is over), and nothing is left once all are final.
+and its quarantine is over), and nothing is left once all are final. Its records carry one to
+three chunks of up to three rooms (rule 8), as the transport's merged requests do.
 """
 
 from __future__ import annotations
@@ -448,6 +449,83 @@ def test_drain_forgets_everything() -> None:
 # -- the property test ------------------------------------------------------------------------
 
 
+# -- rule 8: chunks posted together ------------------------------------------------------------
+
+
+def together(*members: tuple[RoomKey, int], peer: Any = PEER) -> Record:
+    """A record of several chunks (``(room, chunk)`` each, 1000 bytes each), as merged."""
+    first_key, first_chunk = members[0]
+    rec = Record(first_key, first_chunk, peer, 1000 * len(members))
+    rec.members = tuple((key, chunk, 1000) for key, chunk in members)
+    return rec
+
+
+def test_chunks_posted_together_end_together_each_with_its_own_event() -> None:
+    book = ledger()
+    rec = accept(book, together((KEY, 0), (KEY, 1), (OTHER, 0)))
+    post(rec, "DONE")
+    finish = only_finish(book.posted(rec, 0.1))
+    assert finish.events() == [(KEY, ChunkDone(0)), (KEY, ChunkDone(1)), (OTHER, ChunkDone(0))]
+    assert book.stats.chunks_done == 3  # chunks, not records
+    assert book.stats.done_at_post == 3
+    assert book.stats.bytes_done == 3000
+    assert book.in_flight == 0
+
+
+def test_a_failed_request_fails_each_of_its_chunks_with_the_reason() -> None:
+    book = ledger()
+    rec = accept(book, together((KEY, 0), (OTHER, 3)))
+    post(rec, "ERR")
+    finish = only_finish(book.posted(rec, 0.1))
+    assert finish.events() == [
+        (KEY, ChunkFailed(0, ERR_REASON)),
+        (OTHER, ChunkFailed(3, ERR_REASON)),
+    ]
+    assert book.stats.chunks_failed == 2
+
+
+def test_a_stalled_request_holds_every_chunk_of_it_once() -> None:
+    book = ledger()
+    rec = accept(book, together((KEY, 0), (OTHER, 1)))
+    post(rec, "PROC")
+    book.posted(rec, 0.1)
+    assert book.take_active() == [rec]
+    actions = book.polled(rec, ["PROC"], DEADLINE + 0.5)
+    assert [type(a) for a in actions] == [Release, Deliver, Deliver, StartQuarantine]
+    stalled = [(a.key, a.event) for a in actions if isinstance(a, Deliver)]
+    reason = f"in flight past its {DEADLINE:g}s deadline; released"
+    assert stalled == [(KEY, ChunkStalled(0, reason)), (OTHER, ChunkStalled(1, reason))]
+    assert book.stats.chunks_stalled == 2
+    assert book.stats.chunks_quarantined == 2
+    over = only_finish(book.quarantine_over(rec))
+    assert [key for key, _ in over.events()] == [KEY, OTHER]
+    assert all(isinstance(e, ChunkFailed) for _, e in over.events())
+
+
+def test_a_lost_peer_tells_each_room_of_a_shared_request_once() -> None:
+    book = ledger()
+    accept(book, together((KEY, 0), (KEY, 1), (OTHER, 0)))
+    actions = book.peer_lost(PEER, "gone", 1.0)
+    assert [(a.key, a.event) for a in actions if isinstance(a, Deliver)] == [
+        (KEY, PeerLost("gone")),
+        (OTHER, PeerLost("gone")),
+    ]
+
+
+def test_a_shared_request_is_dropped_only_once_every_room_in_it_asked() -> None:
+    book = ledger()
+    rec = accept(book, together((KEY, 0), (OTHER, 0), (KEY, 1)))
+    book.release_requested(KEY)
+    assert not rec.dropped  # OTHER's chunk is still wanted: it is posted
+    book.release_requested(RoomKey(9, 1))  # a room not in it changes nothing
+    assert not rec.dropped
+    book.release_requested(OTHER)
+    assert rec.dropped
+    finish = only_finish(book.posted(rec, 0.1))  # the poster skipped it
+    assert {type(e) for _, e in finish.events()} == {ChunkFailed}
+    assert book.stats.chunks_dropped == 3
+
+
 class Handle:
     """One NIXL handle as the world sees it: made, maybe posted, moving (PROC) until it is
     DONE or ERR; released by the transport. A released handle that was moving stays in doubt:
@@ -488,6 +566,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.delivered: list[tuple[RoomKey, Event]] = []
         self.parts: dict[Record, int] = {}
         self.by_id: dict[tuple[RoomKey, int], Record] = {}
+        self.chunk_finals: dict[tuple[RoomKey, int], int] = {}
         self.chunks = 0
 
     @initialize(fenced=st.booleans())
@@ -503,7 +582,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def run(self, actions: list[Action], *, quarantine_over: bool = False) -> None:
         for action in actions:
             if isinstance(action, Finish):
-                self.finished(action.record, action.event, quarantine_over)
+                self.finished(action, quarantine_over)
             elif isinstance(action, Release):
                 self.release(action.record)
             elif isinstance(action, Deliver):
@@ -526,9 +605,16 @@ class LedgerMachine(RuleBasedStateMachine):
             handle.released = True
         rec.handles = []
 
-    def finished(self, rec: Record, event: Event, quarantine_over: bool) -> None:
+    def finished(self, finish: Finish, quarantine_over: bool) -> None:
+        rec, event = finish.record, finish.event
         self.release(rec)
         self.finals.setdefault(rec, []).append(event)
+        # Rule 8: each chunk of the record ends, once, the way the record did.
+        events = finish.events()
+        assert [(key, e.chunk) for key, e in events] == [(k, c) for k, c, _ in rec.members]
+        assert all(type(e) is type(event) for _, e in events)
+        for key, e in events:
+            self.chunk_finals[key, e.chunk] = self.chunk_finals.get((key, e.chunk), 0) + 1
         moving = [h for h in self.made.get(rec, []) if h.posted and h.real == "PROC"]
         if moving:
             # Final while a handle may still move bytes: only after release + quarantine.
@@ -536,20 +622,26 @@ class LedgerMachine(RuleBasedStateMachine):
             assert all(h.released for h in moving)
             assert self.now >= self.held_at[rec] + Q - 1e-9
         if quarantine_over:
-            assert self.stalled.get(rec) == 1, "a quarantine without exactly one ChunkStalled"
+            # One ChunkStalled per chunk of the record, each before its quarantine.
+            assert self.stalled.get(rec) == len(rec.members), "not one ChunkStalled per chunk"
             assert isinstance(event, ChunkFailed)
         assert all(h.released or not h.posted or h.real == "DONE" for h in self.made.get(rec, []))
 
     # -- the world -----------------------------------------------------------------------------
 
     @rule(room=st.integers(0, 3), slot=st.integers(0, 1), parts=st.integers(1, 3),
-          fence=st.integers(0, 4))  # fmt: skip
-    def accept(self, room: int, slot: int, parts: int, fence: int) -> None:
-        rec = Record(RoomKey(room, 1), self.chunks, self.peers[slot], parts * 100, fence)
-        self.chunks += 1
+          fence=st.integers(0, 4), more=st.lists(st.integers(0, 3), max_size=2))  # fmt: skip
+    def accept(self, room: int, slot: int, parts: int, fence: int, more: list[int]) -> None:
+        """A record of one chunk, or (``more``: their rooms) of several posted together."""
+        rooms = [room, *more]
+        members = tuple((RoomKey(r, 1), self.chunks + i, 100) for i, r in enumerate(rooms))
+        self.chunks += len(rooms)
+        rec = Record(RoomKey(room, 1), members[0][1], self.peers[slot], 100 * len(rooms), fence)
+        rec.members = members
         self.made[rec] = []
         self.parts[rec] = parts
-        self.by_id[rec.key, rec.chunk] = rec
+        for key, chunk, _ in members:
+            self.by_id[key, chunk] = rec
         self.accepted.append(rec)
         self.run(self.book.accepted(rec, self.now))
 
@@ -707,6 +799,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert not self.book.busy
         for peer in {r.peer for r in self.accepted}:
             assert not self.book.lost(peer)
+        assert sorted(self.chunk_finals.values()) == [1] * len(self.by_id)  # each chunk, once
         for rec in self.accepted:
             assert len(self.finals.get(rec, [])) == 1, f"{rec}: {self.finals.get(rec)}"
             for handle in self.made[rec]:

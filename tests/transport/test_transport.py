@@ -87,6 +87,79 @@ def test_out_of_range_page_fails_that_room_only(prefill: Prefill, peer: PeerProc
     )
 
 
+def ready_senders(prefill: Prefill, rooms: dict[int, tuple[list[int], list[int]]]) -> dict:
+    """A sender per room id with decode's pages (``rooms``: id -> (src, dst)), each
+    WaitingForInput; decode's aux row is the room id."""
+    senders = {}
+    for room, (_, dst) in rooms.items():
+        sender = prefill.engine.sender(room)
+        packed = np.asarray(dst, np.int32).tobytes()
+        prefill.engine.post(sender.key, DestinationReceived(packed, room, peer="decode"))
+        senders[room] = sender
+    wait_for(lambda: all(s.poll() is KVPoll.WaitingForInput for s in senders.values()))
+    return senders
+
+
+def burst(prefill: Prefill, senders: dict, rooms: dict[int, tuple[list[int], list[int]]]) -> None:
+    """Every room's init and chunks (two each) posted from one loop callback: the engine
+    handles them as one batch of steps, as it does a scheduler iteration's calls."""
+
+    async def post_all() -> None:
+        for room, (src, _) in rooms.items():
+            sender = senders[room]
+            sender.init(len(src), room % SHAPE.aux_rows)
+            half = len(src) // 2
+            sender.send(np.asarray(src[:half], np.int32))
+            sender.send(np.asarray(src[half:], np.int32))
+
+    prefill.engine.call(post_all())
+    wait_for(lambda: all(s.poll() in TERMINAL for s in senders.values()))
+
+
+def test_chunks_of_one_batch_go_out_as_one_request_and_a_bad_page_fails_only_its_room(
+    prefill: Prefill, peer: PeerProcess
+) -> None:
+    bad_page = SHAPE.num_pages + 3
+    rooms = {
+        r: ([4 * r + i for i in range(4)], [64 + 4 * r + i for i in range(4)]) for r in range(6)
+    }
+    rooms[2] = (rooms[2][0], [100, 101, bad_page, 102])  # its second chunk names a bad page
+    senders = ready_senders(prefill, rooms)
+    burst(prefill, senders, rooms)
+    for room, (src, dst) in rooms.items():
+        sender = senders[room]
+        if room == 2:
+            assert sender.poll() is KVPoll.Failed
+            assert f"destination page index {bad_page} out of range" in sender.reason
+            continue
+        assert sender.poll() is KVPoll.Success, sender.reason
+        assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(prefill, src)
+        assert peer.ask("aux", room) == prefill.aux[room % SHAPE.aux_rows].tobytes()
+    stats = prefill.transport.snapshot()
+    assert stats["chunks_posted"] == 12
+    assert stats["chunks_rejected"] == 1
+    assert stats["chunks_done"] == 11  # room 2's first chunk landed too (its pages are fine)
+    # Eleven chunks, five aux rows, one kv and one aux request: merged (rule 8).
+    assert stats["handles_created"] == 2
+    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+
+
+def test_merging_off_posts_every_chunk_alone() -> None:
+    process = PeerProcess(SHAPE)
+    prefill = Prefill(TransferConfig(merge_max_chunks=1))
+    try:
+        prefill.connect(process)
+        rooms = {r: ([2 * r, 2 * r + 1], [40 + 2 * r, 41 + 2 * r]) for r in range(3)}
+        senders = ready_senders(prefill, rooms)
+        burst(prefill, senders, rooms)
+        assert all(s.poll() is KVPoll.Success for s in senders.values())
+        # Two kv requests per room, and an aux request with each room's last chunk.
+        assert prefill.transport.snapshot()["handles_created"] == 9
+    finally:
+        prefill.close()
+        process.close()
+
+
 def test_peer_killed_fails_its_rooms_and_a_restarted_peer_serves_new_ones(
     peer: PeerProcess,
 ) -> None:
