@@ -75,6 +75,7 @@ from kvfsm.transport._fence import Leases
 
 __all__ = [
     "ACTIVE",
+    "DROPPED",
     "ERR_REASON",
     "FINAL",
     "HELD",
@@ -325,7 +326,7 @@ class ChunkLedger:
             return self._hold(record, "peer lost while posting; released", now)
         if not states:
             self.stats.chunks_dropped += len(record.members)
-            return [self._finish(record, ChunkFailed(record.chunk, _DROPPED))]
+            return [self._finish(record, ChunkFailed(record.chunk, DROPPED))]
         if _PROC not in states:
             if states.count(_DONE) != len(states):
                 return [self._finish(record, ChunkFailed(record.chunk, ERR_REASON))]
@@ -507,4 +508,5 @@ def _rooms(record: Record) -> dict[RoomKey, None]:
     return dict.fromkeys(key for key, _, _ in record.members)
 
 
-_DROPPED: Final = "dropped: room failed before posting"
+#: Why a chunk failed whose room failed before it was posted (rule 7).
+DROPPED: Final = "dropped: room failed before posting"

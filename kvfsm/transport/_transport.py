@@ -13,10 +13,11 @@ each on its own thread, and this one only wires them:
 * :mod:`kvfsm.transport._chunks`: a ``PostChunk`` checked and made into a record (loop
   thread), and its transfers made, fenced and posted (the poster thread,
   :mod:`kvfsm.transport._poster`): ``transfer()`` copies synchronously on shared-memory paths.
-  The records of one loop callback (the chunks that rooms post while handling one batch of a
-  scheduler's calls) are handed to the ledger together at its end, small ones to the same
-  peer and fence merged into one request (``TransferConfig.merge_max_bytes``; the ledger's
-  rule 8): one ``make_prepped_xfer``, ``transfer()`` and handle instead of one per chunk.
+  The records of one batch of room steps (the chunks that rooms post while handling, say, one
+  scheduler iteration's calls) are handed to the ledger together at its end, small ones to
+  the same peer and fence merged into one request (``TransferConfig.merge_max_bytes``; the
+  ledger's rule 8): one ``make_prepped_xfer``, ``transfer()`` and handle instead of one per
+  chunk.
 * :mod:`kvfsm.transport._pump`: the ledger's actions and the completion pump (loop thread);
   it owns every posted handle until it is released, and keeps progressing the agent after a
   hold.
@@ -55,7 +56,7 @@ from kvfsm.transport._chunks import Xfer, merge, post_xfer, prepare
 from kvfsm.transport._config import ChunkObserver, TransferConfig, TransportStats
 from kvfsm.transport._fence import Leases
 from kvfsm.transport._layout import LayoutSummary
-from kvfsm.transport._ledger import Action, ChunkLedger, Deliver, Post, Record
+from kvfsm.transport._ledger import DROPPED, Action, ChunkLedger, Deliver, Post, Record
 from kvfsm.transport._peers import PeerSet
 from kvfsm.transport._poster import Poster
 from kvfsm.transport._pump import Pump
@@ -118,7 +119,7 @@ class NixlTransport(CommandSink):
         self._poster: Poster[Xfer] = Poster(
             functools.partial(post_xfer, agent, leases, self.stats), self._pump.posted
         )
-        #: Records of this loop callback, handed to the ledger at its end (``_flush``).
+        #: Records of this batch of room steps, handed to the ledger at its end (``_flush``).
         self._staged: list[Xfer] = []
         self._closed = False
 
@@ -168,6 +169,9 @@ class NixlTransport(CommandSink):
                 self._accept(prepared, time.monotonic(), later=True)
         elif isinstance(command, ReleaseHandles):
             self._ledger.release_requested(key)  # marks only: no actions
+            for record in self._staged:  # not the ledger's yet: never posted (rule 7)
+                if record.key == key:
+                    record.dropped = True
         # Anything else is the control channel's (see the module docstring): dropped here.
 
     def rooms_ran(self) -> None:
@@ -194,6 +198,10 @@ class NixlTransport(CommandSink):
         run: list[Xfer] = []
         run_bytes = 0
         for record in staged:
+            if record.dropped:  # its room failed in the same batch: as the ledger's rule 7
+                self.stats.chunks_dropped += 1
+                self._fail([record], DROPPED)
+                continue
             if run and not (
                 record.mergeable
                 and record.peer is run[0].peer

@@ -144,6 +144,32 @@ def test_chunks_of_one_batch_go_out_as_one_request_and_a_bad_page_fails_only_its
     wait_for(lambda: prefill.engine.stats()["live"] == 0)
 
 
+def test_a_room_that_fails_in_the_batch_that_sent_its_chunk_never_posts_it(
+    prefill: Prefill, peer: PeerProcess
+) -> None:
+    rooms = {r: ([2 * r, 2 * r + 1], [30 + 2 * r, 31 + 2 * r]) for r in range(3)}
+    senders = ready_senders(prefill, rooms)
+
+    async def send_then_abort_one() -> None:
+        for room, (src, _) in rooms.items():
+            senders[room].init(len(src), room % SHAPE.aux_rows)
+            senders[room].send(np.asarray(src, np.int32))
+        senders[1].abort("changed its mind")  # same batch: its chunk is still staged
+
+    prefill.engine.call(send_then_abort_one())
+    wait_for(lambda: all(s.poll() in TERMINAL for s in senders.values()))
+    wait_for(lambda: senders[1].settled)
+    assert senders[1].poll() is KVPoll.Failed
+    assert [s.poll() for r, s in senders.items() if r != 1] == [KVPoll.Success] * 2
+    stats = prefill.transport.snapshot()
+    assert stats["chunks_dropped"] == 1
+    assert stats["chunks_done"] == 2
+    assert stats["handles_created"] == 2  # the other two rooms' kv and aux, merged
+    assert peer.ask("digests", np.asarray([32, 33], np.int32).tobytes()) != expected(
+        prefill, [2, 3]
+    )  # nothing of the aborted room landed
+
+
 def test_merging_off_posts_every_chunk_alone() -> None:
     process = PeerProcess(SHAPE)
     prefill = Prefill(TransferConfig(merge_max_chunks=1))
