@@ -110,6 +110,19 @@ def source_rows(seed: int, buffer: int, rows: npt.NDArray[np.int64], width: int)
         return (row ^ word ^ base).view(np.uint8)
 
 
+def max_pages_refusal_problem(receiver: ReceiverRoom, count: int) -> str | None:
+    """What is wrong with ``receiver`` right after a ``send_metadata`` of ``count`` pages, more
+    than ``max_pages``: the facade must refuse it in the caller's thread, so the room reads
+    Failed when the call returns. Its reason is the refusal's, unless the room had failed by
+    itself meanwhile (a lost link published on the loop thread between the caller's last poll
+    and the call, or just after it): the published reason wins over the caller's local one,
+    and nothing was sent either way. None if nothing is wrong."""
+    status = receiver.poll()
+    if status is not KVPoll.Failed:
+        return f"{count} pages: {status.name} after the call ({receiver.reason!r})"
+    return None
+
+
 class _Pool:
     """Free indices of one pool (pages, or aux rows), handed out oldest-freed first.
 
@@ -417,11 +430,11 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
             "send_metadata_oversized", limit, receiver.send_metadata, pages, item.dst_aux
         )
         if kind == "max_pages":
-            status = receiver.poll()
-            if status is not KVPoll.Failed or "max_pages" not in receiver.reason:
-                item.oversized_problem = (
-                    f"{count} pages: {status.name} after the call ({receiver.reason!r})"
-                )
+            problem = max_pages_refusal_problem(receiver, count)
+            if problem is not None:
+                item.oversized_problem = problem
+            elif "max_pages" not in receiver.reason:
+                item.oversized_at = 0.0  # it failed by itself meanwhile: no timing to check
 
     def _check_oversized(self, item: _Live) -> None:
         """An oversized room must have failed, a frame-sized one within a second (frozen
