@@ -238,7 +238,10 @@ class _Campaign:
             assert child is not None
             ranks[role] = child
         port = ranks["prefill"].ask("port")
-        # Process-level faults at seeded times within the first seconds of the episode.
+        # Process-level faults at seeded times within the first seconds of the episode, or as
+        # soon as that fraction of its rooms (times 0.9) has ended, if that comes first: a pair
+        # that serves its rooms faster than ``span`` still gets every fault mid-episode (a
+        # fault due after the episode's last room would not be made at all).
         span = max(2.0, opts.rooms / opts.concurrency * 0.3)
         actions: list[tuple[float, str, str]] = []
         if rng.random() < opts.sigstop_rate:
@@ -271,13 +274,20 @@ class _Campaign:
         limit = (opts.rooms / opts.concurrency + 2) * (
             max(opts.bound_s(r) for r in Role) + opts.slack_s
         )
+        retried: set[tuple[float, str, str]] = set()  # due by time only
         while not all(done[r] or r in killed for r in _ROLES):
             now = time.monotonic() - t0
-            while actions and actions[0][0] <= now:
+            ended = sum(len(outcomes[r]) for r in _ROLES) / (2 * opts.rooms)
+            while actions and (
+                actions[0][0] <= now
+                or (actions[0] not in retried and 0.9 * actions[0][0] / span <= ended)
+            ):
                 _, what, arg = actions.pop(0)
                 later = self._act(what, arg, port, ranks, stopped, killed)
                 if later is not None:  # not now: when the rank runs and the link is up
-                    actions.append((later - t0 + 0.1, what, arg))
+                    retry = (later - t0 + 0.1, what, arg)
+                    retried.add(retry)
+                    actions.append(retry)
                     actions.sort()
             for role, until in list(stopped.items()):
                 if time.monotonic() >= until:
