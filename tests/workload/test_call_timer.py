@@ -3,8 +3,9 @@ that other processes held is not."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,9 +23,12 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _burn(until: float) -> None:
-    while time.monotonic() < until:
-        pass
+#: A CPU burner: a separate interpreter (not a fork of this one: forking a process with
+#: threads and native libraries loaded runs their at-fork hooks and is unsafe; a clean-clone
+#: run once aborted in a garbage collection that an at-fork hook set off).
+_BURN = (
+    "import time\nuntil = time.monotonic() + {seconds}\nwhile time.monotonic() < until:\n    pass"
+)
 
 
 def test_own_time_is_wall_less_queued_and_never_negative() -> None:
@@ -58,13 +62,10 @@ def test_waiting_for_a_cpu_held_by_other_processes_is_subtracted() -> None:
     # More CPU-bound processes than CPUs: a CPU-bound call on this thread waits its turn on a
     # run queue for much of its wall time, and the timer takes exactly that out.
     cpus = len(os.sched_getaffinity(0))
-    ctx = multiprocessing.get_context("fork")
-    until = time.monotonic() + 3.0
-    burners = [ctx.Process(target=_burn, args=(until,)) for _ in range(2 * cpus)]
-    for proc in burners:
-        proc.start()
+    code = _BURN.format(seconds=3.5)
+    burners = [subprocess.Popen([sys.executable, "-S", "-c", code]) for _ in range(2 * cpus)]
     try:
-        time.sleep(0.2)  # they are running
+        time.sleep(0.5)  # they are running
         timer = CallTimer()
         cpu0 = time.thread_time()
         _, timed = timer.time(_spin, 0.5)
@@ -72,7 +73,7 @@ def test_waiting_for_a_cpu_held_by_other_processes_is_subtracted() -> None:
         timer.close()
     finally:
         for proc in burners:
-            proc.join()
+            proc.wait(timeout=30)
     assert timed.wall_ms >= 500.0
     # With 2 burners per CPU this thread got at most about a third of a CPU: much of the wall
     # time was spent queued, and what is left is the spin's own running time.
