@@ -282,6 +282,7 @@ def test_an_id_reused_while_its_predecessor_drains_both_end_and_settle() -> None
         second = decode.receive(5, list(range(20, 24)), aux_row=2)  # the same id, at once
         wait_for(lambda: status(prefill, 5)[0] == KVPoll.Failed, timeout=10)
         wait_for(lambda: first.settled, timeout=10)  # the old generation's ack still reaches it
+        wait_for(lambda: prefill.ask("entries")["held"] == 1, timeout=10)  # the reuse's claim
         prefill.ask("send", 5, [40, 41, 42, 43], 2, 3)  # the id's next prefill room
         wait_for(lambda: second.poll() in TERMINAL, timeout=10)
         assert second.poll() is KVPoll.Success, second.reason
@@ -299,10 +300,37 @@ def test_an_early_abort_of_one_generation_does_not_kill_the_next(
     gone.abort("client gone")
     wait_for(lambda: gone.settled, timeout=10)
     again = decode.receive(8, [3, 4], aux_row=1)  # the id reused before prefill's room came
+    # "Before" is what prefill saw: its room pairs with whichever came first, the early abort
+    # of generation 1 or this claim (the next test is the other order). Wait for the claim.
+    wait_for(lambda: prefill.ask("entries")["held"] == 1, timeout=10)
+    assert prefill.ask("entries")["early_aborts"] == 0  # the newer claim superseded the mark
     prefill.ask("send", 8, [10, 11], 1, 4)
     wait_for(lambda: again.poll() in TERMINAL, timeout=10)
     assert again.poll() is KVPoll.Success, again.reason
     assert decode.landed([10, 11], [3, 4], 4, 1)
+
+
+def test_a_prefill_room_that_came_before_the_ids_reuse_belongs_to_the_aborted_receiver(
+    pair: tuple[PrefillProcess, Decode],
+) -> None:
+    prefill, decode = pair
+    gone = decode.receive(8, [1, 2], aux_row=0)
+    gone.abort("client gone")
+    wait_for(lambda: gone.settled, timeout=10)
+    wait_for(lambda: prefill.ask("entries")["early_aborts"] == 1, timeout=10)
+    # Prefill's room for id 8 comes while the early abort is the id's newest word: it is the
+    # aborted receiver's partner and fails at once, having written nothing.
+    prefill.ask("send", 8, [10, 11], 1, 4)
+    wait_for(lambda: status(prefill, 8)[0] == KVPoll.Failed, timeout=10)
+    assert "client gone" in status(prefill, 8)[1]
+    # The id's reuse then waits for the id's next prefill room, and succeeds with it.
+    again = decode.receive(8, [3, 4], aux_row=1)
+    wait_for(lambda: prefill.ask("entries")["held"] == 1, timeout=10)
+    assert again.poll() not in TERMINAL  # not answered by the failed room
+    prefill.ask("send", 8, [20, 21], 1, 5)
+    wait_for(lambda: again.poll() in TERMINAL, timeout=10)
+    assert again.poll() is KVPoll.Success, again.reason
+    assert decode.landed([20, 21], [3, 4], 5, 1)
 
 
 # -- law 7: one owner per destination ----------------------------------------------------------
