@@ -87,3 +87,8 @@ class TransportStats(LedgerStats):
     peers_lost: int = 0
     peers_connected: int = 0
     stale_deliveries: int = 0
+    #: Runs of chunks whose merge raised (memory): each chunk was posted alone instead.
+    merge_errors: int = 0
+    #: Groups of a batch's chunks whose hand-over to the ledger raised (a bug): the chunks the
+    #: ledger did not take were failed.
+    hand_over_errors: int = 0

@@ -434,6 +434,11 @@ class ChunkLedger:
         over = f"{record.reason}; quarantine of {self._quarantine_s:g}s over"
         return [self._finish(record, ChunkFailed(record.chunk, over))]
 
+    def tracks(self, key: RoomKey, chunk: int) -> bool:
+        """Whether chunk ``chunk`` of room ``key`` is in an accepted record not yet final. A
+        scan: for error paths, not per chunk."""
+        return any(k == key and c == chunk for r in self._records for k, c, _ in r.members)
+
     def release_requested(self, key: RoomKey) -> list[Action]:
         """The room ``key`` failed and asks to release its chunks (rule 7)."""
         for record in self._records:

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import cast
 
@@ -65,6 +67,8 @@ from kvfsm.transport._slices import KvPiece
 # TransferConfig, TransportStats and ChunkObserver live in _config; re-exported here, where
 # callers have always imported them from.
 __all__ = ["ChunkObserver", "NixlTransport", "TransferConfig", "TransportStats"]
+
+_log = logging.getLogger("kvfsm.transport")
 
 
 class NixlTransport(CommandSink):
@@ -191,16 +195,30 @@ class NixlTransport(CommandSink):
         """The records of the batch of room steps that just ended, to the ledger and the poster
         in the order rooms posted them: runs of mergeable ones to one peer generation and
         fence as one record each (within ``merge_max_chunks`` and ``merge_max_bytes``), the
-        rest alone."""
+        rest alone.
+
+        No exception leaves a staged chunk without an end: the records were taken off
+        ``_staged`` already, so a chunk the ledger never got would be in no one's hands, its
+        room failed at its deadline and never settled. A group whose hand-over raised fails
+        the chunks the ledger does not have, and the other groups go on."""
         staged, self._staged = self._staged, []
         now = time.monotonic()
+        for records in self._groups(staged):
+            try:
+                self._hand_over(records, now)
+            except Exception as exc:  # a bug, or memory: these chunks must still end
+                self._not_handed_over(records, exc)
+        self._pump.run_woken()
+
+    def _groups(self, staged: list[Xfer]) -> Iterator[list[Xfer]]:
+        """``staged`` in posting order, in the groups ``_hand_over`` takes: each run of
+        mergeable records that may share a request, and every other record alone."""
         config = self.config
         run: list[Xfer] = []
         run_bytes = 0
         for record in staged:
-            if record.dropped:  # its room failed in the same batch: as the ledger's rule 7
-                self.stats.chunks_dropped += 1
-                self._fail([record], DROPPED)
+            if record.dropped:  # never posted: it need not break a run
+                yield [record]
                 continue
             if run and not (
                 record.mergeable
@@ -209,33 +227,57 @@ class NixlTransport(CommandSink):
                 and len(run) < config.merge_max_chunks
                 and run_bytes + record.nbytes <= config.merge_max_bytes
             ):
-                self._hand_over(run, now)
+                yield run
                 run, run_bytes = [], 0
             if record.mergeable:
                 run.append(record)
                 run_bytes += record.nbytes
             else:
-                self._hand_over([record], now)
+                yield [record]
         if run:
-            self._hand_over(run, now)
-        self._pump.run_woken()
+            yield run
 
     def _hand_over(self, records: list[Xfer], now: float) -> None:
-        peer = records[0].peer
+        first = records[0]
+        if first.dropped:  # (alone) its room failed in the same batch: as the ledger's rule 7
+            self.stats.chunks_dropped += 1
+            self._fail(records, DROPPED)
+            return
+        peer = first.peer
         if self._peers.get(peer.peer_id) is not peer:
             # Its generation went while they waited for the batch's end: as if the poster had
             # dropped them (what a queued record of a lost generation gets).
             self._fail(records, f"peer {peer.peer_id} lost before posting")
             return
         if len(records) == 1:
-            self._accept(records[0], now)
+            self._accept(first, now)
             return
-        merged, bad = merge(records, self.agent.layout)
-        for record, exc in bad:
+        try:
+            merged, bad = merge(records, self.agent.layout)
+        except Exception as exc:  # (memory, joining the pages) each was fine alone: so post it
+            self.stats.merge_errors += 1
+            _log.warning("could not merge %d chunks, posting each alone: %r", len(records), exc)
+            for record in records:
+                self._accept(record, now)
+            return
+        for record, error in bad:
             self.stats.chunks_rejected += 1
-            self._fail([record], str(exc))
+            self._fail([record], str(error))
         if merged is not None:
             self._accept(merged, now)
+
+    def _not_handed_over(self, records: list[Xfer], exc: Exception) -> None:
+        """``_hand_over(records)`` raised: fail the chunks the ledger did not take (it keeps
+        and ends those it took, as it does any record). Logs; never raises."""
+        self.stats.hand_over_errors += 1
+        _log.error("could not hand %d chunk(s) to the ledger", len(records), exc_info=exc)
+        reason = f"could not post the chunk: {type(exc).__name__}: {exc}"
+        ledger = self._ledger
+        left = [r for r in records if not any(ledger.tracks(k, c) for k, c, _ in r.members)]
+        try:
+            self._fail(left, reason)
+        except Exception:
+            _log.exception("could not fail %d chunk(s) after that", len(left))
 
     def _fail(self, records: list[Xfer], reason: str) -> None:
         """Fail records the ledger never saw (outside any room's command)."""

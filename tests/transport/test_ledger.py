@@ -526,6 +526,19 @@ def test_a_shared_request_is_dropped_only_once_every_room_in_it_asked() -> None:
     assert book.stats.chunks_dropped == 3
 
 
+def test_the_ledger_tracks_each_chunk_of_a_record_until_it_is_final() -> None:
+    book = ledger()
+    rec = accept(book, together((KEY, 0), (OTHER, 2)))
+    assert book.tracks(KEY, 0)
+    assert book.tracks(OTHER, 2)
+    assert not book.tracks(OTHER, 0)  # its room, another chunk
+    assert not book.tracks(RoomKey(9, 1), 0)
+    post(rec, "DONE")
+    only_finish(book.posted(rec, 0.1))
+    assert not book.tracks(KEY, 0)
+    assert not book.tracks(OTHER, 2)
+
+
 class Handle:
     """One NIXL handle as the world sees it: made, maybe posted, moving (PROC) until it is
     DONE or ERR; released by the transport. A released handle that was moving stays in doubt:

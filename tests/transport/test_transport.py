@@ -13,6 +13,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -168,6 +169,88 @@ def test_a_room_that_fails_in_the_batch_that_sent_its_chunk_never_posts_it(
     assert peer.ask("digests", np.asarray([32, 33], np.int32).tobytes()) != expected(
         prefill, [2, 3]
     )  # nothing of the aborted room landed
+
+
+def test_a_merge_that_raises_posts_each_chunk_alone(
+    prefill: Prefill, peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def out_of_memory(*_: object) -> None:
+        raise MemoryError("joining the pages")
+
+    monkeypatch.setattr("kvfsm.transport._transport.merge", out_of_memory)
+    rooms = {r: ([2 * r, 2 * r + 1], [50 + 2 * r, 51 + 2 * r]) for r in range(3)}
+    senders = ready_senders(prefill, rooms)
+    burst(prefill, senders, rooms)
+    for room, (src, dst) in rooms.items():
+        assert senders[room].poll() is KVPoll.Success, senders[room].reason
+        assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(prefill, src)
+    stats = prefill.transport.snapshot()
+    assert stats["merge_errors"] == 1
+    assert stats["handles_created"] == 9  # as with merging off: 6 kv, 3 aux
+    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+
+
+def test_a_hand_over_that_raises_fails_its_chunks_at_once_and_they_settle(
+    prefill: Prefill, peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = prefill.transport
+    accept = transport._accept
+    raised: list[int] = []
+
+    def accept_once_broken(record: Any, now: float, *, later: bool = False) -> None:
+        if len(record.members) > 1 and not raised:  # the batch's merged request
+            raised.append(len(record.members))
+            raise RuntimeError("a bug in the hand-over")
+        accept(record, now, later=later)
+
+    monkeypatch.setattr(transport, "_accept", accept_once_broken)
+    rooms = {r: ([2 * r, 2 * r + 1], [60 + 2 * r, 61 + 2 * r]) for r in range(3)}
+    senders = ready_senders(prefill, rooms)
+    burst(prefill, senders, rooms)  # returns once every room is terminal: not at a deadline
+    assert raised == [6]
+    for sender in senders.values():
+        assert sender.poll() is KVPoll.Failed
+        assert "could not post the chunk: RuntimeError: a bug in the hand-over" in sender.reason
+    # Nothing was posted, so each room settles at once, and nothing is left in the ledger.
+    wait_for(lambda: all(s.settled for s in senders.values()), timeout=5)
+    stats = transport.snapshot()
+    assert stats["hand_over_errors"] == 1
+    assert stats["handles_created"] == 0
+    assert stats["in_flight"] == 0
+    # The transport goes on: the next batch is posted as ever.
+    later = {r: ([2 * r], [80 + r]) for r in range(3, 5)}
+    burst(prefill, ready_senders(prefill, later), later)
+    assert transport.snapshot()["chunks_done"] == 4  # two chunks each
+    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+
+
+def test_chunks_whose_peer_was_lost_before_the_batch_ended_fail_unposted(
+    prefill: Prefill, peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = prefill.transport
+    rooms = {r: ([2 * r, 2 * r + 1], [90 + 2 * r, 91 + 2 * r]) for r in range(2)}
+    senders = ready_senders(prefill, rooms)
+    generation = transport.peer("decode")
+    assert generation is not None
+    rooms_ran = transport.rooms_ran
+    lost: list[int] = []
+
+    def lose_the_peer_then_end_the_batch() -> None:
+        if len(transport._staged) == 2 * len(rooms) and not lost:
+            # The agent reports the peer gone after the batch's chunks were staged and before
+            # the batch ends: the staged chunks' generation is no longer current.
+            lost.append(len(transport._staged))
+            transport._peers.lost(generation, "remote disconnect (test)")
+        rooms_ran()
+
+    monkeypatch.setattr(transport, "rooms_ran", lose_the_peer_then_end_the_batch)
+    burst(prefill, senders, rooms)
+    for sender in senders.values():
+        assert sender.poll() is KVPoll.Failed
+        assert "peer decode lost before posting" in sender.reason, sender.reason
+    wait_for(lambda: all(s.settled for s in senders.values()), timeout=5)
+    assert lost == [4]
+    assert transport.snapshot()["handles_created"] == 0
 
 
 def test_merging_off_posts_every_chunk_alone() -> None:
