@@ -2,8 +2,10 @@
 
 ``transfer()`` copies synchronously on shared-memory paths (bytes / ~8 GB/s inside the call), so
 it must not run on the loop thread. A per-chunk ``run_in_executor`` would cost two futures and a
-loop wake-up per chunk; instead chunks go into a queue, the thread posts everything queued, and
-hands the whole batch back with one ``call_soon_threadsafe``: under load, one loop wake-up serves
+loop wake-up per chunk; instead chunks go into a queue and the thread posts them in order,
+handing each result back as soon as its chunk is posted (the loop can end its rooms while the
+next, maybe a merged request of several milliseconds, is copied). Results that pile up before
+the loop drains them share one ``call_soon_threadsafe``: under load, one loop wake-up serves
 many chunks.
 """
 
@@ -68,7 +70,6 @@ class Poster(Generic[T]):
                 while True:
                     batch.append(self._queue.get_nowait())
             stop = False
-            results: list[tuple[T, BaseException | None]] = []
             for item in batch:
                 if item is _STOP:
                     stop = True
@@ -76,19 +77,18 @@ class Poster(Generic[T]):
                 try:
                     self._post(item)  # type: ignore[arg-type]
                 except Exception as exc:
-                    results.append((item, exc))  # type: ignore[arg-type]
+                    self._hand_back((item, exc))  # type: ignore[arg-type]
                 else:
-                    results.append((item, None))  # type: ignore[arg-type]
-            self._hand_back(results)
+                    self._hand_back((item, None))  # type: ignore[arg-type]
             if stop:
                 return
 
-    def _hand_back(self, results: list[tuple[T, BaseException | None]]) -> None:
-        if not results:
-            return
-        self._results.extend(results)
-        # One wake-up per burst: the flag is cleared on the loop *before* it drains (see
+    def _hand_back(self, result: tuple[T, BaseException | None]) -> None:
+        # Each item as soon as it is posted, so the loop can end its rooms while the next is
+        # copied (a merged request is milliseconds of copy); one wake-up per burst all the
+        # same: the flag is cleared on the loop *before* it drains (see
         # kvfsm.rooms._runtime.LoopThread.post for the same pattern and why it cannot lose one).
+        self._results.append(result)
         if not self._flush_pending:
             self._flush_pending = True
             loop = self._loop
@@ -96,7 +96,7 @@ class Poster(Generic[T]):
             try:
                 loop.call_soon_threadsafe(self._flush)
             except RuntimeError:  # the loop closed under us: nobody is left to tell
-                _log.warning("poster: loop closed with %d results undelivered", len(results))
+                _log.warning("poster: loop closed with %d results undelivered", len(self._results))
 
     def _flush(self) -> None:
         self._flush_pending = False

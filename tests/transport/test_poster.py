@@ -1,11 +1,13 @@
-"""``Poster``: items are posted in submission order on the poster's own thread, results come
-back on the loop in batches, a failing post is one failed result and not a dead thread, and
+"""``Poster``: items are posted in submission order on the poster's own thread, each result
+goes back to the loop as soon as its item is posted (those that pile up before the loop drains
+come back in one batch), a failing post is one failed result and not a dead thread, and
 close() posts what was queued first."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -62,22 +64,56 @@ async def test_items_are_posted_in_order_off_the_loop_and_answered_on_it() -> No
 
 
 @pytest.mark.asyncio
-async def test_results_queued_while_the_poster_is_busy_come_back_in_one_batch() -> None:
+async def test_results_that_pile_up_before_the_loop_drains_come_back_in_one_batch() -> None:
     rec = Recorder(asyncio.get_running_loop())
     poster: Poster[int] = Poster(rec.post, rec.done)
     poster.start(rec.loop)
     try:
         rec.gate.clear()  # the poster blocks in its first post
         rec.expected = 200
-        poster.submit(0)
-        await asyncio.sleep(0.05)
-        for i in range(1, 200):
+        for i in range(200):
             poster.submit(i)
+        await asyncio.sleep(0.05)
         rec.gate.set()
+        # The loop is busy (blocked here) while all 200 are posted: one wake-up was scheduled,
+        # for the first result, and every later one joins its batch.
+        deadline = time.monotonic() + 10
+        while len(rec.posted) < 200 and time.monotonic() < deadline:
+            time.sleep(0.01)  # noqa: ASYNC251 - the loop is blocked on purpose
         await asyncio.wait_for(rec.all_in.wait(), 10)
-        # the first item alone, the 199 queued behind it as one batch (one loop wake-up)
-        assert len(rec.batches) <= 3, [len(b) for b in rec.batches]
+        assert [len(b) for b in rec.batches] == [200]
         assert rec.posted == list(range(200))
+    finally:
+        poster.close()
+
+
+@pytest.mark.asyncio
+async def test_a_result_comes_back_while_the_next_item_is_still_being_posted() -> None:
+    # A merged request is milliseconds of copy inside post(): the rooms of the one before it
+    # must not wait for it to end.
+    rec = Recorder(asyncio.get_running_loop())
+    second = threading.Event()
+    post = rec.post
+
+    def slow_second(item: int) -> None:
+        if item == 1:
+            second.wait(10)
+        post(item)
+
+    poster: Poster[int] = Poster(slow_second, rec.done)
+    poster.start(rec.loop)
+    try:
+        rec.expected = 1
+        poster.submit(0)
+        poster.submit(1)
+        await asyncio.wait_for(rec.all_in.wait(), 10)
+        assert rec.batches == [[(0, None)]]
+        assert not second.is_set()  # item 1 is still in its post
+        rec.all_in.clear()
+        rec.expected = 2
+        second.set()
+        await asyncio.wait_for(rec.all_in.wait(), 10)
+        assert rec.batches == [[(0, None)], [(1, None)]]
     finally:
         poster.close()
 
