@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of each idle window")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    # NIXL's Python logger prints INFO lines to stdout, which would break --json; the rank
+    # processes inherit this. Set NIXL_LOG_LEVEL yourself to see them.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     prefill = ChildProcess(_prefill, args.rooms, args.window, what="prefill")
     decode = ChildProcess(
         _decode, prefill.greeting, args.rooms, args.window, args.abort_rate, what="decode"

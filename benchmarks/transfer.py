@@ -467,6 +467,8 @@ class Bench:
     src_addr: int = 0
     gpu_src: Any = None
     caller_idle_s: float = 0.0
+    #: kvfsm's ``TransferConfig.merge_max_bytes`` for the run; None: its default.
+    merge_max_bytes: int | None = None
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _resources: dict[str, Any] = field(default_factory=dict)
     _expected: dict[str, int] = field(default_factory=dict)
@@ -858,6 +860,8 @@ class Kvfsm:
         # bounded adaptive polling saves and costs.
         # alone: every chunk its own NIXL request (no merging), the baseline for rule 8.
         config = TransferConfig()
+        if bench.merge_max_bytes is not None:
+            config = dataclasses.replace(config, merge_max_bytes=bench.merge_max_bytes)
         if spin:
             config = dataclasses.replace(config, poll_max_wait_s=0.0)
         if alone:
@@ -1130,6 +1134,7 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
             src=src,
             repeat=args.repeat,
             caller_idle_s=args.caller_step_us * 1e-6,
+            merge_max_bytes=args.merge_max_bytes,
             mem=mem,
             src_addr=src_addr,
             gpu_src=gpu_src,
@@ -1155,6 +1160,7 @@ def run(args: argparse.Namespace, cases: Sequence[Case], runners: Sequence[str])
         "mem": mem,
         "repeat": args.repeat,
         "seed": args.seed,
+        "merge_max_bytes": args.merge_max_bytes,  # None: TransferConfig's default
         "cases": {
             case.name: {
                 "page_bytes": case.page_bytes,
@@ -1266,6 +1272,13 @@ def main(argv: list[str] | None = None) -> int:
         "pass; 0: it spins, with sleep(0) when an iteration moved nothing",
     )
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the best is reported")
+    parser.add_argument(
+        "--merge-max-bytes",
+        type=int,
+        default=None,
+        help="kvfsm's TransferConfig.merge_max_bytes (default: its default, 8 MiB); the "
+        "kvfsm and kvfsm_spin runners",
+    )
     parser.add_argument("--pages", type=int, default=4096, help="64 KiB pages per 64 KiB case")
     parser.add_argument("--small-pages", type=int, default=16384, help="4 KiB pages (4k case)")
     parser.add_argument(
