@@ -2,12 +2,12 @@
 
 Two steps, on two threads:
 
-* :func:`accept` (loop thread, inside the room's command) does the O(1) checks against the
-  peer and both layouts, sizes the chunk and hands it to the ledger. Sans-IO: it decides and
-  returns the ledger's actions (``[Post(record)]``, or the chunk's end to deliver after the
-  current callback); it calls no NIXL and reads no clock. :func:`prepare` is its first half
-  (the record, not yet the ledger's), and :func:`merge` makes the records of small chunks that
-  arrive together one record (the ledger's rule 8): one NIXL request instead of one each.
+* :func:`prepare` (loop thread, inside the room's command) does the O(1) checks against the
+  peer and both layouts and sizes the chunk: a record for the ledger, or the chunk's end to
+  deliver after the current callback. Sans-IO: it calls no NIXL and reads no clock.
+  :func:`merge` makes the records of small chunks that arrive together one record (the
+  ledger's rule 8): one NIXL request instead of one each. The transport hands the records to
+  the ledger at the end of the batch of room steps that posted them.
 * :func:`post_xfer` (poster thread, :mod:`kvfsm.transport._poster`) does the O(pages) work,
   page-range checks and the destination-order sort, then makes and posts one prepped transfer
   per part (kv, aux, state) and checks each once. ``transfer()`` copies synchronously on
@@ -40,10 +40,10 @@ from kvfsm.transport._agent import Agent, Peer
 from kvfsm.transport._config import TransportStats
 from kvfsm.transport._fence import FenceError, Leases
 from kvfsm.transport._layout import Layout, LayoutError
-from kvfsm.transport._ledger import Action, ChunkLedger, Deliver, LedgerStats, Record
+from kvfsm.transport._ledger import Action, Deliver, LedgerStats, Record
 from kvfsm.transport._slices import NO_KV, sliced_index
 
-__all__ = ["Xfer", "accept", "merge", "post_xfer", "prepare"]
+__all__ = ["Xfer", "merge", "post_xfer", "prepare"]
 
 Indices = npt.NDArray[np.int32]
 _NONE: Indices = np.zeros(0, dtype=np.int32)
@@ -95,25 +95,6 @@ class Xfer(Record):
 
 
 # -- accepting (loop thread) ----------------------------------------------------------------------
-
-
-def accept(
-    ledger: ChunkLedger,
-    key: RoomKey,
-    command: PostChunk,
-    *,
-    layout: Layout,
-    peer: Peer | None,
-    now: float,
-) -> list[Action]:
-    """What ``command`` for room ``key`` becomes: ``[Post(record)]`` (hand it to the poster),
-    or its end (``Deliver`` or the ledger's ``Finish``), which the caller delivers after the
-    current callback: the room is in the middle of a command. ``peer``: the connected
-    generation ``command.peer`` names, None if none is."""
-    prepared = prepare(ledger.stats, key, command, layout=layout, peer=peer)
-    if isinstance(prepared, list):
-        return prepared
-    return ledger.accepted(prepared, now)
 
 
 def prepare(

@@ -15,7 +15,7 @@ import numpy as np
 from kvfsm.rooms import RoomKey
 from kvfsm.states import PostChunk
 from kvfsm.transport import Agent, AgentConfig, Leases, Peer
-from kvfsm.transport._chunks import Xfer, accept, post_xfer
+from kvfsm.transport._chunks import Xfer, post_xfer, prepare
 from kvfsm.transport._config import TransferConfig, TransportStats
 from kvfsm.transport._ledger import ChunkLedger, Post
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, make_state, page_digests
@@ -24,6 +24,8 @@ __all__ = ["KEY", "SHAPE", "Pair", "chunk", "ints"]
 
 SHAPE = Shape(layers=2, num_pages=16, page_bytes=512, aux_rows=4, aux_row_bytes=64, state_rows=4)
 KEY = RoomKey(1, 1)
+#: ``Pair.accept``'s default peer: the pair's own connected generation.
+OWN_PEER = object()
 _NAMES = itertools.count()
 
 
@@ -79,15 +81,20 @@ class Pair:
         )
         return self.ledger
 
-    def accept(self, command: PostChunk, peer: Peer | None = None) -> list[Any]:
-        return accept(
-            self.ledger,
+    def accept(self, command: PostChunk, peer: Peer | object | None = OWN_PEER) -> list[Any]:
+        """What the transport does with ``command`` (``prepare``, then the ledger), one chunk at
+        a time: ``[Post(record)]``, or the chunk's end. ``peer``: the connected generation the
+        chunk names (default: this pair's own peer; None: no generation is connected)."""
+        prepared = prepare(
+            self.stats,
             KEY,
             command,
             layout=self.mine.agent.layout,
-            peer=self.peer if peer is None else peer,
-            now=time.monotonic(),  # the pump's clock: deadlines count from here
+            peer=self.peer if peer is OWN_PEER else peer,  # type: ignore[arg-type]
         )
+        if isinstance(prepared, list):
+            return prepared
+        return self.ledger.accepted(prepared, time.monotonic())  # the pump's clock
 
     def record(self, command: PostChunk) -> Xfer:
         (post,) = self.accept(command)

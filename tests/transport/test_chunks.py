@@ -13,7 +13,7 @@ import pytest
 from kvfsm.rooms import RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, PostChunk
 from kvfsm.transport import NO_KV, LayoutError, Leases
-from kvfsm.transport._chunks import Xfer, accept, merge, prepare
+from kvfsm.transport._chunks import Xfer, merge, prepare
 from kvfsm.transport._fence import FenceError
 from kvfsm.transport._ledger import QUEUED, Deliver, Finish
 from kvfsm.workload.buffers import page_digests
@@ -70,9 +70,7 @@ def test_bad_input_fails_the_chunk_before_the_ledger(
 
 
 def test_a_chunk_for_no_connected_peer_fails(pair: Pair) -> None:
-    actions = accept(
-        pair.ledger, KEY, chunk([1], [2]), layout=pair.mine.agent.layout, peer=None, now=0.0
-    )
+    actions = pair.accept(chunk([1], [2]), peer=None)
     assert [type(a) for a in actions] == [Deliver]
     assert "no connected peer 'decode'" in actions[0].event.reason
 

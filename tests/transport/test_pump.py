@@ -19,7 +19,7 @@ from kvfsm.transport import AgentConfig, Leases, Peer, TransferConfig
 from kvfsm.transport._chunks import Xfer, post_xfer
 from kvfsm.transport._pump import Pump
 from kvfsm.transport._slices import NO_KV
-from tests.helpers.nixl_pair import SHAPE, Pair, chunk
+from tests.helpers.nixl_pair import OWN_PEER, SHAPE, Pair, chunk
 
 FENCE = 7
 
@@ -138,7 +138,7 @@ class World:
     def send(self, src: list[int], dst: list[int], peer: Peer | None = None, **kw: Any) -> Xfer:
         """Accept a chunk and execute what the ledger decides (a Post posts it)."""
         command = chunk(src, dst, **kw)
-        actions = self.pair.accept(command, peer)
+        actions = self.pair.accept(command, OWN_PEER if peer is None else peer)
         self.pump.execute(actions)
         record = actions[0].record
         assert isinstance(record, Xfer)
