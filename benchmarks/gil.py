@@ -20,8 +20,8 @@ and GB/s moved while busy, the process CPU per wall second in each phase, and kv
 CPU (by name, as ``top -H`` shows them). Each round is one idle and one busy phase; the best
 round (highest ratio) is reported with the spread over ``--rounds``.
 
-SGLang's own NIXL backend is not driven here: its ``NixlKVManager`` needs SGLang's scheduler
-objects and a CUDA build to construct (see ``benchmarks/README.md``).
+SGLang's own NIXL backend is not driven here: ``gil_backends.py`` drives it and kvfsm's adapter
+through SGLang's backend interface, each against a real decode process.
 
 Run: ``python benchmarks/gil.py`` (``--json`` for one JSON object).
 """
@@ -63,6 +63,29 @@ def calibrate(work_us: float) -> int:
         n *= 2
 
 
+def scheduler_times() -> tuple[float, float]:
+    """The calling (scheduler) thread's CPU seconds so far, and its seconds spent runnable but
+    waiting for a CPU (``/proc/thread-self/schedstat``, Linux; zeros elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu_ns, wait_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def scheduler_share(before: tuple[float, float], wall: float) -> dict[str, float]:
+    """Since ``before`` (:func:`scheduler_times`), the scheduler thread's wall time split into
+    running, waiting for a CPU (the OS's share: other threads and processes on the cores), and
+    the rest: waiting for the GIL, mostly (the loop never sleeps)."""
+    cpu, waiting = (now - then for now, then in zip(scheduler_times(), before, strict=True))
+    return {
+        "scheduler_running": cpu / wall,
+        "scheduler_waiting_for_cpu": waiting / wall,
+        "scheduler_waiting_other": max(0.0, 1 - (cpu + waiting) / wall),
+    }
+
+
 def _thread_cpu() -> dict[str, float]:
     return {str(row["name"]): float(row["cpu_s"] or 0.0) for row in thread_table()}
 
@@ -77,6 +100,7 @@ def phase(
     rng = np.random.default_rng(base)
     pages = runner.layout.kv[0].nbytes // PAGE if runner is not None else 0
     threads0 = _thread_cpu()
+    sched0 = scheduler_times()
     cpu0, t0 = time.process_time(), time.perf_counter()
     end = t0 + seconds
     while True:
@@ -117,17 +141,19 @@ def phase(
         live = keep
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
+    share = scheduler_share(sched0, wall)  # now: not the drain below
+    threads1 = _thread_cpu()
     # Let the rooms still in flight finish outside the measurement (no timing asserts).
     deadline = time.monotonic() + 30
     while live and time.monotonic() < deadline:
         live = [(s, sent) for s, sent in live if s.poll() not in TERMINAL]
         time.sleep(0.001)
-    threads1 = _thread_cpu()
     return {
         "iterations_per_s": iterations / wall,
         "rooms_per_s": done / wall,
         "gb_per_s": done * room_pages * PAGE / wall / 1e9,
         "process_cpu_per_s": cpu / wall,
+        **share,
         "kvfsm_threads_cpu_per_s": {
             name: round((cpu1 - threads0.get(name, 0.0)) / wall, 3)
             for name, cpu1 in threads1.items()
