@@ -198,7 +198,11 @@ def decode_main(name: str, ahead: int, room_pages: int) -> None:
         kv = buffers[:BUFFERS]
         mgr = be.manager("decode", args, port)
         addr = f"127.0.0.1:{port}"
+        give_up = time.monotonic() + 60
         while go and not mgr.try_ensure_parallel_info(addr):
+            if time.monotonic() > give_up:  # prefill never registered: say so, do not hang
+                print(json.dumps({"ready": False}), flush=True)
+                os._exit(1)
             time.sleep(0.01)
         print(json.dumps({"ready": True}), flush=True)
         slots = PAGES // room_pages
@@ -428,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         flags = ("work_us", "seconds", "rounds", "window", "ahead", "room_pages", "prefill_fill")
         for flag in flags:
             argv_one += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-        out = subprocess.run(argv_one, capture_output=True, text=True, check=False)
+        # Bounded: a backend that wedges fails the run (its decode child ends with its stdin).
+        limit = 300 + 4 * a.rounds * a.seconds
+        out = subprocess.run(argv_one, capture_output=True, text=True, timeout=limit, check=False)
         if out.returncode != 0 or not out.stdout.strip():
             raise SystemExit(f"{name}: exit {out.returncode}\n{out.stderr[-3000:]}")
         reports[name] = json.loads(out.stdout.strip().splitlines()[-1])
