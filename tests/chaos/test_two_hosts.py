@@ -290,7 +290,9 @@ def test_a_freeze_past_the_settle_bound_across_two_hosts() -> None:
     opts = CampaignOptions(
         seed=20261203,
         episodes=1,
-        rooms=24,
+        # Long enough that the freeze, which waits up to 3 s for chunks in flight, comes
+        # before the episode's last room ends (with 24 a fast pair once ended it first).
+        rooms=48,
         two_hosts=True,
         long_freeze_rate=1.0,
         long_freeze_factor=(1.5, 1.6),
