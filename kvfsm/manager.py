@@ -375,9 +375,12 @@ class PrefillManager(_Manager):
             name=name,
         )
         # Fenced: every chunk is posted only under the write lease of the decode link that sent
-        # its pages (law 4), checked right before the post.
+        # its pages (law 4), checked right before the post; and the agent is never progressed
+        # when bytes queued across a freeze could land past decode's margin (the same margin
+        # as decode's: configure both sides alike).
+        leases = Leases(margin_s=self.config.channel.fence_margin_s)
         self.transport = NixlTransport(
-            self.agent, config=self.config.transfer, observer=self.metrics, leases=Leases()
+            self.agent, config=self.config.transfer, observer=self.metrics, leases=leases
         )
         self._registration_task: asyncio.Task[None] | None = None
         self.pipeline: PipelineStage | None = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -31,10 +32,18 @@ from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind
 from kvfsm.transport._nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from kvfsm.transport._slices import NO_KV, KvPiece, check_slice, sliced_descs
 
-__all__ = ["Agent", "AgentConfig", "Peer"]
+__all__ = ["Agent", "AgentConfig", "AgentFencedOutError", "Peer"]
 
 _log = logging.getLogger("kvfsm.transport")
 _LOCAL = "NIXL_INIT_AGENT"
+
+#: Raw NIXL agents that were fenced out: referenced until the process ends, so that no
+#: destructor closes their endpoints (a flush-mode close would push their queued WRITEs).
+_ABANDONED: list[Any] = []
+
+
+class AgentFencedOutError(RuntimeError):
+    """The agent was fenced out (``Leases.progress_allowed``): it is never called again."""
 
 
 def _no_params() -> Mapping[str, str]:
@@ -121,6 +130,12 @@ class Agent:
         self._local: dict[str, Any] = {}
         self._closed = False
         self._metadata: bytes | None = None
+        #: Asked before a call that can progress the agent outside the transfer path (adding
+        #: and removing peers, closing): the transport sets it to its stale-progress gate
+        #: (``Leases.progress_allowed``). Once it says no, the agent is abandoned for good.
+        self.gate: Callable[[float], bool] | None = None
+        #: Why the agent was abandoned; None while it is usable.
+        self.abandoned: str | None = None
         #: Prepared descriptor lists made and released, and remote agents added and removed:
         #: after close() each pair must match (tests check it).
         self.dlists_prepped = 0
@@ -218,6 +233,8 @@ class Agent:
                 problem = f"head slice {piece}: {exc}"
         if problem is not None:
             raise ValueError(f"peer {peer_id}: layouts are incompatible: {problem}")
+        if not self._usable():
+            raise AgentFencedOutError(f"peer {peer_id} not connected: {self.abandoned}")
         local_kv = None if piece is None or piece is NO_KV else self._local_kv(piece)
         name = self.nixl.add_remote_agent(metadata)
         if isinstance(name, bytes):
@@ -258,9 +275,24 @@ class Agent:
             local_kv=local_kv,
         )
 
+    def abandon(self, reason: str) -> None:
+        """Never call NIXL through this agent again (it was fenced out): later disconnects and
+        close() do nothing, and the raw agent stays referenced until the process ends."""
+        if self.abandoned is None:
+            self.abandoned = reason
+            _ABANDONED.append(self.nixl)
+
+    def _usable(self) -> bool:
+        if self.abandoned is None and self.gate is not None and not self.gate(time.monotonic()):
+            self.abandon("the stale-progress gate refused (see kvfsm.transport._fence)")
+        return self.abandoned is None
+
     def disconnect(self, peer: Peer) -> None:
         """Release a peer's lists and drop the remote agent. Handles made from those lists must
-        have been released first. Never raises."""
+        have been released first. Never raises. An abandoned agent keeps them (a remote agent
+        is removed in flush mode: its queued WRITEs would be pushed)."""
+        if not self._usable():
+            return
         for dlist in (peer.kv, peer.aux, peer.state):
             if dlist is not None:
                 self._release_dlist(dlist)
@@ -286,10 +318,14 @@ class Agent:
     # -- teardown ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release local lists and deregister memory (after every handle and peer). Idempotent."""
+        """Release local lists and deregister memory (after every handle and peer). Idempotent.
+        An abandoned agent is left as it is."""
         if self._closed:
             return
         self._closed = True
+        if not self._usable():
+            _log.warning("%s: fenced out, left open until the process ends", self.name)
+            return
         for dlist in self._local.values():
             self._release_dlist(dlist)
         self._local.clear()

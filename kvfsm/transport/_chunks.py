@@ -261,8 +261,17 @@ def post_xfer(agent: Agent, leases: Leases | None, stats: TransportStats, record
         # the window between the check and transfer() is a few bytecodes. A writer that
         # was frozen with this chunk queued gets here first after waking, with a fresh
         # clock.
-        if leases is not None and not leases.valid(fence, time.monotonic()):
-            raise FenceError(_fenced_reason(leases, fence, part, len(parts)))
+        if leases is not None:
+            now = time.monotonic()
+            if not leases.valid(fence, now):
+                raise FenceError(_fenced_reason(leases, fence, part, len(parts)))
+            # transfer() progresses the whole agent: bytes another record left queued
+            # across a freeze would move too (the stale-progress gate, _fence).
+            if not leases.progress_allowed(now):
+                raise FenceError(_fenced_reason(leases, fence, part, len(parts)))
+            if not record.opened:
+                record.opened = True
+                leases.opened(fence)
         state = nixl.transfer(handle)
         if state == "PROC":
             state = nixl.check_xfer_state(handle)

@@ -47,11 +47,36 @@ details in ``docs/reliability.md (Write fencing)``), so the owner's grace must:
 The owner cannot refuse a write on these transports: ``remove_remote_agent`` on decode is a
 no-op (decode never added the writer), and deregistering its memory does not stop a WRITE
 (measured: DONE and landed, CMA and TCP). Only RDMA checks the registration at the target.
+
+**Progress after a freeze (the stale-progress gate).** The check before ``transfer()`` stops
+new posts, but over TCP a posted WRITE moves *nothing* until the writer progresses its agent:
+``fence_probe --tls tcp --probes queued`` posts 128 KiB to 32 MiB, waits 2 s without
+progress and finds 0 pages landed; the next progress (or a release followed by progress: a
+release does not cancel) lands them all. So a writer frozen while a WRITE is in progress
+lands that whole WRITE whenever it next progresses, after any freeze, into pages the owner
+settled at ``its last grant + lease + margin``. The gate closes that: every call that can
+progress the agent (``transfer()``, ``check_xfer_state``, ``get_new_notifs``,
+``remove_remote_agent``, ...) first asks :meth:`Leases.progress_allowed`. Records are
+*open* from just before their first ``transfer()`` until their final event (a held record
+stays open through its quarantine: its bytes may still be queued). Rule:
+
+* progressing at ``now`` is refused when some open record's fence has a lease that ended at
+  ``until`` with ``now >= until + margin/2`` while the agent was last progressed before
+  ``until + margin/4``: bytes queued then may still be queued, and pushed now they could land
+  after the owner's bound (``until + margin`` at the earliest). A pump that kept progressing
+  past the lease's end drained them within milliseconds (the module docstring of
+  ``_pump``); only a gap of a quarter margin or more straddling the lease's end trips it.
+* A refusal is final: the agent is **fenced out**. Every lease is void, the transport fails
+  its chunks without another NIXL call, and the agent is never progressed, disconnected or
+  closed again (its queued bytes die with the process). Restart the process (or its rank).
+  Nothing less is safe: no NIXL call discards a queued WRITE, and the next progress for any
+  reason (another peer's transfer, a flush-mode endpoint close) would push it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 __all__ = ["REVOKED_KEPT", "FenceError", "LeaseStats", "Leases"]
@@ -70,36 +95,73 @@ class LeaseStats:
     """Counters; loop thread."""
 
     grants: int = 0
-    grants_refused: int = 0  # for a revoked fence (or 0): ignored
+    grants_refused: int = 0  # for a revoked fence (or 0), or after the agent was fenced out
     revokes: int = 0
+    #: Progress of the agent refused by the stale-progress gate (the first one fenced it out).
+    progress_refused: int = 0
 
 
 class Leases:
     """Write leases granted by page owners, one per fence id (the control plane uses its link
-    generation)."""
+    generation), and the stale-progress gate (module docstring).
 
-    __slots__ = ("_revoked", "_until", "_watermark", "stats")
+    ``margin_s``: the owner's ``fence_margin_s`` (it settles a lost link's pages at its last
+    grant + lease + margin); ``inf`` (the default) turns the gate off.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "_earliest",
+        "_lock",
+        "_open",
+        "_quarter",
+        "_half",
+        "_revoked",
+        "_until",
+        "_watermark",
+        "fenced_out",
+        "last_progress",
+        "stats",
+    )
+
+    def __init__(self, margin_s: float = math.inf) -> None:
+        if not margin_s >= 0:
+            raise ValueError("margin_s must be >= 0")
         self._until: dict[int, float] = {}  # live: granted, not revoked
         self._revoked: dict[int, None] = {}  # the last REVOKED_KEPT revoked, oldest first
         self._watermark = 0  # every fence id <= this one that is not live counts as revoked
         self.stats = LeaseStats()
+        self._quarter = margin_s / 4
+        self._half = margin_s / 2
+        # The gate. Written under _lock (poster, loop and worker threads); read lock-free.
+        self._lock = threading.Lock()
+        self._open: dict[int, list[float]] = {}  # fence -> [open records, lease end]
+        self._earliest = math.inf  # the earliest lease end among open fences
+        #: When the agent was last allowed to progress (any thread).
+        self.last_progress = -math.inf
+        #: Why the agent was fenced out; None while it is not.
+        self.fenced_out: str | None = None
 
     def grant(self, fence: int, until: float) -> None:
         """Loop thread. Extend ``fence`` to ``until`` (``time.monotonic()``); never shortens."""
         current = self._until.get(fence)
         if current is None:
-            if self._revoked_or_zero(fence):
+            if self._revoked_or_zero(fence) or self.fenced_out is not None:
                 self.stats.grants_refused += 1
                 return
             current = -math.inf
         self.stats.grants += 1
         if until > current:
             self._until[fence] = until
+            if fence in self._open:
+                with self._lock:
+                    entry = self._open.get(fence)
+                    if entry is not None and until > entry[1]:
+                        entry[1] = until
+                        self._recompute()
 
     def revoke(self, fence: int) -> None:
-        """Loop thread. ``fence`` is invalid from now on, for ever."""
+        """Loop thread. ``fence`` is invalid from now on, for ever (an open record of it keeps
+        its last lease end for the gate)."""
         self._until.pop(fence, None)
         self.stats.revokes += 1
         if fence <= self._watermark:
@@ -121,6 +183,8 @@ class Leases:
 
     def describe(self, fence: int, now: float) -> str:
         """Why ``fence`` is not valid at ``now``, for a failure reason."""
+        if self.fenced_out is not None:
+            return f"void: {self.fenced_out}"
         until = self._until.get(fence)
         if until is not None:
             if until > now:
@@ -137,3 +201,66 @@ class Leases:
     def live(self) -> int:
         """Fences granted and not revoked (expired ones included)."""
         return len(self._until)
+
+    # -- the stale-progress gate ---------------------------------------------------------------
+
+    def opened(self, fence: int) -> None:
+        """Poster thread, right before a record's first ``transfer()`` (its lease was just
+        checked valid): the record may have bytes queued in the agent until :meth:`closed`."""
+        with self._lock:
+            entry = self._open.get(fence)
+            if entry is not None:
+                entry[0] += 1
+                return
+            until = self._until.get(fence, -math.inf)
+            self._open[fence] = [1, until]
+            if until < self._earliest and self.fenced_out is None:
+                self._earliest = until
+
+    def closed(self, fence: int) -> None:
+        """Loop thread: a record :meth:`opened` under ``fence`` had its final event."""
+        with self._lock:
+            entry = self._open.get(fence)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del self._open[fence]
+                self._recompute()
+
+    def progress_allowed(self, now: float) -> bool:
+        """Any thread, right before a NIXL call that can progress the agent: may it progress at
+        ``now``? False once the agent is fenced out (for ever). One comparison unless an open
+        record's lease ended at least ``margin/2`` ago."""
+        if now < self._earliest + self._half:
+            self.last_progress = now
+            return True
+        return self._judge(now)
+
+    def _judge(self, now: float) -> bool:
+        with self._lock:
+            if self.fenced_out is not None:
+                self.stats.progress_refused += 1
+                return False
+            last = self.last_progress
+            for fence, (count, until) in self._open.items():
+                if now >= until + self._half and last < until + self._quarter:
+                    self.stats.progress_refused += 1
+                    self.fenced_out = (
+                        f"NIXL agent fenced out: {int(count)} record(s) of fence {fence} may "
+                        f"still have bytes queued, its lease ended {now - until:.3g}s ago, and "
+                        f"the agent was last progressed {now - last:.3g}s ago (this process was "
+                        "stopped or starved); progressed now, they could land after the page "
+                        "owner reused its pages, so the agent is never progressed again: "
+                        "restart this process"
+                    )
+                    self._earliest = -math.inf  # every later call takes this path: refused
+                    self._until.clear()  # and no lease is valid any more
+                    return False
+            self.last_progress = now
+            return True
+
+    def _recompute(self) -> None:
+        # Under _lock.
+        if self.fenced_out is None:
+            self._earliest = min((entry[1] for entry in self._open.values()), default=math.inf)

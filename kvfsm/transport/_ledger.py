@@ -122,6 +122,7 @@ class Record:
         "key",
         "members",
         "nbytes",
+        "opened",
         "peer",
         "phase",
         "reason",
@@ -136,6 +137,9 @@ class Record:
         self.peer: Any = peer
         self.nbytes = nbytes
         self.fence = fence
+        #: Counted open by the stale-progress gate (``Leases.opened``): the poster sets it
+        #: before the first ``transfer()``, the pump closes it at the final event.
+        self.opened = False
         self.phase = 0  # not accepted yet
         self.t0 = 0.0
         self.due = 0.0
@@ -451,6 +455,16 @@ class ChunkLedger:
                 asked = record._asked = (record._asked or set()) | {key}
                 record.dropped = len(asked) == len(rooms)
         return _NOTHING
+
+    def abandon(self, reason: str) -> list[Action]:
+        """The agent is fenced out (``Leases.progress_allowed``): every posted record fails now
+        (the caller must not release their handles: that would touch the agent). Records still
+        with the poster fail there (no lease is valid any more)."""
+        posted = [r for r in self._records if r.phase in (ACTIVE, HELD)]
+        out: list[Action] = [self._finish(r, ChunkFailed(r.chunk, reason)) for r in posted]
+        self._active.clear()
+        self._held.clear()
+        return out
 
     def drain(self) -> list[Record]:
         """Shutdown: forget everything; the caller releases the returned records' handles.

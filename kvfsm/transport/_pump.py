@@ -14,7 +14,11 @@ held, when the poster hands back a record the ledger forgot, and at :meth:`Pump.
 the ledger still holds, and handles whose release NIXL refused earlier).
 
 Leases (law 4). Before each progress of the agent the pump asks the ledger
-(``leases_checked``): an in-flight chunk whose lease went away is released and held.
+(``leases_checked``): an in-flight chunk whose lease went away is released and held. And
+before every NIXL call that can progress the agent it asks the stale-progress gate
+(``Leases.progress_allowed``, see ``_fence``): after a freeze that left a WRITE queued past
+its lease, the gate fences the agent out, and the pump fails every posted chunk without
+another NIXL call and stops (``fenced_out``).
 
 Progress after a lease is gone. On progress-driven transports (UCX over TCP) a posted WRITE's
 queued bytes move only while the agent is progressed, so not progressing looks like a fence.
@@ -84,6 +88,7 @@ class Pump:
         post: Callable[[Record], None],
         disconnected: Callable[[Peer, str], None],
         observer: ChunkObserver | None = None,
+        fenced_out: Callable[[str], None] | None = None,
     ) -> None:
         self.nixl = nixl
         self.ledger = ledger
@@ -94,6 +99,10 @@ class Pump:
         self.observer = observer
         self._post = post
         self._disconnected = disconnected
+        self._fenced_out = fenced_out
+        #: Handles of a fenced-out agent: never released (that would touch the agent), kept
+        #: referenced so nothing frees them either.
+        self._abandoned: list[Any] = []
         self._inbox: Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -128,8 +137,9 @@ class Pump:
                 actions = self._errored(record, exc, now)
             if actions:
                 self.execute(actions)
-        if ledger.busy:
-            wake = self._wake
+        leases = self.leases
+        if ledger.busy or (leases is not None and leases.fenced_out is not None):
+            wake = self._wake  # (fenced out by the poster: the pump fails what is posted)
             assert wake is not None
             wake.set()
         self.run_woken()
@@ -176,6 +186,10 @@ class Pump:
     def _finish(self, finish: Finish) -> None:
         record = finish.record
         self._release_all(record)
+        if record.opened:
+            leases = self.leases
+            if leases is not None:
+                leases.closed(record.fence)
         observer = self.observer
         if observer is not None:
             ok = type(finish.event) is ChunkDone
@@ -191,6 +205,10 @@ class Pump:
             self._release(handle)
 
     def _release(self, handle: Any) -> None:
+        leases = self.leases
+        if leases is not None and leases.fenced_out is not None:
+            self._abandoned.append(handle)
+            return
         try:
             self.nixl.release_xfer_handle(handle)
         except Exception:
@@ -213,6 +231,14 @@ class Pump:
 
     # -- the pump ------------------------------------------------------------------------------
 
+    def _abandon(self, reason: str) -> None:
+        """The gate fenced the agent out: fail every posted chunk, touch NIXL no more."""
+        _log.critical("%s", reason)
+        self.execute(self.ledger.abandon(reason))
+        self.run_woken()
+        if self._fenced_out is not None:
+            self._fenced_out(reason)
+
     async def _run(self) -> None:
         wake = self._wake
         assert wake is not None
@@ -222,12 +248,20 @@ class Pump:
         interval = self.config.linger_interval_s
         pacer = PollPacer(self.config.poll_spin_s, self.config.poll_max_wait_s)
         stats = self.stats
+        # The stale-progress gate (_fence): asked right before every call that can progress
+        # the agent; always yes without leases.
+        allowed = leases.progress_allowed if leases is not None else _always
         while True:
+            if leases is not None and leases.fenced_out is not None:
+                self._abandon(leases.fenced_out)  # (the poster or the worker found it first)
+                return
             if not ledger.busy:
                 wake.clear()
                 linger = self._linger_until - clock()
                 if linger <= 0:
                     await wake.wait()
+                elif not allowed(clock()):
+                    continue
                 else:
                     # Bytes of a held WRITE (or of a dropped generation's endpoint) may still
                     # be queued in the agent: keep moving them (TransferConfig.linger_s).
@@ -239,6 +273,8 @@ class Pump:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(min(interval, linger)):
                             await wake.wait()
+                continue
+            if not allowed(clock()):
                 continue
             if leases is not None:
                 # Before progressing: an in-flight chunk whose lease is gone is released now
@@ -255,6 +291,8 @@ class Pump:
             for record in batch:
                 if record.phase != ACTIVE:
                     continue  # held or over meanwhile (peer lost, lease gone)
+                if not allowed(clock()):
+                    break  # fenced out mid-round: the loop's top abandons every record
                 try:
                     states = [check(h) for h in record.handles]
                 except Exception as exc:
@@ -267,6 +305,8 @@ class Pump:
                     self.execute(actions)
             self.run_woken()
             stats.pump_rounds += 1
+            if leases is not None and leases.fenced_out is not None:
+                continue
             # Poll where completions are due, sleep elsewhere (bounded: see _pacer): a pump
             # that spins costs the scheduler thread its GIL. Held records (nothing expected)
             # are progressed once per poll_max_wait_s. New chunks posted meanwhile wake it.
@@ -289,12 +329,16 @@ class Pump:
     def close(self) -> None:
         """After the loop stopped and the poster thread is done: release every handle the
         ledger still holds (no final events: the rooms are gone), then retry the releases
-        NIXL refused earlier."""
+        NIXL refused earlier. A fenced-out agent's handles are kept, never released."""
         for record in self.ledger.drain():
             self._release_all(record)
         leaked, self._leaked = self._leaked, []
         for handle in leaked:
             self._release(handle)
+
+
+def _always(now: float) -> bool:
+    return True
 
 
 def _pump_ended(task: asyncio.Task[None]) -> None:

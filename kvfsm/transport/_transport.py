@@ -119,7 +119,10 @@ class NixlTransport(CommandSink):
             post=self._post,
             disconnected=self._peers.lost,
             observer=observer,
+            fenced_out=self._fenced_out,
         )
+        if leases is not None:
+            agent.gate = leases.progress_allowed
         self._poster: Poster[Xfer] = Poster(
             functools.partial(post_xfer, agent, leases, self.stats), self._pump.posted
         )
@@ -319,6 +322,15 @@ class NixlTransport(CommandSink):
         self._pump.execute(self._ledger.peer_lost(peer, reason, time.monotonic()))
         self._pump.linger()
 
+    def _fenced_out(self, reason: str) -> None:
+        """The stale-progress gate fenced the agent out (the pump failed its chunks)."""
+        self.agent.abandon(reason)
+
+    @property
+    def fenced_out(self) -> str | None:
+        """Why the agent was fenced out (restart the process), or None."""
+        return None if self.leases is None else self.leases.fenced_out
+
     def _count(self, counter: str) -> None:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
@@ -342,6 +354,9 @@ class NixlTransport(CommandSink):
         out["peers"] = len(self._peers)
         if self.leases is not None:
             out["leases_live"] = self.leases.live
+            # 1: the agent was fenced out (the reason is logged, and in ``fenced_out``).
+            out["fenced_out"] = int(self.leases.fenced_out is not None)
+            out["progress_refused"] = self.leases.stats.progress_refused
         return out
 
     async def aclose(self) -> None:

@@ -11,6 +11,10 @@ Run: ``python -m tests.transport.fence_probe [--tls tcp] [--json]``. Three probe
 * ``target``: can the page owner refuse writes? Decode calls ``remove_remote_agent`` on the
   writer's name (it never added it), and deregisters its memory; then prefill posts a WRITE
   with the registration it loaded earlier, and we look at what landed.
+* ``queued``: how much of a posted WRITE is still queued in the writer when it stops
+  progressing (a freeze right after ``transfer()``, or a writer that stops being scheduled):
+  the target counts the pages that landed while the writer does nothing for a while, then
+  again after the writer progresses once. Over TCP the rest lands only then, however late.
 
 Not collected by pytest (no ``test_`` prefix): it takes a while and reports numbers.
 """
@@ -280,6 +284,56 @@ def target() -> dict[str, Any]:
     return out
 
 
+# -- what a writer that stops progressing still holds --------------------------------------------
+
+
+def queued(pages: int = 256, idle_s: float = 2.0, release: bool = False) -> dict[str, Any]:
+    page = 64 * 1024
+    shape = Shape(layers=1, num_pages=pages, page_bytes=page, aux_rows=8, aux_row_bytes=64)
+    decode = Target(shape, f"probe-queued-{os.getpid()}")
+    kv, aux = make_buffers(shape)
+    for buf in kv:
+        buf[:] = 0x5A
+    want = zlib.crc32(kv[0][0].data)
+    agent = Agent(f"probe-queued-writer-{os.getpid()}", make_layout(kv, aux))
+    remote = agent.connect("decode", decode.metadata, decode.summary)
+    nixl = agent.nixl
+    all_pages = list(range(pages))
+
+    def landed() -> int:
+        return sum(decode.ask("crc", p)[0] == want for p in all_pages)
+
+    out: dict[str, Any] = {"bytes": 2 * pages * page}
+    try:
+        decode.ask("fill", 0)
+        idx = agent.layout.page_index(np.arange(pages, dtype=np.int32))
+        ridx = decode.summary.page_index(np.arange(pages, dtype=np.int32))
+        handle = nixl.make_prepped_xfer("WRITE", agent.local("kv"), idx, remote.kv, ridx)
+        t0 = time.monotonic()
+        out["transfer() returned"] = str(nixl.transfer(handle))
+        time.sleep(idle_s)  # no progress: what a frozen writer leaves behind
+        out[f"pages landed after {idle_s:g} s without progress"] = landed()
+        if release:  # what the pump does with a chunk whose lease is gone, then progress
+            nixl.release_xfer_handle(handle)
+            end = time.monotonic() + idle_s
+            while time.monotonic() < end:
+                nixl.get_new_notifs()
+            out["pages landed after release, then progressing"] = landed()
+        else:
+            state = nixl.check_xfer_state(handle)
+            while state == "PROC" and time.monotonic() - t0 < idle_s + 10:
+                state = nixl.check_xfer_state(handle)
+            out["state after progressing"] = str(state)
+            out["pages landed after progressing"] = landed()
+            nixl.release_xfer_handle(handle)
+        out["of pages"] = pages
+    finally:
+        agent.disconnect(remote)
+        agent.close()
+        decode.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tls", default="", help="UCX_TLS for both processes (e.g. tcp)")
@@ -289,7 +343,7 @@ def main() -> None:
     if args.tls:
         os.environ["UCX_TLS"] = args.tls
     results: dict[str, Any] = {"UCX_TLS": args.tls or "(default)", "cpus": os.cpu_count()}
-    probes = {"window": window, "transfer": transfer_sizes, "target": target}
+    probes = {"window": window, "transfer": transfer_sizes, "target": target, "queued": queued}
     for name in args.probes.split(","):
         results[name] = probes[name]()
     if args.json:

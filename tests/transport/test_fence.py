@@ -100,6 +100,135 @@ def test_fence_zero_is_never_granted() -> None:
     assert leases.stats.grants_refused == 1
 
 
+# -- the stale-progress gate (sans-IO: every call is given its ``now``) ------------------------
+
+MARGIN = 1.0  # the gate refuses at lease end + 0.5 s if not progressed since lease end + 0.25 s
+
+
+def gated(until: float = 10.0) -> Leases:
+    """A gate with fence 1 granted until ``until`` and one record of it open, progressed at 9."""
+    leases = Leases(margin_s=MARGIN)
+    leases.grant(1, until)
+    assert leases.progress_allowed(9.0)
+    leases.opened(1)
+    return leases
+
+
+def test_a_writer_frozen_with_a_write_open_across_its_lease_end_is_fenced_out() -> None:
+    leases = gated()
+    assert leases.progress_allowed(9.5)  # last progress 9.5, before the lease ends at 10
+    # Frozen until 10.5 = lease end + margin/2: bytes pushed now could land past decode's bound.
+    assert not leases.progress_allowed(10.5)
+    assert leases.fenced_out is not None
+    assert "fence 1" in leases.fenced_out
+    assert "restart this process" in leases.fenced_out
+    # For ever, whatever happens next: the record's end, a grant, any later time.
+    leases.closed(1)
+    leases.grant(1, 100.0)
+    leases.grant(2, 100.0)
+    assert not leases.progress_allowed(10.6)
+    assert not leases.progress_allowed(1e9)
+    assert not leases.valid(1, 10.6)
+    assert not leases.valid(2, 10.6)
+    assert leases.describe(2, 10.6).startswith("void: NIXL agent fenced out")
+    assert leases.stats.progress_refused == 3
+    assert leases.stats.grants_refused == 2
+
+
+def test_a_freeze_shorter_than_half_the_margin_past_the_lease_end_is_allowed() -> None:
+    """Bytes pushed before lease end + margin/2 land (milliseconds) before decode's bound."""
+    leases = gated()
+    assert leases.progress_allowed(10.49)
+    assert leases.fenced_out is None
+
+
+def test_a_writer_that_kept_progressing_past_the_lease_end_is_never_fenced_out() -> None:
+    """The normal end of a link: the lease runs out with a chunk in flight, the pump holds it
+    (quarantine: the record stays open) and keeps progressing, so its bytes drained within
+    milliseconds; a freeze after that moves nothing that could still be queued."""
+    leases = gated()
+    now = 9.0
+    while now < 12.0:
+        now += 0.02
+        assert leases.progress_allowed(now), now
+    assert leases.progress_allowed(60.0)  # frozen long after the drain: nothing queued then
+    assert leases.fenced_out is None
+
+
+def test_progress_a_quarter_margin_after_the_lease_end_counts_as_drained() -> None:
+    leases = gated()
+    assert leases.progress_allowed(10.25)
+    assert leases.progress_allowed(30.0)
+    other = gated()
+    assert other.progress_allowed(10.24)
+    assert not other.progress_allowed(30.0)
+
+
+def test_nothing_open_nothing_to_fence() -> None:
+    leases = gated()
+    leases.closed(1)  # the record's final event came before the freeze
+    assert leases.progress_allowed(1000.0)
+    never = Leases(margin_s=MARGIN)
+    never.grant(1, 10.0)
+    assert never.progress_allowed(1000.0)
+    assert leases.fenced_out is None
+    assert never.fenced_out is None
+
+
+def test_a_renewed_lease_moves_the_gate() -> None:
+    leases = gated()
+    leases.grant(1, 20.0)  # renewed while the record is open
+    assert leases.progress_allowed(19.9)  # (the old lease end, 10, no longer counts)
+    assert not leases.progress_allowed(20.5)
+
+
+def test_a_revoked_fence_keeps_its_lease_end_for_the_gate() -> None:
+    """Link loss revokes the fence at once; decode still settles at its last grant + lease +
+    margin, so what counts is the lease end the writer was granted, not the revoke."""
+    leases = gated()
+    leases.revoke(1)
+    assert not leases.valid(1, 9.1)
+    assert leases.progress_allowed(10.4)  # progressed at 10.4: drained past lease end + 0.25
+    other = gated()
+    other.revoke(1)
+    assert not other.progress_allowed(11.0)
+
+
+def test_the_earliest_open_lease_is_not_the_only_one_judged() -> None:
+    """Fence 2's lease ended later; progress between the two lease ends does not drain it."""
+    leases = Leases(margin_s=MARGIN)
+    leases.grant(1, 10.0)
+    leases.grant(2, 12.0)
+    assert leases.progress_allowed(9.0)
+    leases.opened(1)
+    leases.opened(2)
+    assert leases.progress_allowed(10.3)  # fence 1 drained; fence 2 still valid
+    assert not leases.progress_allowed(13.0)  # fence 2: last progress 10.3 < 12.25
+    assert "fence 2" in (leases.fenced_out or "")
+
+
+def test_open_records_are_counted() -> None:
+    leases = gated()
+    leases.opened(1)
+    leases.closed(1)  # one of two is over
+    assert not leases.progress_allowed(11.0)
+    other = gated()
+    other.opened(1)
+    other.closed(1)
+    other.closed(1)
+    other.closed(1)  # (one too many is harmless)
+    assert other.progress_allowed(11.0)
+
+
+def test_without_a_margin_the_gate_never_refuses() -> None:
+    leases = Leases()
+    leases.grant(1, 10.0)
+    leases.opened(1)
+    assert leases.progress_allowed(1e9)
+    with pytest.raises(ValueError, match="margin_s"):
+        Leases(margin_s=-1.0)
+
+
 # -- a NIXL proxy that holds the poster ---------------------------------------------------------
 
 
@@ -114,6 +243,7 @@ class Gate:
         self.made = 0
         self.transfers = 0
         self.progresses = 0
+        self.checks = 0
         self.calls: list[str] = []
         self.stuck = False
         self.holding = threading.Event()
@@ -140,6 +270,7 @@ class Gate:
         return "PROC" if self.stuck else state
 
     def check_xfer_state(self, handle: Any) -> str:
+        self.checks += 1
         state = str(self.inner.check_xfer_state(handle))
         return "PROC" if self.stuck else state
 
@@ -163,6 +294,10 @@ class Gate:
     def release(self) -> None:
         self._open.set()
 
+    def touched(self) -> tuple[int, ...]:
+        """How many times the agent was called, by kind (a fenced-out agent's stay put)."""
+        return (self.made, self.transfers, self.progresses, self.checks, len(self.calls))
+
     def unstick(self) -> None:
         self.stuck = False
 
@@ -170,7 +305,9 @@ class Gate:
 class FencedPrefill:
     """A prefill engine whose transport is fenced by ``leases``, through a :class:`Gate`."""
 
-    def __init__(self, peer: PeerProcess, config: TransferConfig | None = None) -> None:
+    def __init__(
+        self, peer: PeerProcess, config: TransferConfig | None = None, margin_s: float = 1.0
+    ) -> None:
         self.kv, self.aux = make_buffers(SHAPE)
         rng = np.random.default_rng(5)
         for buf in (*self.kv, self.aux):
@@ -181,7 +318,7 @@ class FencedPrefill:
             make_layout(self.kv, self.aux),
             AgentConfig(interpose=self.gate),
         )
-        self.leases = Leases()
+        self.leases = Leases(margin_s=margin_s)
         self.transport = NixlTransport(self.agent, config or TransferConfig(), leases=self.leases)
         router = CommandRouter(RecordingControl(), self.transport)
         self.engine = RoomEngine(router, RoomConfig()).start()
@@ -219,6 +356,8 @@ class FencedPrefill:
         self.transport.close()
         stats = self.transport.snapshot()
         self.agent.close()
+        if self.transport.fenced_out is not None:
+            return  # its handles and peers are left as they are, on purpose
         assert stats["handles_created"] == stats["handles_released"], stats
         assert stats["in_flight"] == 0, stats
         assert self.agent.peers_added == self.agent.peers_removed
@@ -424,3 +563,76 @@ def test_a_reconnect_holds_the_old_generations_writes_before_its_agent_goes(
     gate.unstick()
     wait_for(lambda: sender.settled, timeout=10)
     assert prefill.transport.stats.chunks_quarantined == 1
+
+
+def freeze(prefill: FencedPrefill, seconds: float) -> tuple[int, ...]:
+    """Stop the loop thread (the pump) for ``seconds``, the poster being idle: the process
+    calls NIXL no more than a SIGSTOPped one would. Returns what the agent had been asked when
+    the freeze began."""
+
+    async def frozen() -> tuple[int, ...]:
+        touched = prefill.gate.touched()
+        time.sleep(seconds)  # noqa: ASYNC251 - blocking the loop is the point: a freeze
+        return touched
+
+    result: tuple[int, ...] = prefill.engine.call(frozen())
+    return result
+
+
+def test_a_writer_frozen_with_a_write_in_flight_past_its_lease_is_fenced_out(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    """Over TCP a posted WRITE moves only when the writer progresses its agent
+    (``fence_probe --probes queued``), and releasing it does not cancel it: progressed after
+    a freeze that outlived its lease, it would land in pages decode already settled. So the
+    pump's first act after such a freeze is the gate's refusal: every posted chunk fails
+    without another NIXL call, and the agent is never called again, not even at close."""
+    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
+    prefill = FencedPrefill(peer, config, margin_s=0.4)
+    make.append(prefill)
+    prefill.grant(FENCE, 0.6)
+    prefill.gate.stuck = True  # in flight for as long as the proxy says so
+    sender = prefill.room(8, [11], [43])
+    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    assert sender.poll() is KVPoll.Transferring
+    before = freeze(prefill, 1.5)  # the lease ends 0.6 s in, decode's bound 0.4 s later
+    wait_for(lambda: sender.poll() in TERMINAL)
+    reason = prefill.transport.fenced_out
+    assert reason is not None
+    assert reason in sender.reason, sender.reason
+    assert sender.settled  # nothing it posted can move: the agent is never progressed again
+    assert prefill.transport.snapshot()["fenced_out"] == 1
+    assert prefill.agent.abandoned is not None
+    # A new room fails at once: no lease is valid on a fenced-out agent.
+    prefill.grant(FENCE, 30.0)
+    later = prefill.room(9, [12], [44])
+    wait_for(lambda: later.poll() in TERMINAL)
+    assert later.poll() is KVPoll.Failed
+    assert "void: NIXL agent fenced out" in later.reason
+    prefill.close()
+    make.remove(prefill)
+    assert prefill.gate.touched() == before  # not one NIXL call since the freeze began
+
+
+def test_a_short_freeze_past_the_lease_end_only_holds_the_chunk(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    """Woken before the lease's end + margin/2, the writer may still progress: what it had
+    queued lands well inside decode's bound. The chunk is held as usual, nothing fenced out."""
+    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.3)
+    prefill = FencedPrefill(peer, config, margin_s=4.0)
+    make.append(prefill)
+    prefill.grant(FENCE, 0.5)
+    prefill.gate.stuck = True
+    sender = prefill.room(10, [13], [45])
+    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    freeze(prefill, 1.0)  # lease end + 0.5 s < + margin/2 = 2 s
+    wait_for(lambda: sender.settled, timeout=10)
+    assert sender.poll() is KVPoll.Failed
+    assert "expired" in sender.reason, sender.reason
+    assert prefill.transport.fenced_out is None
+    prefill.gate.unstick()
+    prefill.grant(FENCE, 30.0)
+    again = prefill.room(11, [14], [46])
+    wait_for(lambda: again.poll() in TERMINAL)
+    assert again.poll() is KVPoll.Success, again.reason

@@ -1,0 +1,168 @@
+"""The stale-progress gate on the real thing: a prefill process over UCX's TCP transport (where a
+posted WRITE moves only when the writer progresses its agent) is stopped by SIGSTOP right after
+``transfer()`` posted a chunk, kept stopped past its lease's end and decode's margin, and let
+go. Decode (another process) then checks its pages.
+
+Without the gate the whole chunk lands after the freeze, into pages decode would have settled
+and handed out again by then (law 4 broken: this test shows it). With it, the writer's first
+act after waking is the gate's refusal; not one byte moves, and the agent is fenced out.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvfsm._child import ChildProcess, environ
+from kvfsm.manager import CommandRouter
+from kvfsm.rooms import RoomConfig, RoomEngine
+from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
+from kvfsm.transport import (
+    Agent,
+    AgentConfig,
+    LayoutSummary,
+    Leases,
+    NixlTransport,
+    TransferConfig,
+)
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
+from kvfsm.workload.peer import PeerProcess
+from tests.helpers.transport import RecordingControl
+from tests.helpers.waiting import wait_for
+
+SHAPE = Shape(layers=2, num_pages=64, page_bytes=64 * 1024, aux_rows=8, aux_row_bytes=64)
+FENCE = 3
+LEASE_S = 1.0
+MARGIN_S = 1.0
+CANARY = 0x3C
+PAGES = list(range(16))  # 16 pages x 4 buffers x 64 KiB: 4 MiB in one chunk
+
+
+class StopAfterTransfer:
+    """Wraps the raw agent: the first ``transfer()`` after ``arm()`` stops the whole process
+    (SIGSTOP) as soon as it returns, with the WRITE posted and not yet progressed."""
+
+    def __init__(self) -> None:
+        self.inner: Any = None
+        self.armed = False
+        self.stopped_after: str | None = None
+
+    def __call__(self, inner: Any) -> StopAfterTransfer:
+        self.inner = inner
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        state = self.inner.transfer(handle, *args, **kwargs)
+        if self.armed:
+            self.armed = False
+            self.stopped_after = str(state)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return state
+
+
+def _writer(conn: Connection, margin_s: float, metadata: bytes, summary: bytes) -> None:
+    """The prefill process (UCX_TLS=tcp, inherited, as is its decode peer's)."""
+    kv, aux = make_buffers(SHAPE)
+    rng = np.random.default_rng(11)
+    for buf in (*kv, aux):
+        buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+    stop = StopAfterTransfer()
+    agent = Agent(
+        f"freeze-prefill-{os.getpid()}", make_layout(kv, aux), AgentConfig(interpose=stop)
+    )
+    leases = Leases(margin_s=margin_s)
+    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
+    transport = NixlTransport(agent, config, leases=leases)
+    engine = RoomEngine(CommandRouter(RecordingControl(), transport), RoomConfig()).start()
+    decode = msgspec.msgpack.decode(summary, type=LayoutSummary)
+    engine.call(transport.connect_peer("decode", metadata, decode))
+
+    async def grant() -> None:
+        leases.grant(FENCE, time.monotonic() + LEASE_S)
+
+    src = np.asarray(PAGES, np.int32)
+    conn.send(os.getpid())
+    try:
+        # "run": post one chunk; the poster stops the process right after its transfer().
+        assert conn.recv() == ("run",)
+        engine.call(grant())
+        sender = engine.sender(1)
+        engine.post(sender.key, DestinationReceived(src.tobytes(), 2, "decode", fence=FENCE))
+        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        stop.armed = True
+        sender.init(len(PAGES), -1)
+        sender.send(src)
+        conn.send(True)
+        # "result", after SIGCONT: let whatever still moves land, then report.
+        assert conn.recv() == ("result",)
+        wait_for(lambda: sender.poll() in TERMINAL, timeout=20)
+        wait_for(lambda: sender.settled, timeout=20)
+        time.sleep(1.0)
+        conn.send(
+            {
+                "stopped_after": stop.stopped_after,
+                "digests": page_digests(kv, src),
+                "poll": sender.poll().name,
+                "reason": sender.reason,
+                "fenced_out": transport.fenced_out,
+            }
+        )
+        conn.recv()  # quit
+    finally:
+        engine.close()
+        transport.close()
+        agent.close()
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
+def test_a_write_posted_before_a_freeze_never_lands_after_it(gate: bool) -> None:
+    margin = MARGIN_S if gate else math.inf  # inf: the gate never refuses (the old writer)
+    with environ({"UCX_TLS": "tcp"}):
+        peer = PeerProcess(SHAPE, name=f"freeze-decode-{os.getpid()}")
+        summary = msgspec.msgpack.encode(peer.summary)
+        writer = ChildProcess(_writer, margin, peer.metadata, summary, what="frozen writer")
+    try:
+        peer.ask("fill", CANARY)
+        pid = writer.greeting
+        assert writer.ask("run") is True
+        wait_for(lambda: _stopped(pid), timeout=20)
+        # Stopped with the WRITE posted. Decode would settle the pages at its last grant +
+        # lease + margin; stay stopped well past that.
+        time.sleep(LEASE_S + MARGIN_S + 1.0)
+        os.kill(pid, signal.SIGCONT)
+        result = writer.ask("result", timeout=60)
+        got = peer.ask("digests", np.asarray(PAGES, np.int32).tobytes())
+    finally:
+        writer.close()
+        peer.close()
+    canary = page_digests(
+        [np.full((1, SHAPE.page_bytes), CANARY, np.uint8)] * 4, np.zeros(1, np.int32)
+    )[0]
+    untouched = sum(d == canary for d in got)
+    landed = sum(a == b for a, b in zip(got, result["digests"], strict=True))
+    assert result["stopped_after"] == "PROC", result  # posted, nothing moved yet (TCP)
+    assert result["poll"] == "Failed", result
+    if gate:
+        assert untouched == len(PAGES), (untouched, landed)  # not a page written after it
+        assert result["fenced_out"] is not None, result
+        assert result["fenced_out"] in result["reason"], result
+    else:
+        # What the gate prevents: the whole chunk landed after the freeze.
+        assert landed == len(PAGES), (untouched, landed)
+        assert result["fenced_out"] is None, result
