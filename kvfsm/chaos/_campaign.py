@@ -136,6 +136,10 @@ class _Tally:
         #: chunks in flight when they began.
         self.long_freezes: list[float] = []
         self.long_freezes_in_flight = 0
+        #: Prefill incarnations whose agent the stale-progress gate fenced out (a freeze left
+        #: a WRITE queued past its lease): restarted before the next episode; what they
+        #: abandoned on purpose (handles, remote agents, lists) is not counted as leaked.
+        self.fenced_out = 0
         #: Rooms whose peer was lost (killed, stopped or cut off past the silence limit) while
         #: they were bound to it: how many, and the longest from the loss to their failure.
         self.liveness_checked = 0
@@ -328,6 +332,11 @@ class _Campaign:
                 continue
             report = child.ask("drain", wait, timeout=wait + 30)
             self._account(role, report, closing=False)
+            if report.get("transport", {}).get("fenced_out"):
+                # What an operator's supervisor does: a fenced-out prefill is restarted.
+                tally.fenced_out += 1
+                self._close_rank(role)
+                continue
             if role != "decode":
                 continue
             # Rooms that never settled keep their pages and aux rows for good (law 4): a fresh
@@ -559,6 +568,8 @@ class _Campaign:
             key = f"{role}.{name}"
             tally.max_call_ms[key] = max(tally.max_call_ms.get(key, 0.0), ms)
         transport = report.get("transport")
+        if transport is not None and transport.get("fenced_out"):
+            return  # abandoned on purpose: nothing of its agent may be called again
         if transport is not None:
             handles = transport["handles_created"] - transport["handles_released"]
             tally.leaks["nixl_handles"] += handles
@@ -685,6 +696,7 @@ class _Campaign:
                 "min_s": round(min(t.long_freezes, default=0.0), 2),
                 "max_s": round(max(t.long_freezes, default=0.0), 2),
                 "settle_after_loss_s": self.opts.settle_after_loss_s(),
+                "fenced_out": t.fenced_out,
             },
             "liveness": {
                 "rooms_checked": t.liveness_checked,

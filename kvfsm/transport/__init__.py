@@ -4,7 +4,7 @@ progress loop of an agent that is only written into (decode)."""
 
 from __future__ import annotations
 
-from kvfsm.transport._agent import Agent, AgentConfig, Peer
+from kvfsm.transport._agent import Agent, AgentConfig, AgentFencedOutError, Peer
 from kvfsm.transport._fence import Leases
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
 from kvfsm.transport._progress import AgentProgress
@@ -15,6 +15,7 @@ __all__ = [
     "NO_KV",
     "Agent",
     "AgentConfig",
+    "AgentFencedOutError",
     "AgentProgress",
     "HeadShard",
     "KvPiece",

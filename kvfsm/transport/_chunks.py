@@ -276,6 +276,11 @@ def post_xfer(agent: Agent, leases: Leases | None, stats: TransportStats, record
         if state == "PROC":
             state = nixl.check_xfer_state(handle)
         record.states.append(state)
+    if leases is not None and record.opened and "PROC" not in record.states:
+        # Every part is over inside transfer() (the copy on shared memory): nothing of it can
+        # be queued, so a freeze from here on has nothing of it to push.
+        record.opened = False
+        leases.closed(fence)
     if all(state == "DONE" for state in record.states):
         # The common case on shared memory: the copy finished inside transfer(). Release
         # here: release_xfer_handle holds the GIL, and freeing a large handle's

@@ -42,7 +42,8 @@ details in ``docs/reliability.md (Write fencing)``), so the owner's grace must:
   call returns PROC but has already pushed bytes for 0.15 ms (1 MiB) to 3.7 ms (16 MiB);
 * bytes of a WRITE posted before the lease ended and still queued (progress-driven
   transports): released at once, they drain while the pump progresses, or, if the owner is
-  unreachable, whenever it is reachable again.
+  unreachable, whenever it is reachable again. If the writer itself is frozen they move only
+  when it progresses again: the stale-progress gate below refuses that progress.
 
 The owner cannot refuse a write on these transports: ``remove_remote_agent`` on decode is a
 no-op (decode never added the writer), and deregistering its memory does not stop a WRITE

@@ -138,7 +138,8 @@ class Record:
         self.nbytes = nbytes
         self.fence = fence
         #: Counted open by the stale-progress gate (``Leases.opened``): the poster sets it
-        #: before the first ``transfer()``, the pump closes it at the final event.
+        #: before the first ``transfer()`` and closes it if every part is over inside the
+        #: call; otherwise the pump closes it at the final event.
         self.opened = False
         self.phase = 0  # not accepted yet
         self.t0 = 0.0

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvfsm.rooms import RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, PostChunk
-from kvfsm.transport import NO_KV, LayoutError, Leases
+from kvfsm.transport import NO_KV, AgentConfig, LayoutError, Leases
 from kvfsm.transport._chunks import Xfer, merge, prepare
 from kvfsm.transport._fence import FenceError
 from kvfsm.transport._ledger import QUEUED, Deliver, Finish
@@ -169,6 +170,64 @@ def test_a_lease_gone_before_the_post_stops_it_after_the_handle_is_made(pair: Pa
     assert len(record.handles) == 1  # ...but the handle was made: the pump must release it
     assert pair.settle(record) == []
     assert pair.theirs.pages([8]) != pair.mine.pages([4])
+
+
+class Synchronous:
+    """Wraps the raw agent so that ``transfer()`` returns only once the WRITE is over, as the
+    cross-process shared-memory path does (the copy runs inside the call)."""
+
+    def __init__(self) -> None:
+        self.inner: Any = None
+        self.target: Pair | None = None  # in one process the receiver must be progressed too
+
+    def __call__(self, inner: Any) -> Synchronous:
+        self.inner = inner
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def transfer(self, handle: Any) -> str:
+        state = str(self.inner.transfer(handle))
+        while state == "PROC" and self.target is not None:
+            self.target.progress()
+            state = str(self.inner.check_xfer_state(handle))
+        return state
+
+
+def test_a_post_over_inside_transfer_leaves_nothing_open_for_the_gate() -> None:
+    """The stale-progress gate counts a record open from just before its first transfer().
+    A copy over inside the call closes it at once: a freeze right after it, past the lease,
+    has nothing of it to push, so it fences nothing out."""
+    synchronous = Synchronous()
+    pair = Pair(AgentConfig(interpose=synchronous))
+    synchronous.target = pair
+    try:
+        leases = Leases(margin_s=1.0)
+        pair.ledger_with(leases)
+        leases.grant(7, time.monotonic() + 0.05)
+        record = pair.record(chunk([4], [8], fence=7))
+        pair.post(record)
+        assert record.states == ["DONE"]
+        assert not record.opened
+        assert leases.progress_allowed(time.monotonic() + 60.0)  # long after the lease's end
+        assert leases.fenced_out is None
+        assert pair.theirs.pages([8]) == pair.mine.pages([4])
+    finally:
+        pair.close()
+
+
+def test_a_post_still_in_progress_stays_open_for_the_gate(pair: Pair) -> None:
+    leases = Leases(margin_s=1.0)
+    pair.ledger_with(leases)
+    now = time.monotonic()
+    leases.grant(7, now + 0.05)
+    record = pair.record(chunk([4], [8], fence=7))
+    pair.post(record)
+    assert record.states == ["PROC"]  # (in one process the WRITE is not over inside the call)
+    assert record.opened
+    assert not leases.progress_allowed(now + 60.0)  # frozen past the lease with it open
+    assert pair.settle(record) == ["DONE"]
 
 
 # -- merge: several chunks, one NIXL request (the ledger's rule 8) -----------------------------
