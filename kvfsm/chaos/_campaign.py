@@ -52,6 +52,9 @@ __all__ = ["ok", "run_campaign"]
 
 _log = logging.getLogger("kvfsm.chaos")
 _ROLES: Final = ("prefill", "decode")
+#: A long freeze waiting for chunks in flight is made anyway once this share of the episode's
+#: rooms ended: the rest must still be moving when it comes.
+_FREEZE_BY_ENDED: Final = 0.6
 
 
 class _AnyRegistry(Protocol):
@@ -169,6 +172,7 @@ class _Campaign:
         self.level = logging.getLogger("kvfsm").getEffectiveLevel()
         self.first_room = 0
         self.prefill_in_flight = 0  # chunks in flight at prefill's last answer
+        self.ended = 0.0  # the share of the episode's rooms (both roles) ended so far
         self.freeze_wait_until = 0.0  # a long freeze waits this long for chunks in flight
         #: Peers lost this episode, for the liveness check: (monotonic time, role lost).
         self.losses: list[tuple[float, str]] = []
@@ -261,8 +265,10 @@ class _Campaign:
         if self.hosts is not None and rng.random() < opts.link_cut_rate:
             actions.append((rng.uniform(0, span), "cut", rng.choice(("blackhole", "down"))))
         if rng.random() < opts.long_freeze_rate:
-            # Past decode's settle bound, with chunks in flight: the fence's case (law 4).
-            actions.append((rng.uniform(0, span), "long_freeze", "prefill"))
+            # Past decode's settle bound, with chunks in flight: the fence's case (law 4). Due
+            # in the first half (by the time, or by 45% of the rooms ended), and then it waits
+            # a little for chunks in flight (``_act``): it must come while rooms still move.
+            actions.append((rng.uniform(0, 0.5 * span), "long_freeze", "prefill"))
         actions.sort()
         self.losses = []
         self.freeze_wait_until = 0.0
@@ -281,7 +287,7 @@ class _Campaign:
         retried: set[tuple[float, str, str]] = set()  # due by time only
         while not all(done[r] or r in killed for r in _ROLES):
             now = time.monotonic() - t0
-            ended = sum(len(outcomes[r]) for r in _ROLES) / (2 * opts.rooms)
+            ended = self.ended = sum(len(outcomes[r]) for r in _ROLES) / (2 * opts.rooms)
             while actions and (
                 actions[0][0] <= now
                 or (actions[0] not in retried and 0.9 * actions[0][0] / span <= ended)
@@ -371,8 +377,13 @@ class _Campaign:
             now = time.monotonic()
             if not self.freeze_wait_until:
                 self.freeze_wait_until = now + 3.0
-            if self.prefill_in_flight == 0 and now < self.freeze_wait_until:
-                return now + 0.02  # wait (a little) for chunks in flight
+            # Wait (a little) for chunks in flight, as sampled by the last poll: at most 3 s,
+            # and not past 60% of the episode's rooms ended. A pair that moves rooms fast has
+            # chunks in flight for moments that 50 ms polls rarely see, and a freeze still
+            # pending when the episode's last room ends is never made (it once was not).
+            waiting = now < self.freeze_wait_until and self.ended < _FREEZE_BY_ENDED
+            if self.prefill_in_flight == 0 and waiting:
+                return now + 0.02
             os.kill(ranks[arg].pid, signal.SIGSTOP)
             length = self.rng.uniform(*opts.long_freeze_s())
             self._stopped(arg, length, stopped)

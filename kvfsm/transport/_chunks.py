@@ -250,9 +250,11 @@ def post_xfer(agent: Agent, leases: Leases | None, stats: TransportStats, record
     and the later ones not posted). A dropped record (its room failed first) is skipped."""
     if record.dropped:
         return
+    fence = record.fence
+    if leases is not None and leases.fenced_out is not None:  # (queued before it happened)
+        raise FenceError(_fenced_reason(leases, fence, 0, 1))
     nixl = agent.nixl
     parts = _parts(agent, record)
-    fence = record.fence
     for part, (local_list, local_idx, remote_list, remote_idx) in enumerate(parts):
         handle = nixl.make_prepped_xfer("WRITE", local_list, local_idx, remote_list, remote_idx)
         record.handles.append(handle)

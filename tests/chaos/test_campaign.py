@@ -4,12 +4,19 @@ every fault kind at once, and a deliberately broken invariant that the checker m
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
-from kvfsm.chaos._campaign import run_campaign
+from kvfsm.chaos._campaign import _Campaign, run_campaign
 from kvfsm.chaos._options import CampaignOptions
 from kvfsm.chaos._plan import ControlRates, TransferRates
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +94,41 @@ def test_freezes_past_the_settle_bound_reused_ids_and_oversized_calls() -> None:
     oversized = report["oversized"]
     assert oversized.get("max_pages", 0) >= 1, oversized
     assert oversized.get("frame", 0) >= 1, oversized
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.parametrize(("ended", "frozen"), [(0.2, False), (0.6, True)])
+def test_a_long_freeze_waits_for_chunks_in_flight_only_while_rooms_still_move(
+    ended: float, frozen: bool
+) -> None:
+    """The campaign's own ``_act`` on a stand-in prefill process: with no chunk seen in flight it
+    waits (retries soon) early in an episode, but freezes once 60% of the rooms ended, so that a
+    fast pair cannot end the episode before its freeze (CI once saw a freeze never made)."""
+    campaign = _Campaign(CampaignOptions(seed=1, long_freeze_factor=(1.5, 1.6)))
+    campaign.prefill_in_flight = 0
+    campaign.ended = ended
+    prefill = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stopped: dict[str, float] = {}
+    try:
+        rank = SimpleNamespace(pid=prefill.pid)
+        retry = campaign._act("long_freeze", "prefill", 0, {"prefill": rank}, stopped, set())  # type: ignore[dict-item]
+        if frozen:
+            assert retry is None
+            wait_for(lambda: _state(prefill.pid) == "T", timeout=10)
+            assert campaign.tally.long_freezes
+            assert "prefill" in stopped
+            assert campaign.tally.long_freezes_in_flight == 0
+        else:
+            assert retry is not None
+            assert retry - time.monotonic() < 0.1  # soon: a poll may see chunks in flight
+            assert not campaign.tally.long_freezes
+            assert not stopped
+            assert _state(prefill.pid) != "T"
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+        prefill.kill()
+        prefill.wait()

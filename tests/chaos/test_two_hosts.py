@@ -285,7 +285,9 @@ def test_a_freeze_past_the_settle_bound_across_two_hosts() -> None:
     """Over UCX TCP the fence stops the frozen prefill from posting once its lease ends, but a
     WRITE posted before may still sit in its UCX worker or socket buffer; decode settles the
     lost link's pages at 11 s (the margin keeps the cut term) and reuses them while prefill is
-    still frozen. No byte may land in them when prefill wakes."""
+    still frozen. No byte may land in them when prefill wakes: a WRITE over TCP moves only
+    when prefill progresses its agent, and the stale-progress gate refuses that progress (the
+    agent is fenced out, and the campaign restarts prefill: ``long_freezes.fenced_out``)."""
     before = _ours()
     opts = CampaignOptions(
         seed=20261203,
@@ -302,6 +304,7 @@ def test_a_freeze_past_the_settle_bound_across_two_hosts() -> None:
     )
     report = run_campaign(opts)
     assert report["long_freezes"]["count"] == 1
+    print("long freezes:", report["long_freezes"])  # fenced_out: 1 if it caught a WRITE
     assert report["long_freezes"]["min_s"] > report["settle_after_loss_s"] == 11.0
     assert report["late_writes"] == 0, report["violations"][:5]
     assert report["wedged"] == report["mismatched_bytes"] == 0
