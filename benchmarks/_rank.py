@@ -35,7 +35,7 @@ def start_rank(shape: Shape, channel: ChannelConfig, *, name: str, port: int = 0
     agent = Agent(f"{name}-{os.getpid()}", make_layout(kv, aux))
     transport = None
     if port == 0:
-        transport = NixlTransport(agent, leases=Leases())
+        transport = NixlTransport(agent, leases=Leases(margin_s=channel.fence_margin_s))
         control = ControlPlane("prefill", 0, agent, transport=transport, config=channel)
     else:
 

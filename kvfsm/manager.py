@@ -287,7 +287,7 @@ class _Manager:
             self.status = StatusServer(
                 self.engine,
                 metrics=self.metrics,
-                extra_stats=lambda: {"control": dict(control.stats)},
+                extra_stats=self._status_extra,
                 host=self.config.status_host,
                 port=self.config.status_port,
             )
@@ -304,6 +304,10 @@ class _Manager:
         if self.control is not None:
             out["control"] = dict(self.control.stats)
         return out
+
+    def _status_extra(self) -> dict[str, Any]:
+        """What ``/stats`` serves beside the rooms and threads (loop thread)."""
+        return {} if self.control is None else {"control": dict(self.control.stats)}
 
     def close(self) -> None:
         """Abort live rooms, let them settle, stop the loop, release NIXL. Idempotent."""
@@ -450,6 +454,13 @@ class PrefillManager(_Manager):
         """The control channel's listening port."""
         assert self.control is not None
         return self.control.port
+
+    def _status_extra(self) -> dict[str, Any]:
+        # The data path too: an operator must see at once that this rank was fenced out.
+        out = super()._status_extra()
+        out["transport"] = self.transport.snapshot()
+        out["fenced_out"] = self.transport.fenced_out
+        return out
 
     def sender(self, room: int, *, leg: int = 0) -> SenderRoom:
         """A new prefill room (non-blocking; a duplicate live room id is published Failed).

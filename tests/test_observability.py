@@ -94,6 +94,10 @@ def test_live_rooms_metrics_and_the_rooms_command(
     stats = json.loads(get(prefill.status.url + "/stats"))
     assert stats["rooms"]["succeeded"] >= 1
     assert "control" in stats
+    # Prefill's data path, and whether its agent was fenced out (None: it was not).
+    assert stats["transport"]["chunks_done"] >= 1
+    assert stats["transport"]["fenced_out"] == 0
+    assert stats["fenced_out"] is None
     # Every kvfsm thread is named, in the OS too (what top -H and py-spy show).
     threads = {row["name"]: row for row in stats["threads"]}
     assert any(name.startswith("kvfsm-loop-p") for name in threads), threads

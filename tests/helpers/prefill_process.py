@@ -157,7 +157,7 @@ def _serve(
     if slow_post_s:
         agent_config = AgentConfig(interpose=lambda nixl: _SlowPosts(nixl, slow_post_s))
     agent = Agent(f"prefill-{os.getpid()}", make_layout(kv, aux), agent_config)
-    transport = NixlTransport(agent, leases=Leases())
+    transport = NixlTransport(agent, leases=Leases(margin_s=config.fence_margin_s))
     control = ControlPlane("prefill", 0, agent, transport=transport, config=config)
     engine = RoomEngine(router_for(control)).start()
     engine.call(control.started())
