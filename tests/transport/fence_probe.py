@@ -40,6 +40,7 @@ from kvfsm.states import TERMINAL, DestinationReceived
 from kvfsm.transport import Agent, AgentConfig, LayoutSummary, Leases, NixlTransport
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 from kvfsm.workload.peer import PeerProcess
+from tests.helpers.interpose import Interposer
 from tests.helpers.waiting import wait_for
 
 FENCE = 1
@@ -65,20 +66,13 @@ class TimedLeases(Leases):
         return ok
 
 
-class EntryClock:
+class EntryClock(Interposer):
     """``AgentConfig.interpose``: records the entry time and duration of every transfer()."""
 
     def __init__(self) -> None:
-        self.inner: Any = None
+        super().__init__()
         self.entries: list[int] = []
         self.durations: list[int] = []
-
-    def __call__(self, inner: Any) -> EntryClock:
-        self.inner = inner
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def transfer(self, handle: Any) -> Any:
         t0 = time.perf_counter_ns()

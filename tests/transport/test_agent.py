@@ -14,6 +14,7 @@ import pytest
 from kvfsm.transport._agent import Agent, AgentConfig
 from kvfsm.transport._layout import Layout, Region
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
+from tests.helpers.interpose import Interposer
 
 SHAPE = Shape(layers=2, num_pages=8, page_bytes=512, aux_rows=4, aux_row_bytes=64)
 _NAMES = itertools.count()
@@ -23,16 +24,12 @@ def _name(role: str) -> str:
     return f"agent-test-{role}-{os.getpid()}-{next(_NAMES)}"
 
 
-class Counting:
+class Counting(Interposer):
     """Wraps the raw NIXL agent (``AgentConfig.interpose``) and counts what passes through."""
 
     def __init__(self) -> None:
-        self.inner: Any = None
+        super().__init__()
         self.calls: list[str] = []
-
-    def __call__(self, inner: Any) -> Counting:
-        self.inner = inner
-        return self
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)

@@ -18,6 +18,7 @@ from kvfsm.transport._chunks import Xfer, merge, prepare
 from kvfsm.transport._fence import FenceError
 from kvfsm.transport._ledger import QUEUED, Deliver, Finish
 from kvfsm.workload.buffers import page_digests
+from tests.helpers.interpose import Interposer
 from tests.helpers.nixl_pair import KEY, SHAPE, Pair, chunk, ints
 
 
@@ -172,20 +173,13 @@ def test_a_lease_gone_before_the_post_stops_it_after_the_handle_is_made(pair: Pa
     assert pair.theirs.pages([8]) != pair.mine.pages([4])
 
 
-class Synchronous:
+class Synchronous(Interposer):
     """Wraps the raw agent so that ``transfer()`` returns only once the WRITE is over, as the
     cross-process shared-memory path does (the copy runs inside the call)."""
 
     def __init__(self) -> None:
-        self.inner: Any = None
+        super().__init__()
         self.target: Pair | None = None  # in one process the receiver must be progressed too
-
-    def __call__(self, inner: Any) -> Synchronous:
-        self.inner = inner
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def transfer(self, handle: Any) -> str:
         state = str(self.inner.transfer(handle))

@@ -22,6 +22,7 @@ from kvfsm.transport import Agent, AgentConfig, Leases, NixlTransport, TransferC
 from kvfsm.transport._fence import REVOKED_KEPT
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
+from tests.helpers.interpose import Interposer
 from tests.helpers.transport import RecordingControl
 from tests.helpers.waiting import wait_for
 
@@ -232,13 +233,13 @@ def test_without_a_margin_the_gate_never_refuses() -> None:
 # -- a NIXL proxy that holds the poster ---------------------------------------------------------
 
 
-class Gate:
+class Gate(Interposer):
     """Wraps the raw NIXL agent (``AgentConfig.interpose``). ``hold_at`` = n holds the poster
     thread in the n-th ``make_prepped_xfer`` (1-based) until ``release()``; ``stuck`` makes
     every posted handle report PROC (its real transfer is over) until ``unstick()``."""
 
     def __init__(self) -> None:
-        self.inner: Any = None
+        super().__init__()
         self.hold_at = 0
         self.made = 0
         self.transfers = 0
@@ -248,13 +249,6 @@ class Gate:
         self.stuck = False
         self.holding = threading.Event()
         self._open = threading.Event()
-
-    def __call__(self, inner: Any) -> Gate:
-        self.inner = inner
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
         handle = self.inner.make_prepped_xfer(*args, **kwargs)

@@ -35,6 +35,7 @@ from kvfsm.transport import (
 )
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
+from tests.helpers.interpose import Interposer
 from tests.helpers.transport import RecordingControl
 from tests.helpers.waiting import wait_for
 
@@ -46,21 +47,14 @@ CANARY = 0x3C
 PAGES = list(range(16))  # 16 pages x 4 buffers x 64 KiB: 4 MiB in one chunk
 
 
-class StopAfterTransfer:
-    """Wraps the raw agent: the first ``transfer()`` after ``arm()`` stops the whole process
+class StopAfterTransfer(Interposer):
+    """Wraps the raw agent: the first ``transfer()`` once ``armed`` stops the whole process
     (SIGSTOP) as soon as it returns, with the WRITE posted and not yet progressed."""
 
     def __init__(self) -> None:
-        self.inner: Any = None
+        super().__init__()
         self.armed = False
         self.stopped_after: str | None = None
-
-    def __call__(self, inner: Any) -> StopAfterTransfer:
-        self.inner = inner
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         state = self.inner.transfer(handle, *args, **kwargs)

@@ -19,6 +19,7 @@ from kvfsm.transport import AgentConfig, Leases, Peer, TransferConfig
 from kvfsm.transport._chunks import Xfer, post_xfer
 from kvfsm.transport._pump import Pump
 from kvfsm.transport._slices import NO_KV
+from tests.helpers.interpose import Interposer
 from tests.helpers.nixl_pair import OWN_PEER, SHAPE, Pair, chunk
 
 FENCE = 7
@@ -28,7 +29,7 @@ class nixlRemoteDisconnectError(Exception):  # noqa: N801 - NIXL's name is what 
     pass
 
 
-class Proxy:
+class Proxy(Interposer):
     """Wraps the writer's raw NIXL agent (``AgentConfig.interpose``). ``stuck``: every handle
     reports PROC (its real transfer is over); ``refuse_release``: the next release raises;
     ``disconnect``: checking a handle raises NIXL's remote-disconnect error. Progressing the
@@ -36,19 +37,12 @@ class Proxy:
     would progress itself."""
 
     def __init__(self) -> None:
-        self.inner: Any = None
+        super().__init__()
         self.pair: Pair | None = None
         self.stuck = False
         self.refuse_release = False
         self.disconnect = False
         self.progresses = 0
-
-    def __call__(self, inner: Any) -> Proxy:
-        self.inner = inner
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def transfer(self, handle: Any) -> str:
         state = str(self.inner.transfer(handle))
