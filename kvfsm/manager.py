@@ -30,6 +30,7 @@ commands to the other; on decode it also runs the agent's progress loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -84,11 +85,13 @@ from kvfsm.transport import (
 )
 
 __all__ = [
+    "FENCED_OUT_EXIT",
     "CommandRouter",
     "DecodeManager",
     "ManagerConfig",
     "PrefillManager",
     "default_agent_name",
+    "exit_fenced_out",
     "router_for",
 ]
 
@@ -186,6 +189,21 @@ def router_for(control: ControlPlane) -> CommandRouter:
     return CommandRouter(control, progress=progress)
 
 
+#: The exit status of a process ended by ``exit_on_fenced_out`` (EX_TEMPFAIL: restart it).
+FENCED_OUT_EXIT: Final = 75
+
+
+def exit_fenced_out(reason: str) -> None:
+    """End this process now (``ManagerConfig.exit_on_fenced_out``): its NIXL agent is fenced
+    out and may hold WRITEs that must never move. ``os._exit``, not ``sys.exit``: no cleanup
+    runs, since a destructor that closed the agent would push them."""
+    _log.critical("exiting (status %d): %s", FENCED_OUT_EXIT, reason)
+    for handler in logging.getLogger().handlers + _log.handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(FENCED_OUT_EXIT)
+
+
 def default_agent_name(role: str, engine_id: str, rank: int) -> str:
     """A NIXL agent name that no other process picks, without configuration.
 
@@ -228,6 +246,11 @@ class ManagerConfig:
     #: declaration does not pair with it is refused there (``kvfsm.bootstrap._fingerprint``).
     #: None: nothing declared (pairs only with peers that declare nothing).
     fingerprint: Fingerprint | None = None
+    #: Prefill: when the stale-progress gate fences the NIXL agent out (the process was
+    #: stopped or starved with a WRITE in flight past its lease; ``kvfsm.transport._fence``),
+    #: exit the process at once with status ``FENCED_OUT_EXIT`` so its supervisor restarts
+    #: it. False: the rank stays up and fails every room with the reason until restarted.
+    exit_on_fenced_out: bool = False
 
     def channel_config(self) -> ChannelConfig:
         if self.secret is None:
@@ -384,7 +407,11 @@ class PrefillManager(_Manager):
         # as decode's: configure both sides alike).
         leases = Leases(margin_s=self.config.channel.fence_margin_s)
         self.transport = NixlTransport(
-            self.agent, config=self.config.transfer, observer=self.metrics, leases=leases
+            self.agent,
+            config=self.config.transfer,
+            observer=self.metrics,
+            leases=leases,
+            on_fenced_out=exit_fenced_out if self.config.exit_on_fenced_out else None,
         )
         self._registration_task: asyncio.Task[None] | None = None
         self.pipeline: PipelineStage | None = None

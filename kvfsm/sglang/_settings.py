@@ -17,6 +17,11 @@ be passed to them; these are read when a manager or bootstrap server is built.
                        for dead (raise it on oversubscribed hosts, e.g. several CPU servers on
                        two cores).
 ``KVFSM_LEASE_S``      decode's write-lease length (default 2 s; renewed every quarter).
+``KVFSM_EXIT_ON_FENCED_OUT``  ``1`` (default): a prefill scheduler whose NIXL agent was fenced
+                       out (stopped or starved past its write lease with a WRITE in flight)
+                       exits with status 75, and SGLang's launcher takes the server down for
+                       its supervisor to restart, as on any fatal scheduler error; ``0``: it
+                       stays up and fails every transfer with the reason until restarted.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import threading
 from kvfsm.bootstrap import ChannelConfig
 from kvfsm.manager import ManagerConfig
 
-__all__ = ["channel_config", "configure", "manager_config", "secret"]
+__all__ = ["channel_config", "configure", "exit_on_fenced_out", "manager_config", "secret"]
 
 _lock = threading.Lock()
 _configured: ManagerConfig | None = None
@@ -53,7 +58,20 @@ def manager_config() -> ManagerConfig:
             return _configured
     # SGLang's bootstrap server is started after the scheduler ranks: let the first
     # registration wait for it, as SGLang's own backends retry theirs.
-    return ManagerConfig(secret=secret(), register_wait_s=120.0, channel=channel_config())
+    return ManagerConfig(
+        secret=secret(),
+        register_wait_s=120.0,
+        channel=channel_config(),
+        exit_on_fenced_out=exit_on_fenced_out(),
+    )
+
+
+def exit_on_fenced_out() -> bool:
+    """``KVFSM_EXIT_ON_FENCED_OUT``: 1 (default) or 0; anything else is refused at start-up."""
+    raw = os.environ.get("KVFSM_EXIT_ON_FENCED_OUT", "1").strip()
+    if raw not in {"0", "1"}:
+        raise ValueError(f"KVFSM_EXIT_ON_FENCED_OUT={raw!r}: expected 0 or 1")
+    return raw == "1"
 
 
 def _positive(variable: str, default: float) -> float:

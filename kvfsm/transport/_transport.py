@@ -47,7 +47,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import cast
 
@@ -88,8 +88,12 @@ class NixlTransport(CommandSink):
         config: TransferConfig | None = None,
         observer: ChunkObserver | None = None,
         leases: Leases | None = None,
+        on_fenced_out: Callable[[str], None] | None = None,
     ) -> None:
         self.agent = agent
+        #: Called (loop thread) once the stale-progress gate fenced the agent out, after its
+        #: chunks failed; the process's policy (``ManagerConfig.exit_on_fenced_out``).
+        self.on_fenced_out = on_fenced_out
         self.config = config if config is not None else TransferConfig()
         self.stats = TransportStats()
         #: Write leases every chunk is fenced by; None: nothing is fenced.
@@ -325,6 +329,8 @@ class NixlTransport(CommandSink):
     def _fenced_out(self, reason: str) -> None:
         """The stale-progress gate fenced the agent out (the pump failed its chunks)."""
         self.agent.abandon(reason)
+        if self.on_fenced_out is not None:
+            self.on_fenced_out(reason)
 
     @property
     def fenced_out(self) -> str | None:

@@ -1,11 +1,11 @@
-"""The adapter's environment settings for the control channel's timing."""
+"""The adapter's environment settings: the control channel's timing, the fenced-out policy."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvfsm.bootstrap import ChannelConfig
-from kvfsm.sglang._settings import channel_config
+from kvfsm.sglang._settings import channel_config, configure, manager_config
 
 
 def test_unset_variables_keep_kvfsms_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -30,3 +30,16 @@ def test_a_bad_value_is_refused_naming_the_variable(
     monkeypatch.setenv("KVFSM_HEARTBEAT_S", value)
     with pytest.raises(ValueError, match="KVFSM_HEARTBEAT_S"):
         channel_config()
+
+
+def test_a_fenced_out_prefill_exits_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang takes the server down when a scheduler exits, as on any fatal scheduler error; a
+    supervisor restarts it. That beats a prefill that stays up and fails every transfer."""
+    configure(None)  # the environment's settings, not the tests' (the fixture restores them)
+    monkeypatch.delenv("KVFSM_EXIT_ON_FENCED_OUT", raising=False)
+    assert manager_config().exit_on_fenced_out is True
+    monkeypatch.setenv("KVFSM_EXIT_ON_FENCED_OUT", "0")
+    assert manager_config().exit_on_fenced_out is False
+    monkeypatch.setenv("KVFSM_EXIT_ON_FENCED_OUT", "yes")
+    with pytest.raises(ValueError, match="KVFSM_EXIT_ON_FENCED_OUT"):
+        manager_config()

@@ -5,7 +5,9 @@ go. Decode (another process) then checks its pages.
 
 Without the gate the whole chunk lands after the freeze, into pages decode would have settled
 and handed out again by then (law 4 broken: this test shows it). With it, the writer's first
-act after waking is the gate's refusal; not one byte moves, and the agent is fenced out.
+act after waking is the gate's refusal; not one byte moves, and the agent is fenced out. With
+``exit_fenced_out`` wired (``ManagerConfig.exit_on_fenced_out``, the SGLang adapter's default)
+the process then exits with status 75, and still not one byte moves.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvfsm._child import ChildProcess, environ
-from kvfsm.manager import CommandRouter
+from kvfsm.manager import FENCED_OUT_EXIT, CommandRouter, exit_fenced_out
 from kvfsm.rooms import RoomConfig, RoomEngine
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 from kvfsm.transport import (
@@ -65,7 +67,9 @@ class StopAfterTransfer(Interposer):
         return state
 
 
-def _writer(conn: Connection, margin_s: float, metadata: bytes, summary: bytes) -> None:
+def _writer(
+    conn: Connection, margin_s: float, exits: bool, metadata: bytes, summary: bytes
+) -> None:
     """The prefill process (UCX_TLS=tcp, inherited, as is its decode peer's)."""
     kv, aux = make_buffers(SHAPE)
     rng = np.random.default_rng(11)
@@ -77,7 +81,9 @@ def _writer(conn: Connection, margin_s: float, metadata: bytes, summary: bytes) 
     )
     leases = Leases(margin_s=margin_s)
     config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
-    transport = NixlTransport(agent, config, leases=leases)
+    # ``exits``: what ManagerConfig.exit_on_fenced_out wires (the SGLang adapter's default).
+    on_fenced_out = exit_fenced_out if exits else None
+    transport = NixlTransport(agent, config, leases=leases, on_fenced_out=on_fenced_out)
     engine = RoomEngine(CommandRouter(RecordingControl(), transport), RoomConfig()).start()
     decode = msgspec.msgpack.decode(summary, type=LayoutSummary)
     engine.call(transport.connect_peer("decode", metadata, decode))
@@ -124,13 +130,15 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
-def test_a_write_posted_before_a_freeze_never_lands_after_it(gate: bool) -> None:
-    margin = MARGIN_S if gate else math.inf  # inf: the gate never refuses (the old writer)
+@pytest.mark.parametrize("mode", ["gate", "no-gate", "gate-exits"])
+def test_a_write_posted_before_a_freeze_never_lands_after_it(mode: str) -> None:
+    margin = math.inf if mode == "no-gate" else MARGIN_S  # inf: the gate never refuses
     with environ({"UCX_TLS": "tcp"}):
         peer = PeerProcess(SHAPE, name=f"freeze-decode-{os.getpid()}")
         summary = msgspec.msgpack.encode(peer.summary)
-        writer = ChildProcess(_writer, margin, peer.metadata, summary, what="frozen writer")
+        exits = mode == "gate-exits"
+        args = (margin, exits, peer.metadata, summary)
+        writer = ChildProcess(_writer, *args, what="frozen writer")
     try:
         peer.ask("fill", CANARY)
         pid = writer.greeting
@@ -140,19 +148,28 @@ def test_a_write_posted_before_a_freeze_never_lands_after_it(gate: bool) -> None
         # lease + margin; stay stopped well past that.
         time.sleep(LEASE_S + MARGIN_S + 1.0)
         os.kill(pid, signal.SIGCONT)
-        result = writer.ask("result", timeout=60)
+        if exits:
+            writer.process.join(30)
+            time.sleep(1.0)  # (anything its death let go of would land now)
+            result = {"exitcode": writer.process.exitcode}
+        else:
+            result = writer.ask("result", timeout=60)
         got = peer.ask("digests", np.asarray(PAGES, np.int32).tobytes())
     finally:
         writer.close()
         peer.close()
-    canary = page_digests(
-        [np.full((1, SHAPE.page_bytes), CANARY, np.uint8)] * 4, np.zeros(1, np.int32)
-    )[0]
+    filled = [np.full((1, SHAPE.page_bytes), CANARY, np.uint8)] * 4
+    canary = page_digests(filled, np.zeros(1, np.int32))[0]
     untouched = sum(d == canary for d in got)
+    if exits:
+        # The gate refused, the process ended at once; not a page landed, then or since.
+        assert result["exitcode"] == FENCED_OUT_EXIT, result
+        assert untouched == len(PAGES), untouched
+        return
     landed = sum(a == b for a, b in zip(got, result["digests"], strict=True))
     assert result["stopped_after"] == "PROC", result  # posted, nothing moved yet (TCP)
     assert result["poll"] == "Failed", result
-    if gate:
+    if mode == "gate":
         assert untouched == len(PAGES), (untouched, landed)  # not a page written after it
         assert result["fenced_out"] is not None, result
         assert result["fenced_out"] in result["reason"], result
