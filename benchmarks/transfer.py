@@ -24,6 +24,9 @@ benchmark's source buffer to a destination buffer:
 * kvfsm_spin - kvfsm with the pump's pacing off (``TransferConfig(poll_max_wait_s=0)``: it
              polls every loop iteration while chunks are in flight): the baseline for what
              bounded adaptive polling saves in CPU and costs in latency. Not run by default.
+* kvfsm_unfenced - kvfsm without write leases (``NixlTransport(leases=None)``; kvfsm itself
+             posts under one long lease, as a production prefill does): what the fence and
+             the stale-progress gate cost. Not run by default.
 * kvfsm_alone - kvfsm posting every chunk alone (``TransferConfig(merge_max_chunks=1)``): the
              baseline for what merging the small chunks of one loop callback into one NIXL
              request (the ledger's rule 8) is worth. Not run by default.
@@ -813,6 +816,10 @@ def run_raw_nixl(case: Case, bench: Bench) -> Result:
 # -- runner: kvfsm end to end -------------------------------------------------------------------
 
 
+#: The write lease kvfsm's rooms are fenced by (a link generation, in production).
+_FENCE = 1
+
+
 class Kvfsm:
     """kvfsm end to end for one page size: an ``Agent`` with the source registered as one KV
     region of ``case.pages`` pages, a ``NixlTransport`` connected to the shared peer, and a
@@ -834,10 +841,11 @@ class Kvfsm:
         heads: Heads | None = None,
         spin: bool = False,
         alone: bool = False,
+        fenced: bool = True,
         name: str = "kvfsm",
     ) -> None:
         from kvfsm.rooms import RoomEngine
-        from kvfsm.transport import Agent, Layout, LayoutSummary, NixlTransport, Region
+        from kvfsm.transport import Agent, Layout, LayoutSummary, Leases, NixlTransport, Region
         from kvfsm.transport._layout import MemKind
         from kvfsm.transport._slices import KvPiece, link_piece
         from kvfsm.transport._transport import TransferConfig
@@ -866,8 +874,18 @@ class Kvfsm:
             config = dataclasses.replace(config, poll_max_wait_s=0.0)
         if alone:
             config = dataclasses.replace(config, merge_max_chunks=1)
-        self.transport = NixlTransport(self.agent, config=config)
+        # Fenced, as a production prefill runs: every chunk under a write lease (one long
+        # lease here; the control plane that renews it is not measured), and every NIXL call
+        # that progresses the agent behind the stale-progress gate.
+        self.leases = Leases(margin_s=1.0) if fenced else None
+        self.transport = NixlTransport(self.agent, config=config, leases=self.leases)
         self.engine = RoomEngine(self.transport).start()
+
+        async def grant() -> None:
+            if self.leases is not None:
+                self.leases.grant(_FENCE, time.monotonic() + 1e6)
+
+        self.engine.call(grant())
         remote = LayoutSummary(
             kv=tuple((peer.base + b * dst_region, dst_region, dst_page, 0) for b in range(regions)),
             kv_kind=kind,
@@ -939,7 +957,7 @@ class Kvfsm:
                 self._rooms += 1
                 sender = engine.sender(self._rooms)
                 dst = destinations[next_room - 1]
-                engine.post(sender.key, DestinationReceived(dst, 0, peer="decode"))
+                engine.post(sender.key, DestinationReceived(dst, 0, peer="decode", fence=_FENCE))
                 live.append((sender, room, 0.0))
             moved = False
             keep = []
@@ -1005,6 +1023,21 @@ def run_kvfsm_spin(case: Case, bench: Bench) -> Result:
     return runner.run(case)
 
 
+def run_kvfsm_unfenced(case: Case, bench: Bench) -> Result:
+    runner = bench.resource(
+        f"kvfsm_unfenced-{case.page_bytes}-{case.pages}-{case.heads}",
+        lambda: Kvfsm(
+            bench,
+            case.page_bytes,
+            case.pages,
+            heads=case.heads,
+            fenced=False,
+            name="kvfsm_unfenced",
+        ),
+    )
+    return runner.run(case)
+
+
 def run_kvfsm_alone(case: Case, bench: Bench) -> Result:
     runner = bench.resource(
         f"kvfsm_alone-{case.page_bytes}-{case.pages}-{case.heads}",
@@ -1037,6 +1070,8 @@ RUNNERS: dict[str, Runner] = {
     "kvfsm_spin": run_kvfsm_spin,
     # Not run by default: kvfsm posting every chunk alone (--runners ...,kvfsm_alone).
     "kvfsm_alone": run_kvfsm_alone,
+    # Not run by default: kvfsm without leases (--runners ...,kvfsm_unfenced).
+    "kvfsm_unfenced": run_kvfsm_unfenced,
 }
 DEFAULT_RUNNERS: Final = ("copy", "raw_nixl", "kvfsm")
 
@@ -1045,6 +1080,8 @@ RATIOS: tuple[tuple[str, str], ...] = (
     ("kvfsm", "raw_nixl"),
     ("kvfsm", "kvfsm_spin"),
     ("kvfsm", "kvfsm_alone"),
+    ("kvfsm", "kvfsm_unfenced"),
+    ("kvfsm_unfenced", "raw_nixl"),
     ("kvfsm_alone", "raw_nixl"),
     ("raw_nixl", "copy"),
     ("kvfsm", "copy"),
