@@ -258,6 +258,9 @@ class ModelConfig:
     # physics
     post_delay_s: float = 0.0005  # the poster thread takes a queued chunk this soon
     late_land_s: float = 0.4  # STALL_LATE: released bytes land this long after the release
+    #: The pump progresses the agent at least this often while a record is in flight or held
+    #: (production: every 1 to 20 ms); well under the gate's quarter margin.
+    progress_s: float = 0.05
     # pools
     dst_pages: int = 12
     dst_aux_rows: int = 4
@@ -1090,7 +1093,8 @@ class Transport:
         self.pair = proc.pair
         self.clock = proc.clock
         self.config = proc.config
-        self.leases = Leases()
+        # Fenced, and gated (the stale-progress gate), with decode's margin, as production.
+        self.leases = Leases(margin_s=self.config.fence_margin_s)
         self.ledger = ledger.ChunkLedger(
             deadline_s=lambda nbytes: self.config.chunk_deadline_s,
             quarantine_s=self.config.quarantine_s,
@@ -1101,6 +1105,8 @@ class Transport:
         self._queue: list[Chunk] = []
         self._poster: _Timer | None = None
         self._pump: _Timer | None = None
+        #: The gate fenced the agent out: nothing is posted, progressed or released again.
+        self.fenced = False
         #: Chunk plans per sender room, in the order its chunks were submitted.
         self.plans: dict[RoomKey, deque[ChunkPlan]] = {}
 
@@ -1189,6 +1195,8 @@ class Transport:
                 if isinstance(record, Chunk) and record.handles:
                     self.release(record)
                 record.handles = []
+                if record.opened:  # Pump._finish: the gate stops counting it
+                    self.leases.closed(record.fence)
                 if later:
                     self._later(record.key, action.event)
                 else:
@@ -1199,20 +1207,41 @@ class Transport:
         self.execute(self.ledger.quarantine_over(record))
 
     def release(self, record: Chunk) -> None:
-        """release_xfer_handle on every handle: what has not landed may still (the fate)."""
+        """release_xfer_handle on every handle: what has not landed may still (the fate), at
+        a progress of the agent, which asks the gate first. A fenced-out agent releases
+        nothing and is never progressed again: nothing of it lands."""
         record.handles = []
+        if self.fenced:
+            return
         if record.released or "PROC" not in record.nixl:
             return  # a handle that said DONE or ERR moves nothing more
         record.released = True
         record.nixl = ["ERR" if s == "PROC" else s for s in record.nixl]
         if record.fate in _FLUSHED:
-            self.pair.land(record)
+            if self.may_progress():
+                self.pair.land(record)
         elif record.fate is ChunkFate.STALL_LATE:
-            self.clock.at(
-                self.clock.now + self.config.late_land_s,
-                Side.PREFILL,
-                lambda: self.pair.land(record),
-            )
+
+            def late() -> None:
+                if self.may_progress():
+                    self.pair.land(record)
+
+            self.clock.at(self.clock.now + self.config.late_land_s, Side.PREFILL, late)
+
+    # -- the stale-progress gate (kvfsm.transport._fence) --------------------------------------
+
+    def may_progress(self) -> bool:
+        """Asked right before anything that progresses the agent (a post, a pump round, the
+        progress that moves released bytes). Refused: Pump._abandon, once."""
+        if self.leases.progress_allowed(self.clock.now):
+            return True
+        if not self.fenced:
+            self.fenced = True
+            self.pair.fenced_out += 1
+            reason = self.leases.fenced_out
+            assert reason is not None
+            self.execute(self.ledger.abandon(reason))
+        return False
 
     # -- the poster thread ---------------------------------------------------------------------
 
@@ -1232,11 +1261,14 @@ class Transport:
         if record.dropped:
             return self.ledger.posted(record, now)
         for index, part in enumerate(record.parts):
-            if not self.lease_valid(record):
+            if not self.lease_valid(record) or not self.may_progress():
                 why = self.leases.describe(record.fence, now)
                 return self.ledger.fenced(
                     record, f"write lease of fence {record.fence} {why}: not posted", now
                 )
+            if not record.opened:  # the gate counts it from its first transfer()
+                record.opened = True
+                self.leases.opened(record.fence)
             fate = record.fate
             if fate is ChunkFate.ERR_AT_POST or (fate is ChunkFate.ERR_LATER_PART and index):
                 return self.ledger.errored(record, "NIXL_ERR_BACKEND: transfer() raised", now)
@@ -1251,6 +1283,9 @@ class Transport:
                 state = "PROC"
             record.states.append(state)
             record.nixl.append(state)
+        if record.opened and "PROC" not in record.states:
+            record.opened = False  # over inside transfer(): nothing of it can be queued
+            self.leases.closed(record.fence)
         if all(state == "DONE" for state in record.states):
             record.handles = []  # released on the poster thread
         return self.ledger.posted(record, now)
@@ -1264,14 +1299,27 @@ class Transport:
 
     def schedule_pump(self) -> None:
         """The pump runs busy while anything is in flight: here, at every moment it can see a
-        change (a completion, a deadline, a lease running out) and at once after a change."""
+        change (a completion, a deadline, a lease running out) and at once after a change;
+        and, like the real one, it progresses the agent at least every ``progress_s`` while
+        a record is in flight or held (what keeps the gate from taking a running writer for
+        a frozen one)."""
+        if self.fenced:
+            return  # the pump stopped for good
         due = _INF
         for record in self.ledger.records():
+            if record.phase == ledger.HELD:
+                due = min(due, self.clock.now + self.config.progress_s)
             if record.phase != ledger.ACTIVE:
                 continue
             assert isinstance(record, Chunk)
             until = self.leases.until(record.fence)
-            due = min(due, self._completes_at(record), record.due + 1e-3, until)
+            due = min(
+                due,
+                self._completes_at(record),
+                record.due + 1e-3,
+                until,
+                self.clock.now + self.config.progress_s,
+            )
         if due == _INF:
             return
         due = max(due, self.clock.now)
@@ -1285,6 +1333,8 @@ class Transport:
     def _round(self) -> None:
         self._pump = None
         now = self.clock.now
+        if not self.may_progress():
+            return
         self.execute(self.ledger.leases_checked(now))
         # progress: in-progress WRITEs move their bytes
         for record in self.ledger.records():
@@ -1422,6 +1472,8 @@ class Pair:
         self._src_next = itertools.count()
         self._canaries = itertools.count()
         self.excused = 0
+        #: Times the stale-progress gate fenced prefill's agent out.
+        self.fenced_out = 0
         self.chunks_sent = 0
 
     # -- the world's callbacks -----------------------------------------------------------------
