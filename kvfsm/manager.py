@@ -403,8 +403,8 @@ class PrefillManager(_Manager):
         )
         # Fenced: every chunk is posted only under the write lease of the decode link that sent
         # its pages (law 4), checked right before the post; and the agent is never progressed
-        # when bytes queued across a freeze could land past decode's margin (the same margin
-        # as decode's: configure both sides alike).
+        # when bytes queued across a freeze could land past decode's margin (each decode's
+        # Hello tells its own; this rank's setting stands in only for a peer that does not).
         leases = Leases(margin_s=self.config.channel.fence_margin_s)
         self.transport = NixlTransport(
             self.agent,

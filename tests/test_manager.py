@@ -5,6 +5,7 @@ facades, bytes checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -12,11 +13,12 @@ import numpy as np
 
 from kvfsm import KVPoll
 from kvfsm.bootstrap import ChannelConfig
-from kvfsm.manager import DecodeManager, ManagerConfig, default_agent_name
+from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager, default_agent_name
 from kvfsm.states import TERMINAL
 from kvfsm.testing import KvfsmPair
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.prefill_process import SHAPE
+from tests.helpers.registry import running_registry
 from tests.helpers.waiting import wait_for
 
 CONFIG = ManagerConfig(channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5)
@@ -97,3 +99,33 @@ def test_a_default_agent_name_fits_the_hello_and_keeps_its_unique_part() -> None
     assert name.startswith("kvfsm-prefill-eee")
     assert f"-pid{os.getpid()}-" in name
     assert default_agent_name("prefill", "x", 3) != default_agent_name("prefill", "x", 3)
+
+
+def test_prefill_fences_each_link_by_the_margin_its_decode_told() -> None:
+    """Decode settles a lost link's pages at its last grant + lease + *its* fence margin, so
+    prefill's stale-progress gate must judge that link's writes by decode's margin, not by
+    its own setting: decode's Hello says it, and every lease carries it (protocol 7)."""
+    mine = dataclasses.replace(CONFIG, channel=ChannelConfig(heartbeat_s=0.25, fence_margin_s=1.0))
+    theirs = dataclasses.replace(
+        CONFIG, channel=ChannelConfig(heartbeat_s=0.25, fence_margin_s=0.3)
+    )
+    src_kv, src_aux = make_buffers(SHAPE)
+    dst_kv, dst_aux = make_buffers(SHAPE)
+    with running_registry(ttl_s=3) as url:
+        prefill = PrefillManager(make_layout(src_kv, src_aux), url, engine_id="m", config=mine)
+        decode = DecodeManager(make_layout(dst_kv, dst_aux), url, engine_id="m", config=theirs)
+        try:
+            receiver = decode.receiver(5)
+            receiver.init(0)
+            sender = prefill.sender(5)
+            wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+            leases = prefill.transport.leases
+            assert leases is not None
+            wait_for(lambda: leases.live == 1, timeout=10)
+            (fence,) = leases._until
+            assert leases.margin(fence) == 0.3  # decode's, not prefill's 1.0
+            receiver.abort("done")
+            sender.abort("done")
+        finally:
+            decode.close()
+            prefill.close()

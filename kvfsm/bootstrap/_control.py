@@ -435,7 +435,7 @@ class ControlPlane(CommandSink):
                 registry.deliver(action.key, action.event)
             elif isinstance(action, GrantLease):
                 if self._leases is not None:
-                    self._leases.grant(action.fence, action.until)
+                    self._leases.grant(action.fence, action.until, action.margin_s)
             elif isinstance(action, RevokeLease) and self._leases is not None:
                 self._leases.revoke(action.fence)
 
@@ -653,6 +653,7 @@ class ControlPlane(CommandSink):
             round(self.config.lease_s * 1000) if self.role == "decode" else 0,
             nonce,
             self.fingerprint,
+            max(1, round(self.config.fence_margin_s * 1000)) if self.role == "decode" else 0,
         )
         # Prefill: decode's Hello answers ours, so it is the link's first lease, counted from
         # before ours went out.
@@ -717,7 +718,14 @@ class ControlPlane(CommandSink):
             leg, legs = link_slot(self.fingerprint, theirs.fingerprint)
             self._do(
                 self._prefill.link_opened(
-                    link.generation, peer_id, now, hello_sent, theirs.lease_ms, leg=leg, legs=legs
+                    link.generation,
+                    peer_id,
+                    now,
+                    hello_sent,
+                    theirs.lease_ms,
+                    leg=leg,
+                    legs=legs,
+                    margin_ms=theirs.fence_margin_ms,
                 )
             )
         else:

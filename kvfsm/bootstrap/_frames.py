@@ -23,7 +23,7 @@ Frames
 
     frame          direction         meaning
     Hello          both, first       version, role, rank, NIXL agent name and metadata, layout,
-                                     incarnation
+                                     incarnation; decode's: its first lease and its fence margin
     Heartbeat      both              a sign of life on an idle connection (any frame is one)
     LeaseRequest   prefill -> decode asks for a write lease (sequence number)
     LeaseGrant     decode -> prefill grants it: prefill may write into this decode's pages until
@@ -150,7 +150,7 @@ __all__ = [
 #: fingerprint (Hello.fingerprint); 5: legs (RoomMetadata.part), the attention-TP rank, and
 #: decode prefix caching (RoomMetadata.prefix); 6: pipeline stages in the fingerprint
 #: (``pp_rank``, ``first_layer``).
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
@@ -221,6 +221,10 @@ class Hello(Frame, frozen=True):
     #: What the peer must agree on (model layout, parallel shape), checked by both sides
     #: before anything else happens on the link (``_fingerprint.mismatch``).
     fingerprint: Fingerprint = Fingerprint()
+    #: Decode: its ``fence_margin_s`` (it settles a lost link's pages at its last grant +
+    #: lease + this), which prefill's stale-progress gate must use for this link's writes
+    #: (``Leases.grant``). 0 from prefill. (Protocol 7.)
+    fence_margin_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
 
 
 class Heartbeat(Frame, frozen=True):

@@ -158,10 +158,12 @@ class Deliver:
 
 @dataclass(frozen=True, slots=True)
 class GrantLease:
-    """Prefill: writes under fence ``fence`` may be posted until ``until`` (monotonic)."""
+    """Prefill: writes under fence ``fence`` may be posted until ``until`` (monotonic); the
+    page owner settles a lost link's pages ``margin_s`` after that (None: unknown)."""
 
     fence: int
     until: float
+    margin_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,10 +257,12 @@ class _Sender:
 
 
 class _PrefillLink:
-    __slots__ = ("asked", "early", "held", "leg", "legs", "peer", "requests", "seq")
+    __slots__ = ("asked", "early", "held", "leg", "legs", "margin_s", "peer", "requests", "seq")
 
     def __init__(self, peer: str, leg: int = 0, legs: int = 1) -> None:
         self.peer = peer
+        #: Decode's fence margin for this link (``Hello.fence_margin_ms``); None: not told.
+        self.margin_s: float | None = None
         #: Which of the decode ranks this prefill rank writes each room into the link's peer
         #: is (``leg``), of how many (``legs``): 0 of 1 unless decode's attention TP is larger.
         self.leg = leg
@@ -321,14 +325,19 @@ class PrefillRouting:
         *,
         leg: int = 0,
         legs: int = 1,
+        margin_ms: int = 0,
     ) -> list[Action]:
         """A link after the Hello exchange. Decode's Hello answers ours, sent at ``hello_sent``,
         and grants ``lease_ms`` (``Hello.lease_ms``; None: this side's ``lease_s``, for a peer
         known to share the configuration): the first lease. 0: none until a ``LeaseGrant``.
-        ``leg`` of ``legs``: see "Legs" in the module docstring."""
+        ``margin_ms``: decode's fence margin (``Hello.fence_margin_ms``; 0: not told), passed
+        on with every lease of this link. ``leg`` of ``legs``: see "Legs" in the module
+        docstring."""
         if lease_ms is None:
             lease_ms = round(self.config.lease_s * 1000)
         state = _PrefillLink(peer, leg, legs)
+        if margin_ms > 0:
+            state.margin_s = margin_ms / 1000.0
         self._links[link] = state
         state.requests[0] = state.asked = hello_sent
         if lease_ms <= 0:
@@ -359,7 +368,7 @@ class PrefillRouting:
             self.stats["stale_frames"] += 1
             return []
         self.stats["leases_granted"] += 1
-        return [GrantLease(link, sent + lease_ms / 1000.0)]
+        return [GrantLease(link, sent + lease_ms / 1000.0, state.margin_s)]
 
     def link_lost(self, link: int, reason: str, now: float) -> list[Action]:
         state = self._links.pop(link, None)

@@ -63,7 +63,8 @@ stays open through its quarantine: its bytes may still be queued). Rule:
 
 * progressing at ``now`` is refused when some open record's fence has a lease that ended at
   ``until`` with ``now >= until + margin/2`` while the agent was last progressed before
-  ``until + margin/4``: bytes queued then may still be queued, and pushed now they could land
+  ``until + margin/4`` (``margin``: that fence's owner's, told with its grants, see
+  :meth:`Leases.grant`): bytes queued then may still be queued, and pushed now they could land
   after the owner's bound (``until + margin`` at the earliest). A pump that kept progressing
   past the lease's end drained them within milliseconds (the module docstring of
   ``_pump``); only a gap of a quarter margin or more straddling the lease's end trips it.
@@ -106,17 +107,18 @@ class Leases:
     """Write leases granted by page owners, one per fence id (the control plane uses its link
     generation), and the stale-progress gate (module docstring).
 
-    ``margin_s``: the owner's ``fence_margin_s`` (it settles a lost link's pages at its last
-    grant + lease + margin); ``inf`` (the default) turns the gate off.
+    ``margin_s``: the page owners' ``fence_margin_s`` (one settles a lost link's pages at its
+    last grant + lease + margin) for fences whose grants do not say theirs; ``inf`` (the
+    default) turns the gate off for those.
     """
 
     __slots__ = (
-        "_earliest",
         "_lock",
+        "_margin",
+        "_margins",
         "_open",
-        "_quarter",
-        "_half",
         "_revoked",
+        "_trip_at",
         "_until",
         "_watermark",
         "fenced_out",
@@ -131,19 +133,22 @@ class Leases:
         self._revoked: dict[int, None] = {}  # the last REVOKED_KEPT revoked, oldest first
         self._watermark = 0  # every fence id <= this one that is not live counts as revoked
         self.stats = LeaseStats()
-        self._quarter = margin_s / 4
-        self._half = margin_s / 2
+        self._margin = margin_s
+        self._margins: dict[int, float] = {}  # live fences whose owner said its margin
         # The gate. Written under _lock (poster, loop and worker threads); read lock-free.
         self._lock = threading.Lock()
-        self._open: dict[int, list[float]] = {}  # fence -> [open records, lease end]
-        self._earliest = math.inf  # the earliest lease end among open fences
+        #: fence -> [open records, lease end, margin]
+        self._open: dict[int, list[float]] = {}
+        #: The earliest ``lease end + margin/2`` among open fences: before it, nothing to judge.
+        self._trip_at = math.inf
         #: When the agent was last allowed to progress (any thread).
         self.last_progress = -math.inf
         #: Why the agent was fenced out; None while it is not.
         self.fenced_out: str | None = None
 
-    def grant(self, fence: int, until: float) -> None:
-        """Loop thread. Extend ``fence`` to ``until`` (``time.monotonic()``); never shortens."""
+    def grant(self, fence: int, until: float, margin_s: float | None = None) -> None:
+        """Loop thread. Extend ``fence`` to ``until`` (``time.monotonic()``); never shortens.
+        ``margin_s``: the owner's fence margin for this fence (None: the default)."""
         current = self._until.get(fence)
         if current is None:
             if self._revoked_or_zero(fence) or self.fenced_out is not None:
@@ -151,19 +156,18 @@ class Leases:
                 return
             current = -math.inf
         self.stats.grants += 1
+        if margin_s is not None and self._margins.get(fence) != margin_s:
+            self._margins[fence] = margin_s
+            self._update_open(fence)
         if until > current:
             self._until[fence] = until
-            if fence in self._open:
-                with self._lock:
-                    entry = self._open.get(fence)
-                    if entry is not None and until > entry[1]:
-                        entry[1] = until
-                        self._recompute()
+            self._update_open(fence)
 
     def revoke(self, fence: int) -> None:
         """Loop thread. ``fence`` is invalid from now on, for ever (an open record of it keeps
-        its last lease end for the gate)."""
+        its last lease end and margin for the gate)."""
         self._until.pop(fence, None)
+        self._margins.pop(fence, None)
         self.stats.revokes += 1
         if fence <= self._watermark:
             return
@@ -181,6 +185,10 @@ class Leases:
     def until(self, fence: int) -> float:
         """When ``fence``'s lease ends; ``-inf`` if it was never granted or is revoked."""
         return self._until.get(fence, -math.inf)
+
+    def margin(self, fence: int) -> float:
+        """The owner's fence margin the gate uses for ``fence``."""
+        return self._margins.get(fence, self._margin)
 
     def describe(self, fence: int, now: float) -> str:
         """Why ``fence`` is not valid at ``now``, for a failure reason."""
@@ -213,10 +221,9 @@ class Leases:
             if entry is not None:
                 entry[0] += 1
                 return
-            until = self._until.get(fence, -math.inf)
-            self._open[fence] = [1, until]
-            if until < self._earliest and self.fenced_out is None:
-                self._earliest = until
+            entry = [1, self._until.get(fence, -math.inf), self.margin(fence)]
+            self._open[fence] = entry
+            self._recompute()
 
     def closed(self, fence: int) -> None:
         """Loop thread: a record :meth:`opened` under ``fence`` had its final event."""
@@ -232,8 +239,8 @@ class Leases:
     def progress_allowed(self, now: float) -> bool:
         """Any thread, right before a NIXL call that can progress the agent: may it progress at
         ``now``? False once the agent is fenced out (for ever). One comparison unless an open
-        record's lease ended at least ``margin/2`` ago."""
-        if now < self._earliest + self._half:
+        record's lease ended at least half its margin ago."""
+        if now < self._trip_at:
             self.last_progress = now
             return True
         return self._judge(now)
@@ -244,24 +251,36 @@ class Leases:
                 self.stats.progress_refused += 1
                 return False
             last = self.last_progress
-            for fence, (count, until) in self._open.items():
-                if now >= until + self._half and last < until + self._quarter:
+            for fence, (count, until, margin) in self._open.items():
+                if now >= until + margin / 2 and last < until + margin / 4:
                     self.stats.progress_refused += 1
                     self.fenced_out = (
                         f"NIXL agent fenced out: {int(count)} record(s) of fence {fence} may "
-                        f"still have bytes queued, its lease ended {now - until:.3g}s ago, and "
-                        f"the agent was last progressed {now - last:.3g}s ago (this process was "
-                        "stopped or starved); progressed now, they could land after the page "
-                        "owner reused its pages, so the agent is never progressed again: "
-                        "restart this process"
+                        f"still have bytes queued, its lease ended {now - until:.3g}s ago "
+                        f"(page owner's margin {margin:g}s), and the agent was last "
+                        f"progressed {now - last:.3g}s ago (this process was stopped or "
+                        "starved); progressed now, they could land after the page owner "
+                        "reused its pages, so the agent is never progressed again: restart "
+                        "this process"
                     )
-                    self._earliest = -math.inf  # every later call takes this path: refused
+                    self._trip_at = -math.inf  # every later call takes this path: refused
                     self._until.clear()  # and no lease is valid any more
                     return False
             self.last_progress = now
             return True
 
+    def _update_open(self, fence: int) -> None:
+        # Loop thread: a grant moved an open fence's lease end or margin.
+        if fence not in self._open:
+            return
+        with self._lock:
+            entry = self._open.get(fence)
+            if entry is not None:
+                entry[1] = max(entry[1], self._until.get(fence, -math.inf))
+                entry[2] = self.margin(fence)
+                self._recompute()
+
     def _recompute(self) -> None:
         # Under _lock.
         if self.fenced_out is None:
-            self._earliest = min((entry[1] for entry in self._open.values()), default=math.inf)
+            self._trip_at = min((e[1] + e[2] / 2 for e in self._open.values()), default=math.inf)

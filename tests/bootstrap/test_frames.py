@@ -254,10 +254,12 @@ def test_hello_of_another_version_is_a_fatal_version_mismatch() -> None:
 
 def test_check_hello() -> None:
     check_hello(HELLO)
+    other = PROTOCOL_VERSION + 3
     with pytest.raises(
-        FrameError, match=f"peer speaks version 7, this side speaks version {PROTOCOL_VERSION}"
+        FrameError,
+        match=f"peer speaks version {other}, this side speaks version {PROTOCOL_VERSION}",
     ) as e:
-        check_hello(Hello(7, "prefill", 0, "p", b"", b"", 0))
+        check_hello(Hello(other, "prefill", 0, "p", b"", b"", 0))
     assert e.value.fatal
     assert e.value.room is None
 

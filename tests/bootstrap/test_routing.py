@@ -374,6 +374,21 @@ def test_leases_count_from_prefills_own_send_time() -> None:
     assert core.lease_granted(A, 99, 2000, now=30.1) == []  # never asked
 
 
+def test_every_lease_carries_the_margin_decodes_hello_told() -> None:
+    """Prefill's stale-progress gate must use decode's fence margin (decode settles a lost
+    link's pages at its last grant + lease + margin), not whatever prefill was configured
+    with: decode's Hello tells it, and every lease of the link carries it."""
+    core = PrefillRouting(CONFIG)
+    told = core.link_opened(A, "d", now=0.05, hello_sent=0.0, lease_ms=2000, margin_ms=250)
+    assert told == [GrantLease(A, 2.0, 0.25)]
+    core.lease_due(A, 0.5)
+    assert core.lease_granted(A, 1, 2000, now=0.6) == [GrantLease(A, 2.5, 0.25)]
+    # A Hello that says nothing (0): the gate falls back on prefill's own setting.
+    assert core.link_opened(B, "e", now=0.05, hello_sent=0.0, lease_ms=2000) == [
+        GrantLease(B, 2.0, None)
+    ]
+
+
 def test_every_entry_is_gone_once_the_rooms_are(prefill: PrefillRouting) -> None:
     for i in range(50):
         key = RoomKey(i, 1000 + i)

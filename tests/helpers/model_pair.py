@@ -730,8 +730,17 @@ class Process:
         rank = PREFILL_RANK if self.side is Side.PREFILL else DECODE_RANK
         # Decode's Hello grants the first lease (ControlPlane._handshake).
         lease_ms = 0 if self.side is Side.PREFILL else round(self.config.lease_s * 1000)
+        margin_ms = 0 if self.side is Side.PREFILL else round(self.config.fence_margin_s * 1000)
         return Hello(
-            PROTOCOL_VERSION, role, rank, f"{role}-agent", b"", b"", self.incarnation, lease_ms
+            PROTOCOL_VERSION,
+            role,
+            rank,
+            f"{role}-agent",
+            b"",
+            b"",
+            self.incarnation,
+            lease_ms,
+            fence_margin_ms=margin_ms,
         )
 
     def opened(self, end: LinkEnd, hello: Hello) -> None:
@@ -857,7 +866,7 @@ class PrefillProcess(Process):
             raise TypeError(f"prefill cannot execute {command!r}")
 
     def grant(self, action: GrantLease) -> None:
-        self.transport.leases.grant(action.fence, action.until)
+        self.transport.leases.grant(action.fence, action.until, action.margin_s)
         self.transport.schedule_pump()
 
     def revoke(self, action: RevokeLease) -> None:
@@ -878,7 +887,16 @@ class PrefillProcess(Process):
         self.transport.connect_peer(peer_id)  # _connect_data_path, before the link is opened
         self.register(end, peer_id)
         now = self.clock.now
-        self.do(self.routing.link_opened(end.gen, peer_id, now, end.hello_sent, hello.lease_ms))
+        self.do(
+            self.routing.link_opened(
+                end.gen,
+                peer_id,
+                now,
+                end.hello_sent,
+                hello.lease_ms,
+                margin_ms=hello.fence_margin_ms,
+            )
+        )
 
     def claimed_on(self, gen: int) -> list[RoomKey]:
         return self.routing.bound_to(gen)
@@ -1093,7 +1111,8 @@ class Transport:
         self.pair = proc.pair
         self.clock = proc.clock
         self.config = proc.config
-        # Fenced, and gated (the stale-progress gate), with decode's margin, as production.
+        # Fenced, and gated (the stale-progress gate); decode's Hello tells its margin, and
+        # this default (the same) covers nothing else.
         self.leases = Leases(margin_s=self.config.fence_margin_s)
         self.ledger = ledger.ChunkLedger(
             deadline_s=lambda nbytes: self.config.chunk_deadline_s,

@@ -221,6 +221,30 @@ def test_open_records_are_counted() -> None:
     assert other.progress_allowed(11.0)
 
 
+def test_each_fence_is_judged_by_the_margin_its_owner_told() -> None:
+    """Decode's Hello tells its margin, and every grant carries it: a decode with a 0.2 s
+    margin settles 0.2 s after the lease, whatever prefill's own setting (here 1 s) says."""
+    for told in (True, False):
+        leases = Leases(margin_s=MARGIN)
+        leases.grant(1, 10.0, 0.2 if told else None)
+        assert leases.margin(1) == (0.2 if told else MARGIN)
+        assert leases.progress_allowed(9.0)
+        leases.opened(1)
+        # 10.1 = lease end + 0.2/2, not progressed since: refused only by the told margin.
+        assert leases.progress_allowed(10.1) is not told
+        if told:
+            assert "margin 0.2s" in (leases.fenced_out or "")
+
+
+def test_a_margin_told_later_moves_an_open_fence() -> None:
+    leases = gated()  # fence 1 until 10, open, margin 1 (the default)
+    leases.grant(1, 10.0, 0.2)  # the same lease, now with the owner's margin
+    assert not leases.progress_allowed(10.1)
+    other = gated()
+    leases.revoke(1)  # (revoking keeps the open record's margin, tested above for the end)
+    assert other.progress_allowed(10.1)
+
+
 def test_without_a_margin_the_gate_never_refuses() -> None:
     leases = Leases()
     leases.grant(1, 10.0)
