@@ -408,33 +408,42 @@ def hello_bytes(
     return codec.encode(StageHello(stage, stages, group, nonce))
 
 
+#: Hostile-connection tests judge whether a good link survives the hostile ones, not how fast a
+#: silent one is found: 1 s of silence, not 0.15 s (a clean-clone CI run on this loaded 2-vCPU
+#: machine once lost the good link to a 0.15 s scheduling stall, not to anything hostile).
+PATIENT = 20.0  # liveness_factor
+
+
 @pytest.mark.asyncio
 async def test_hostile_connections_leave_a_good_link_alone() -> None:
-    async with rig(hello_timeout_s=0.3) as r:
-        f1, link, _ = r.link(1)
-        f2, _, _ = r.link(2)
-        cell = Cell(2)
-        f1.track(1, cell)
-        f2.track(1, Cell(3))
-        await until(lambda: r.book.consensus(1, S) == (W, ""))
-        socks = [
-            await raw(r.port, b"\x00\x00\x00\x05garbage-garbage"),
-            await raw(r.port, struct.pack(">I", 2**31) + b"x" * 100),  # oversized length
-            await raw(r.port, hello_bytes(1, group="dp1-tp0")),  # wrong group
-            await raw(r.port, hello_bytes(3, stages=4)),  # another parallel shape
-            await raw(r.port, body(["StageHello", 5, 3, GROUP, b""])),  # stage out of range
-            await raw(r.port, hello_bytes(0)),  # stage 0 is the hub
-            await raw(r.port, hello_bytes(1, secret=SECRET)),  # signed, hub has no secret
-        ]
-        idle = [await raw(r.port) for _ in range(100)]  # never say hello
-        await until(lambda: r.hub.stats["shed"] + r.hub.stats["refused"] >= 107, within=5)
-        cell.status = 3
-        await until(lambda: r.book.consensus(1, S) == (T, ""))
-        assert link.stats["losses"] == 0
-        assert r.hub.feeds == {1, 2}
-        assert r.hub.stats["shed"] >= 100 - 64
-        for sock in socks + idle:
-            sock.close()
+    socks: list[socket.socket] = []
+    async with rig(hello_timeout_s=0.3, liveness_factor=PATIENT) as r:
+        try:
+            f1, link, _ = r.link(1, liveness_factor=PATIENT)
+            f2, _, _ = r.link(2, liveness_factor=PATIENT)
+            cell = Cell(2)
+            f1.track(1, cell)
+            f2.track(1, Cell(3))
+            await until(lambda: r.book.consensus(1, S) == (W, ""))
+            socks += [
+                await raw(r.port, b"\x00\x00\x00\x05garbage-garbage"),
+                await raw(r.port, struct.pack(">I", 2**31) + b"x" * 100),  # oversized length
+                await raw(r.port, hello_bytes(1, group="dp1-tp0")),  # wrong group
+                await raw(r.port, hello_bytes(3, stages=4)),  # another parallel shape
+                await raw(r.port, body(["StageHello", 5, 3, GROUP, b""])),  # stage out of range
+                await raw(r.port, hello_bytes(0)),  # stage 0 is the hub
+                await raw(r.port, hello_bytes(1, secret=SECRET)),  # signed, hub has no secret
+            ]
+            socks += [await raw(r.port) for _ in range(100)]  # never say hello
+            await until(lambda: r.hub.stats["shed"] + r.hub.stats["refused"] >= 107, within=5)
+            cell.status = 3
+            await until(lambda: r.book.consensus(1, S) == (T, ""))
+            assert link.stats["losses"] == 0
+            assert r.hub.feeds == {1, 2}
+            assert r.hub.stats["shed"] >= 100 - 64
+        finally:  # (a failure must not leave 107 sockets to the next test's GC)
+            for sock in socks:
+                sock.close()
 
 
 @pytest.mark.asyncio
@@ -461,8 +470,8 @@ async def test_a_duplicate_stage_replaces_the_older_connection() -> None:
 
 @pytest.mark.asyncio
 async def test_with_a_secret_wrong_secrets_and_bad_macs_are_refused() -> None:
-    async with rig(SECRET, hello_timeout_s=0.3) as r:
-        f1, good, _ = r.link(1)
+    async with rig(SECRET, hello_timeout_s=0.3, liveness_factor=PATIENT) as r:
+        f1, good, _ = r.link(1, liveness_factor=PATIENT)
         f1.track(1, Cell(3))
         await until(lambda: r.book.rooms(1) == 1)
         _, wrong, _ = r.link(2, secret=b"another secret of 32 bytes......")
