@@ -579,15 +579,16 @@ class _Campaign:
             key = f"{role}.{name}"
             tally.max_call_ms[key] = max(tally.max_call_ms.get(key, 0.0), ms)
         transport = report.get("transport")
-        if transport is not None and transport.get("fenced_out"):
-            return  # abandoned on purpose: nothing of its agent may be called again
+        # A fenced-out agent's handles, lists and remote agents are abandoned on purpose
+        # (nothing of it may be called again); its chunks must still all have ended.
+        fenced = transport is not None and bool(transport.get("fenced_out"))
         if transport is not None:
-            handles = transport["handles_created"] - transport["handles_released"]
+            handles = 0 if fenced else transport["handles_created"] - transport["handles_released"]
             tally.leaks["nixl_handles"] += handles
             tally.leaks["chunks_in_flight"] += transport["in_flight"]
             if handles or transport["in_flight"]:
                 tally.violation(f"{role}: {handles} NIXL handles, {transport['in_flight']} chunks")
-        if closing:
+        if closing and not fenced:
             agent = report["agent"]
             dlists = agent["dlists_prepped"] - agent["dlists_released"]
             peers = agent["peers_added"] - agent["peers_removed"]

@@ -94,7 +94,7 @@ class FenceError(Exception):
 
 @dataclass(slots=True)
 class LeaseStats:
-    """Counters; loop thread."""
+    """Counters; loop thread, except ``progress_refused`` (any thread, under the gate's lock)."""
 
     grants: int = 0
     grants_refused: int = 0  # for a revoked fence (or 0), or after the agent was fenced out

@@ -22,12 +22,14 @@ Not collected by pytest (no ``test_`` prefix): it takes a while and reports numb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -37,7 +39,7 @@ import numpy as np
 from kvfsm._child import ChildProcess
 from kvfsm.rooms import RoomConfig, RoomEngine
 from kvfsm.states import TERMINAL, DestinationReceived
-from kvfsm.transport import Agent, AgentConfig, LayoutSummary, Leases, NixlTransport
+from kvfsm.transport import Agent, AgentConfig, LayoutSummary, Leases, NixlTransport, Peer
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.interpose import Interposer
@@ -234,15 +236,32 @@ class Target(ChildProcess):
         self.summary = msgspec.msgpack.decode(summary, type=LayoutSummary)
 
 
-def target() -> dict[str, Any]:
-    shape = Shape(layers=1, num_pages=64, page_bytes=64 * 1024, aux_rows=8, aux_row_bytes=64)
-    decode = Target(shape, f"probe-target-{os.getpid()}")
+@contextlib.contextmanager
+def _writer_and_target(pages: int, name: str) -> Iterator[tuple[Target, Agent, Peer, int]]:
+    """A target process of ``pages`` pages (64 KiB) and a writer agent in this process whose
+    every source page holds 0x5A, connected to it; yields them and the CRC of one source
+    page (what a landed page reads), then takes both down."""
+    shape = Shape(layers=1, num_pages=pages, page_bytes=64 * 1024, aux_rows=8, aux_row_bytes=64)
+    decode = Target(shape, f"probe-{name}-{os.getpid()}")
     kv, aux = make_buffers(shape)
     for buf in kv:
         buf[:] = 0x5A
-    want = zlib.crc32(kv[0][3].data)
-    agent = Agent(f"probe-writer-{os.getpid()}", make_layout(kv, aux))
+    agent = Agent(f"probe-{name}-writer-{os.getpid()}", make_layout(kv, aux))
     remote = agent.connect("decode", decode.metadata, decode.summary)
+    try:
+        yield decode, agent, remote, zlib.crc32(kv[0][0].data)
+    finally:
+        agent.disconnect(remote)
+        agent.close()
+        decode.close()
+
+
+def target() -> dict[str, Any]:
+    with _writer_and_target(64, "target") as (decode, agent, remote, want):
+        return _target_probes(decode, agent, remote, want)
+
+
+def _target_probes(decode: Target, agent: Agent, remote: Peer, want: int) -> dict[str, Any]:
     nixl = agent.nixl
     out: dict[str, Any] = {}
 
@@ -260,21 +279,16 @@ def target() -> dict[str, Any]:
         except Exception as exc:
             return f"raised {type(exc).__name__}: {exc}"
 
-    try:
-        out["remove_remote_agent(writer) on decode"] = decode.ask("remove", agent.name)
-        out["remove_remote_agent(unknown name) on decode"] = decode.ask("remove", "no-such")
-        decode.ask("fill", 0)
-        out["write before deregister"] = write(3)
-        out["landed before deregister"] = decode.ask("crc", 3)[0] == want
-        decode.ask("fill", 0)
-        decode.ask("deregister")
-        out["write after decode deregistered"] = write(3)
-        time.sleep(0.2)
-        out["landed after deregister"] = decode.ask("crc", 3)[0] == want
-    finally:
-        agent.disconnect(remote)
-        agent.close()
-        decode.close()
+    out["remove_remote_agent(writer) on decode"] = decode.ask("remove", agent.name)
+    out["remove_remote_agent(unknown name) on decode"] = decode.ask("remove", "no-such")
+    decode.ask("fill", 0)
+    out["write before deregister"] = write(3)
+    out["landed before deregister"] = decode.ask("crc", 3)[0] == want
+    decode.ask("fill", 0)
+    decode.ask("deregister")
+    out["write after decode deregistered"] = write(3)
+    time.sleep(0.2)
+    out["landed after deregister"] = decode.ask("crc", 3)[0] == want
     return out
 
 
@@ -282,23 +296,14 @@ def target() -> dict[str, Any]:
 
 
 def queued(pages: int = 256, idle_s: float = 2.0, release: bool = False) -> dict[str, Any]:
-    page = 64 * 1024
-    shape = Shape(layers=1, num_pages=pages, page_bytes=page, aux_rows=8, aux_row_bytes=64)
-    decode = Target(shape, f"probe-queued-{os.getpid()}")
-    kv, aux = make_buffers(shape)
-    for buf in kv:
-        buf[:] = 0x5A
-    want = zlib.crc32(kv[0][0].data)
-    agent = Agent(f"probe-queued-writer-{os.getpid()}", make_layout(kv, aux))
-    remote = agent.connect("decode", decode.metadata, decode.summary)
-    nixl = agent.nixl
-    all_pages = list(range(pages))
+    with _writer_and_target(pages, "queued") as (decode, agent, remote, want):
+        nixl = agent.nixl
+        all_pages = list(range(pages))
 
-    def landed() -> int:
-        return sum(decode.ask("crc", p)[0] == want for p in all_pages)
+        def landed() -> int:
+            return sum(decode.ask("crc", p)[0] == want for p in all_pages)
 
-    out: dict[str, Any] = {"bytes": 2 * pages * page}
-    try:
+        out: dict[str, Any] = {"bytes": 2 * pages * 64 * 1024}
         decode.ask("fill", 0)
         idx = agent.layout.page_index(np.arange(pages, dtype=np.int32))
         ridx = decode.summary.page_index(np.arange(pages, dtype=np.int32))
@@ -321,11 +326,7 @@ def queued(pages: int = 256, idle_s: float = 2.0, release: bool = False) -> dict
             out["pages landed after progressing"] = landed()
             nixl.release_xfer_handle(handle)
         out["of pages"] = pages
-    finally:
-        agent.disconnect(remote)
-        agent.close()
-        decode.close()
-    return out
+        return out
 
 
 def main() -> None:
