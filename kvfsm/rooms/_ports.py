@@ -94,6 +94,12 @@ class Inbox(Protocol):
         correctness (woken rooms run soon anyway), never harmful."""
         ...
 
+    def rooms_ran_soon(self) -> None:
+        """Ask for the sink's ``rooms_ran`` right after the room step that is running, not
+        only at the end of its batch: a sink that holds commands back has a full batch of
+        work to hand over already. Optional for correctness, never harmful."""
+        ...
+
     def current(self, role: Role, room_id: int) -> RoomKey | None:
         """The newest key for ``room_id`` in ``role`` that still has a task, if any."""
         ...

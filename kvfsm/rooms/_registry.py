@@ -188,6 +188,10 @@ class Registry:
         sink calls it at the end of a callback that delivered a batch of events."""
         self.tasks.run_woken()
 
+    def rooms_ran_soon(self) -> None:
+        """The sink's ``rooms_ran`` after the running step (``RoomScheduler.rooms_ran_soon``)."""
+        self.tasks.rooms_ran_soon()
+
     def current(self, role: Role, room_id: int) -> RoomKey | None:
         """The newest key for ``room_id`` in ``role`` that still has a task, if any."""
         key = self._current.get((role, room_id))

@@ -22,8 +22,12 @@ The rules, kept as small as trio's or curio's scheduler:
   callback resumes the ready rooms in wake order, at most ``batch`` of them, and schedules
   itself again when more are left, so a flood of rooms never starves the loop's other work.
 * :meth:`~RoomScheduler.run_woken` runs the ready rooms at once, from the end of a callback
-  that delivered a batch of events (never from inside a room's step), so those events are
-  handled in the loop iteration that brought them.
+  that delivered a batch of events (never from inside a room's step, nor between two steps
+  of a batch), so those events are handled in the loop iteration that brought them.
+* ``after_batch`` (the sink's ``rooms_ran``) is called after each batch, and also between
+  two steps of a batch once :meth:`~RoomScheduler.rooms_ran_soon` asked for it: a sink that
+  holds commands back to execute them together (the transport merging chunks) need not hold
+  a full request while the rest of a 256-room batch runs.
 * :meth:`~RoomScheduler.cancel` throws ``CancelledError`` into a room's coroutine at its
   suspension point, as ``Task.cancel`` would (engine shutdown): the room fails and is reaped.
 * :meth:`~RoomScheduler.current` names the room being resumed, as ``asyncio.current_task``
@@ -109,7 +113,9 @@ class RoomScheduler:
     __slots__ = (
         "_batch",
         "_current",
+        "_in_batch",
         "_loop",
+        "_ran_due",
         "_ready",
         "_scheduled",
         "after_batch",
@@ -123,6 +129,8 @@ class RoomScheduler:
         self._ready: deque[Schedulable] = deque()
         self._scheduled = False
         self._current: Schedulable | None = None
+        self._in_batch = False  # between the steps of a batch (run_woken waits for its end)
+        self._ran_due = False  # rooms_ran_soon() asked: call after_batch after this step
         #: Coroutine resumptions so far (a room's wake-ups, for benchmarks and tests).
         self.resumes = 0
         #: Exceptions that escaped a room's coroutine (none should: ``Room.run`` catches them).
@@ -177,8 +185,15 @@ class RoomScheduler:
         scheduler thread that never releases the GIL each round trip is a forced switch (up to
         ``sys.getswitchinterval()``, 5 ms). A no-op inside a room's step: rooms never run
         inside one another."""
-        if self._current is None and self._ready:
+        if self._current is None and not self._in_batch and self._ready:
             self._run_batch()
+
+    def rooms_ran_soon(self) -> None:
+        """Call ``after_batch`` after the step that is running now, before the batch's next
+        step, and not only at the batch's end (a sink staged a full request from inside a
+        step: a 256-room batch would otherwise hold it back for milliseconds). Outside a
+        batch it applies to the next step that runs; the caller keeps its own backstop."""
+        self._ran_due = True
 
     def _run_ready(self) -> None:
         self._scheduled = False
@@ -191,13 +206,26 @@ class RoomScheduler:
         if _library is not None:
             _library.set("asyncio")
         ready = self._ready
-        for _ in range(min(len(ready), self._batch)):
-            room = ready.popleft()
-            if room.coro is not None:
-                self._resume(room, None)
+        self._in_batch = True
+        try:
+            for _ in range(min(len(ready), self._batch)):
+                if not ready:  # (a hook between two steps cancelled the rest)
+                    break
+                room = ready.popleft()
+                if room.coro is not None:
+                    self._resume(room, None)
+                    if self._ran_due:
+                        self._ran_due = False
+                        self._after_batch()
+        finally:
+            self._in_batch = False
         if ready and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._run_ready)
+        self._ran_due = False  # the call below serves any request still pending
+        self._after_batch()
+
+    def _after_batch(self) -> None:
         after = self.after_batch
         if after is not None:
             try:

@@ -250,3 +250,69 @@ async def test_after_batch_runs_once_after_each_batch_of_steps_and_a_raising_one
     toys[2].deliver("z")  # the scheduler still runs rooms
     await settle()
     assert log[-1] == "2:z:True"
+
+
+async def test_rooms_ran_soon_calls_after_batch_between_two_steps_and_again_at_the_end() -> None:
+    """A sink that staged a full request from inside a step (``rooms_ran_soon``) hears
+    ``after_batch`` right after that step, before the batch's next room runs, outside any
+    step; the batch's end still calls it. A ``run_woken`` from that hook does not start a
+    batch inside the batch: the rooms it would run are the batch's own, or the next one's."""
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    log: list[str] = []
+
+    def after() -> None:
+        log.append(f"after (in a step: {scheduler.current()})")
+        scheduler.run_woken()
+
+    scheduler.after_batch = after
+
+    class Staging(Toy):
+        async def run(self) -> None:
+            while True:
+                self.log.append(f"{self.name} stages a full request")
+                scheduler.rooms_ran_soon()
+                await SUSPEND
+
+    toys: list[Toy] = [Toy(scheduler, "0", log), Staging(scheduler, "s", log)]
+    toys += [Toy(scheduler, str(i), log) for i in (2, 3)]
+    for toy in toys:
+        scheduler.start(toy)
+    scheduler.run_woken()
+    assert log == [
+        "0::True",
+        "s stages a full request",
+        "after (in a step: None)",  # between the steps: before room 2 ran
+        "2::True",
+        "3::True",
+        "after (in a step: None)",  # the batch's end, as always
+    ]
+    log.clear()
+    toys[2].deliver("x")  # no request pending any more: one call, at the end
+    await settle()
+    assert log == ["2:x:True", "after (in a step: None)"]
+
+
+async def test_a_hook_between_steps_that_cancels_the_rest_of_the_batch_ends_it_cleanly() -> None:
+    scheduler = RoomScheduler(asyncio.get_running_loop())
+    log: list[str] = []
+    toys: list[Toy] = []
+
+    def cancel_the_rest() -> None:
+        log.append("after")
+        for toy in toys[1:]:
+            scheduler.cancel(toy)  # (engine shutdown between two steps)
+
+    scheduler.after_batch = cancel_the_rest
+
+    class Asking(Toy):
+        async def run(self) -> None:
+            scheduler.rooms_ran_soon()
+            await Toy.run(self)
+
+    toys += [Asking(scheduler, "a", log), Toy(scheduler, "1", log), Toy(scheduler, "2", log)]
+    for toy in toys:
+        scheduler.start(toy)
+    scheduler.run_woken()
+    assert log == ["a::True", "after", "after"]  # between the steps, and the batch's end
+    assert all(toy.coro is None for toy in toys[1:])  # cancelled before their first step
+    assert scheduler.ready == 0

@@ -18,9 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm.states import TERMINAL, DestinationReceived, KVPoll, ReportOutcome
+from kvfsm.rooms import RoomKey
+from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, PostChunk, ReportOutcome
+from kvfsm.transport import NixlTransport
+from kvfsm.transport._chunks import Xfer
+from kvfsm.transport._poster import Poster
 from kvfsm.transport._transport import TransferConfig
-from kvfsm.workload.buffers import Shape, page_digests
+from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.transport import SHAPE, Prefill
 from tests.helpers.waiting import wait_for
@@ -267,6 +271,69 @@ def test_merging_off_posts_every_chunk_alone() -> None:
     finally:
         prefill.close()
         process.close()
+
+
+def test_a_full_request_goes_to_the_poster_before_the_rest_of_the_batch_runs(
+    peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a batch of room steps has staged ``merge_max_bytes``, that request is handed to
+    the poster between two steps, not after the batch's last room (with 256 rooms, that is
+    milliseconds of an idle poster). The requests are exactly those one flush at the batch's
+    end would have made (the group that may still grow stays staged), in order, and every
+    byte lands."""
+    order: list[tuple[str, int]] = []
+    staged = NixlTransport.submit
+    posted = Poster.submit
+
+    def stage(self: NixlTransport, key: RoomKey, command: Command) -> None:
+        if isinstance(command, PostChunk):
+            order.append(("staged", key.room))
+        staged(self, key, command)
+
+    def post(self: Poster[Xfer], record: Xfer) -> None:
+        order.append(("posted", record.nbytes))
+        posted(self, record)
+
+    monkeypatch.setattr(NixlTransport, "submit", stage)  # before the router binds it
+    monkeypatch.setattr(Poster, "submit", post)
+    layout = make_layout(*make_buffers(SHAPE))
+    page, aux = layout.page_bytes(), layout.aux_row_bytes()
+    limit = 6 * page
+    prefill = Prefill(TransferConfig(merge_max_bytes=limit))
+    try:
+        prefill.connect(peer)
+        rooms = {
+            r: ([4 * r + i for i in range(4)], [80 + 4 * r + i for i in range(4)]) for r in range(8)
+        }
+        senders = ready_senders(prefill, rooms)
+
+        async def post_all() -> None:  # one batch: four chunks of one page per room
+            for room, (src, _) in rooms.items():
+                senders[room].init(len(src), room % SHAPE.aux_rows)
+                for page_id in src:
+                    senders[room].send(np.asarray([page_id], np.int32))
+
+        prefill.engine.call(post_all())
+        wait_for(lambda: all(s.poll() in TERMINAL for s in senders.values()))
+        for room, (src, dst) in rooms.items():
+            assert senders[room].poll() is KVPoll.Success, senders[room].reason
+            assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(
+                prefill, src
+            )
+        last_staged = max(i for i, (what, _) in enumerate(order) if what == "staged")
+        first_posted = min(i for i, (what, _) in enumerate(order) if what == "posted")
+        assert first_posted < last_staged, order  # handed over before the batch ended
+        # What one flush at the batch's end makes: greedy runs of at most `limit` bytes.
+        requests, run = [], 0
+        for nbytes in [page, page, page, page + aux] * len(rooms):
+            if run and run + nbytes > limit:
+                requests.append(run)
+                run = 0
+            run += nbytes
+        requests.append(run)
+        assert [nbytes for what, nbytes in order if what == "posted"] == requests, order
+    finally:
+        prefill.close()
 
 
 def test_peer_killed_fails_its_rooms_and_a_restarted_peer_serves_new_ones(
