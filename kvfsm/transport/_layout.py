@@ -139,6 +139,9 @@ class Layout(Geometry):
     aux: tuple[Region, ...] = ()
     state: tuple[Region, ...] = ()
     keepalive: tuple[object, ...] = field(default=(), compare=False, repr=False)
+    #: Bytes per page, aux row and state row (summed over each group's regions): read per
+    #: chunk, and a model's 2 x layers kv regions make the sum microseconds (4.5 us for 64).
+    _row_bytes: tuple[int, int, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         groups: tuple[tuple[Group, object], ...] = (
@@ -165,6 +168,13 @@ class Layout(Geometry):
         _check_group("aux", self.aux)
         _check_group("state", self.state)
         _check_overlap(self.regions())
+        object.__setattr__(
+            self,
+            "_row_bytes",
+            tuple(
+                sum(r.item_bytes for r in regions) for regions in (self.kv, self.aux, self.state)
+            ),
+        )
 
     # -- shape ---------------------------------------------------------------------------------
 
@@ -200,6 +210,20 @@ class Layout(Geometry):
     def regions(self) -> tuple[Region, ...]:
         """Every region, kv then aux then state: what the transport registers with NIXL."""
         return self.kv + self.aux + self.state
+
+    # -- sizes (cached: Geometry's sums, computed once) ----------------------------------------
+
+    def page_bytes(self) -> int:
+        """Bytes moved per page, summed over the kv regions."""
+        return self._row_bytes[0]
+
+    def aux_row_bytes(self) -> int:
+        """Bytes moved per aux row, summed over the aux regions."""
+        return self._row_bytes[1]
+
+    def state_row_bytes(self) -> int:
+        """Bytes moved per state row, summed over the state regions."""
+        return self._row_bytes[2]
 
     # -- descriptors ---------------------------------------------------------------------------
 
