@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 import numpy as np
-from transfer import KIB, Bench, Kvfsm, Peer, _source  # benchmarks/ is on sys.path
+from transfer import _FENCE, KIB, Bench, Kvfsm, Peer, _source  # benchmarks/ is on sys.path
 
 from kvfsm.rooms._runtime import thread_table
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
@@ -118,7 +118,10 @@ def phase(
             # Each room in flight its own destination pages (slots cycle; window << slots).
             lo = (rooms % (pages // room_pages)) * room_pages
             dst = rng.permutation(np.arange(lo, lo + room_pages, dtype=np.int32))
-            engine.post(sender.key, DestinationReceived(dst.tobytes(), 0, peer="decode"))
+            # Under the runner's write lease, as a production prefill's chunks are.
+            engine.post(
+                sender.key, DestinationReceived(dst.tobytes(), 0, peer="decode", fence=_FENCE)
+            )
             live.append((sender, False))
         keep = []
         for sender, handed in live:
@@ -143,7 +146,12 @@ def phase(
     cpu = time.process_time() - cpu0
     share = scheduler_share(sched0, wall)  # now: not the drain below
     threads1 = _thread_cpu()
-    # Let the rooms still in flight finish outside the measurement (no timing asserts).
+    # Let the rooms still in flight finish outside the measurement (no timing asserts). Those
+    # never handed their pages (spawned by the last iteration) would wait for input until
+    # their deadline: abort them.
+    for sender, sent in live:
+        if not sent:
+            sender.abort("benchmark phase over")
     deadline = time.monotonic() + 30
     while live and time.monotonic() < deadline:
         live = [(s, sent) for s, sent in live if s.poll() not in TERMINAL]
