@@ -13,12 +13,18 @@ of ``--seconds`` each, alternated so load on the machine hits both alike:
 
 * idle: the engine is up with 0 rooms; the loop does only its work (there is nothing to poll);
 * busy: the same loop keeps ``--window`` rooms of ``--room-pages`` x 64 KiB in flight, as fast
-  as kvfsm completes them (full rate for this loop).
+  as kvfsm completes them (full rate for this loop);
+* raw (the baseline, after each busy phase): the loop does only its work, as when idle, while
+  a plain thread writes the same rooms (two chunks each) through raw NIXL at the rate the busy
+  phase reached: the least any engine moving those bytes in this process could cost the loop
+  (its copies, the GIL at each NIXL call's entry and exit, nothing else).
 
-Reported: iterations per second in each phase and their ratio (the target is >= 0.90), rooms
-and GB/s moved while busy, the process CPU per wall second in each phase, and kvfsm's threads'
-CPU (by name, as ``top -H`` shows them). Each round is one idle and one busy phase; the best
-round (highest ratio) is reported with the spread over ``--rounds``.
+Reported: iterations per second in each phase and their ratio (the target is >= 0.90; busy
+over idle), ``ratio_raw`` (raw over idle: what the bytes alone cost) and ``kvfsm_vs_raw`` (busy
+over raw: what kvfsm costs beyond them), rooms and GB/s moved while busy, the process CPU per
+wall second in each phase, and kvfsm's threads' CPU (by name, as ``top -H`` shows them). Each
+round is one idle, one busy and one raw phase; the best round (highest ratio) is reported with
+the spread over ``--rounds``.
 
 SGLang's own NIXL backend is not driven here: ``gil_backends.py`` drives it and kvfsm's adapter
 through SGLang's backend interface, each against a real decode process.
@@ -32,16 +38,27 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 import numpy as np
-from transfer import _FENCE, KIB, Bench, Kvfsm, Peer, _source  # benchmarks/ is on sys.path
+from transfer import (  # benchmarks/ is on sys.path
+    _FENCE,
+    KIB,
+    Bench,
+    Kvfsm,
+    Peer,
+    RawNixl,
+    _descs,
+    _source,
+)
 
 from kvfsm.rooms._runtime import thread_table
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 
 PAGE = 64 * KIB
+MERGE_BYTES = 8 << 20  # kvfsm's TransferConfig.merge_max_bytes
 
 
 def _work(n: int) -> int:
@@ -88,6 +105,94 @@ def scheduler_share(before: tuple[float, float], wall: float) -> dict[str, float
 
 def _thread_cpu() -> dict[str, float]:
     return {str(row["name"]): float(row["cpu_s"] or 0.0) for row in thread_table()}
+
+
+class RawWriter:
+    """The baseline engine: one plain thread writing rooms through raw NIXL at a fixed rate
+    (the same pages and destinations as the busy phase's rooms). Each time it wakes it posts
+    every room due by then as one request of at most 8 MiB, sorted by destination, as kvfsm's
+    transport merges a batch's chunks: a thread posting each chunk alone needs the GIL back
+    several times per chunk, and against a loop that never releases it (5 ms forced switches)
+    reaches about 80 rooms/s here, not the busy phase's 500. Every request is checked DONE and
+    released before the next."""
+
+    def __init__(self, bench: Bench, pages: int) -> None:
+        self.raw = raw = bench.resource("raw", lambda: RawNixl(bench))
+        assert raw.remote is not None
+        self.local = raw.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _descs(bench.src_addr, pages, PAGE), bench.mem
+        )
+        self.remote = raw.agent.prep_xfer_dlist(
+            raw.remote, _descs(bench.peer.base, pages, PAGE), bench.mem
+        )
+        self.pages = pages
+
+    def close(self) -> None:
+        self.raw.agent.release_dlist_handle(self.remote)
+        self.raw.agent.release_dlist_handle(self.local)
+
+    def run(
+        self, stop: threading.Event, rooms_per_s: float, room_pages: int, out: list[int]
+    ) -> None:
+        agent = self.raw.agent
+        rng = np.random.default_rng(7)
+        slots = self.pages // room_pages
+        per_request = max(1, MERGE_BYTES // (room_pages * PAGE))
+        src = np.arange(room_pages, dtype=np.int32)
+        t0 = time.perf_counter()
+        rooms = 0
+        while not stop.is_set():
+            due = int((time.perf_counter() - t0) * rooms_per_s) + 1
+            while rooms < due and not stop.is_set():
+                n = min(due - rooms, per_request)
+                dst = np.concatenate(
+                    [
+                        rng.permutation(np.arange(lo, lo + room_pages, dtype=np.int32))
+                        for lo in (((rooms + k) % slots) * room_pages for k in range(n))
+                    ]
+                )
+                order = np.argsort(dst, kind="stable")
+                s, d = np.tile(src, n)[order], dst[order]
+                handle = agent.make_prepped_xfer("WRITE", self.local, s, self.remote, d)
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    state = agent.check_xfer_state(handle)
+                agent.release_xfer_handle(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"raw NIXL request ended {state}")
+                rooms += n
+                out[0] = rooms
+            delay = t0 + rooms / rooms_per_s - time.perf_counter()
+            if delay > 0:
+                stop.wait(delay)  # (releases the GIL)
+
+
+def raw_phase(
+    writer: RawWriter, rooms_per_s: float, seconds: float, n_work: int, *, room_pages: int
+) -> dict[str, Any]:
+    """The idle loop for ``seconds`` while ``writer`` moves ``rooms_per_s`` rooms a second."""
+    stop = threading.Event()
+    moved = [0]
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            writer.run(stop, rooms_per_s, room_pages, moved)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=write, name="raw-writer", daemon=True)
+    thread.start()
+    try:
+        result = phase(None, seconds, n_work, window=0, room_pages=room_pages, base=0)
+    finally:
+        stop.set()
+        thread.join(30)
+    if errors:
+        raise RuntimeError("raw NIXL writer failed") from errors[0]
+    result["rooms_per_s"] = moved[0] / seconds
+    result["gb_per_s"] = moved[0] * room_pages * PAGE / seconds / 1e9
+    return result
 
 
 def phase(
@@ -190,16 +295,28 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(peer=peer, src=src, repeat=1, src_addr=src.ctypes.data)
         with bench.stack:
             runner = bench.resource("kvfsm", lambda: Kvfsm(bench, PAGE, args.pages))
+            writer = RawWriter(bench, args.pages)
+            bench.stack.callback(writer.close)
             shape = {"window": args.window, "room_pages": args.room_pages}
             phase(runner, 0.5, n_work, **shape, base=1 << 40)  # warm-up
             for r in range(args.rounds):
                 idle = phase(None, args.seconds, n_work, **shape, base=0)
                 busy = phase(runner, args.seconds, n_work, **shape, base=(r + 1) << 32)
+                raw = raw_phase(
+                    writer,
+                    max(busy["rooms_per_s"], 1.0),
+                    args.seconds,
+                    n_work,
+                    room_pages=args.room_pages,
+                )
                 rounds.append(
                     {
                         "idle": idle,
                         "busy": busy,
+                        "raw": raw,
                         "ratio": busy["iterations_per_s"] / idle["iterations_per_s"],
+                        "ratio_raw": raw["iterations_per_s"] / idle["iterations_per_s"],
+                        "kvfsm_vs_raw": busy["iterations_per_s"] / raw["iterations_per_s"],
                     }
                 )
                 if not args.json:
@@ -207,8 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"round {r}: idle {idle['iterations_per_s']:,.0f} it/s, busy "
                         f"{busy['iterations_per_s']:,.0f} it/s ({busy['rooms_per_s']:,.0f} "
                         f"rooms/s, {busy['gb_per_s']:.2f} GB/s): ratio "
-                        f"{rounds[-1]['ratio']:.3f}; kvfsm threads' CPU/s "
-                        f"{busy['kvfsm_threads_cpu_per_s']}",
+                        f"{rounds[-1]['ratio']:.3f}; raw NIXL at {raw['rooms_per_s']:,.0f} "
+                        f"rooms/s: {raw['iterations_per_s']:,.0f} it/s, ratio "
+                        f"{rounds[-1]['ratio_raw']:.3f}; kvfsm/raw "
+                        f"{rounds[-1]['kvfsm_vs_raw']:.3f}; "
+                        f"kvfsm threads' CPU/s {busy['kvfsm_threads_cpu_per_s']}",
                         flush=True,
                     )
     finally:
@@ -224,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         "best": best,
         "ratio_best": best["ratio"],
         "ratio_spread": [min(ratios), max(ratios)],
+        "ratio_raw_spread": [
+            min(r["ratio_raw"] for r in rounds),
+            max(r["ratio_raw"] for r in rounds),
+        ],
+        "kvfsm_vs_raw_spread": [
+            min(r["kvfsm_vs_raw"] for r in rounds),
+            max(r["kvfsm_vs_raw"] for r in rounds),
+        ],
         "rounds": rounds,
         "target": 0.90,
         "meets": best["ratio"] >= 0.90,
@@ -233,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"best ratio {best['ratio']:.3f} (spread {min(ratios):.3f} to {max(ratios):.3f}); "
-            f"target >= 0.90: {'met' if report['meets'] else 'NOT met'}"
+            f"target >= 0.90: {'met' if report['meets'] else 'NOT met'}; raw NIXL at the same "
+            f"rate: {report['ratio_raw_spread'][0]:.3f} to {report['ratio_raw_spread'][1]:.3f}; "
+            f"kvfsm/raw {report['kvfsm_vs_raw_spread'][0]:.3f} to "
+            f"{report['kvfsm_vs_raw_spread'][1]:.3f}"
         )
     return 0
 

@@ -1,6 +1,7 @@
 """benchmarks/gil.py at toy sizes: its busy phases move real rooms, every one of them ending in
 Success (a benchmark whose rooms all failed, as once when its runner became fenced and it did
-not, stops with an error instead of reporting a ratio)."""
+not, stops with an error instead of reporting a ratio), and its raw NIXL baseline moves rooms
+as well."""
 
 from __future__ import annotations
 
@@ -37,3 +38,10 @@ def test_busy_rounds_move_rooms_and_report_a_ratio() -> None:
     assert round_["busy"]["rooms_per_s"] > 0
     assert round_["idle"]["rooms_per_s"] == 0
     assert 0 < report["ratio_best"] == round_["ratio"]
+    # The raw NIXL baseline moved rooms too (at the busy phase's rate: not checked, a loaded
+    # machine may keep it from it), and the two ratios come from the same phases.
+    raw = round_["raw"]
+    assert raw["rooms_per_s"] > 0
+    idle = round_["idle"]["iterations_per_s"]
+    assert round_["ratio_raw"] == raw["iterations_per_s"] / idle
+    assert round_["kvfsm_vs_raw"] == round_["busy"]["iterations_per_s"] / raw["iterations_per_s"]
