@@ -6,32 +6,16 @@ as well."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+from tests.helpers.bench import run_benchmark
 
 
 @pytest.mark.slow
 def test_busy_rounds_move_rooms_and_report_a_ratio() -> None:
-    env = {**os.environ, "PYTHONPATH": f"{BENCH}{os.pathsep}{ROOT}", "NIXL_LOG_LEVEL": "WARN"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "gil.py"),
-            *("--json", "--seconds", "0.3", "--rounds", "1", "--pages", "256", "--window", "4"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    small = ("--seconds", "0.3", "--rounds", "1", "--pages", "256", "--window", "4")
+    proc = run_benchmark("gil.py", "--json", *small)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     (round_,) = report["rounds"]

@@ -4,29 +4,17 @@ backend) move rooms whose bytes decode checks, and bytes other than prefill's fa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks" / "gil_backends.py"
+from tests.helpers.bench import run_benchmark
+
 SMALL = ["--seconds", "0.3", "--rounds", "1", "--window", "4", "--ahead", "4", "--json"]
 
 
 def _run(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), *SMALL, *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
+    proc = run_benchmark("gil_backends.py", *SMALL, *args, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report: dict[str, Any] = json.loads(proc.stdout)
     return report

@@ -5,15 +5,10 @@ would otherwise still print figures)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+from tests.helpers.bench import run_benchmark
 
 
 @pytest.mark.slow
@@ -33,15 +28,7 @@ def test_every_engine_row_completes_every_pair_and_reports() -> None:
         " _registry.DeadlineQueue is DeadlineQueue]\n"
         "print(json.dumps(rows))\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{BENCH}{os.pathsep}{ROOT}"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    proc = run_benchmark("room_lifecycle.py", code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rows.pop("restored") == [True, True]

@@ -4,24 +4,17 @@ written at the wrong offset fails the run instead of reporting a figure."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+from tests.helpers.bench import run_benchmark
+
 SMALL = ["--tp-pages", "32", "--tp-regions", "2", "--repeat", "1"]
 
 
 def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{BENCH}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-c", code] if code else [sys.executable, str(BENCH / "transfer.py")]
-    return subprocess.run(
-        [*cmd, *args], capture_output=True, text=True, timeout=100, env=env, check=False
-    )
+    return run_benchmark("transfer.py", *args, code=code, timeout=100)
 
 
 @pytest.mark.slow
