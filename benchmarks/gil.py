@@ -46,6 +46,7 @@ import numpy as np
 from transfer import (  # benchmarks/ is on sys.path
     _FENCE,
     KIB,
+    STALL_S,
     Bench,
     Kvfsm,
     Peer,
@@ -154,10 +155,13 @@ class RawWriter:
                 order = np.argsort(dst, kind="stable")
                 s, d = np.tile(src, n)[order], dst[order]
                 handle = agent.make_prepped_xfer("WRITE", self.local, s, self.remote, d)
-                state = agent.transfer(handle)
-                while state == "PROC":
-                    state = agent.check_xfer_state(handle)
-                agent.release_xfer_handle(handle)
+                try:  # released on every path, a failed or stalled request's too
+                    state = agent.transfer(handle)
+                    stall = time.perf_counter() + STALL_S
+                    while state == "PROC" and time.perf_counter() < stall:
+                        state = agent.check_xfer_state(handle)
+                finally:
+                    agent.release_xfer_handle(handle)
                 if state != "DONE":
                     raise RuntimeError(f"raw NIXL request ended {state}")
                 rooms += n
