@@ -92,6 +92,20 @@ def scheduler_times() -> tuple[float, float]:
     return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
 
 
+def scheduler_switches() -> int:
+    """The calling thread's voluntary context switches so far (Linux; 0 elsewhere). A loop that
+    never sleeps blocks only to hand the GIL to another thread, so each one is a GIL hand-over
+    (the forced switch after ``sys.getswitchinterval()``) and the wait to win it back."""
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def scheduler_share(before: tuple[float, float], wall: float) -> dict[str, float]:
     """Since ``before`` (:func:`scheduler_times`), the scheduler thread's wall time split into
     running, waiting for a CPU (the OS's share: other threads and processes on the cores), and
@@ -210,6 +224,7 @@ def phase(
     pages = runner.layout.kv[0].nbytes // PAGE if runner is not None else 0
     threads0 = _thread_cpu()
     sched0 = scheduler_times()
+    switches0 = scheduler_switches()
     cpu0, t0 = time.process_time(), time.perf_counter()
     end = t0 + seconds
     while True:
@@ -254,6 +269,7 @@ def phase(
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     share = scheduler_share(sched0, wall)  # now: not the drain below
+    switches = scheduler_switches() - switches0
     threads1 = _thread_cpu()
     # Let the rooms still in flight finish outside the measurement (no timing asserts). Those
     # never handed their pages (spawned by the last iteration) would wait for input until
@@ -271,6 +287,7 @@ def phase(
         "gb_per_s": done * room_pages * PAGE / wall / 1e9,
         "process_cpu_per_s": cpu / wall,
         **share,
+        "scheduler_gil_handovers_per_s": switches / wall,
         "kvfsm_threads_cpu_per_s": {
             name: round((cpu1 - threads0.get(name, 0.0)) / wall, 3)
             for name, cpu1 in threads1.items()
@@ -332,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"rooms/s: {raw['iterations_per_s']:,.0f} it/s, ratio "
                         f"{rounds[-1]['ratio_raw']:.3f}; kvfsm/raw "
                         f"{rounds[-1]['kvfsm_vs_raw']:.3f}; "
-                        f"kvfsm threads' CPU/s {busy['kvfsm_threads_cpu_per_s']}",
+                        f"kvfsm threads' CPU/s {busy['kvfsm_threads_cpu_per_s']}; GIL "
+                        f"hand-overs/s idle {idle['scheduler_gil_handovers_per_s']:.0f}, busy "
+                        f"{busy['scheduler_gil_handovers_per_s']:.0f}, raw "
+                        f"{raw['scheduler_gil_handovers_per_s']:.0f}",
                         flush=True,
                     )
     finally:

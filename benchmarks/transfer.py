@@ -30,6 +30,13 @@ benchmark's source buffer to a destination buffer:
 * kvfsm_alone - kvfsm posting every chunk alone (``TransferConfig(merge_max_chunks=1)``): the
              baseline for what merging the small chunks of one loop callback into one NIXL
              request (the ledger's rule 8) is worth. Not run by default.
+* actor_floor - the hand-off floor (:class:`ActorFloor`): kvfsm's event loop on its own
+             thread with no room logic, behind the kvfsm runner's caller and its two round trips
+             per room (the room published waiting, then its chunks handed over), posting each
+             chunk through raw NIXL. What any engine whose ``init``/``send`` only enqueue
+             (design law 6) can reach behind this caller; ``kvfsm/actor_floor`` is what kvfsm's
+             room logic costs beyond that. ``actor_floor_1trip`` hands a room and its chunks
+             over in one post. Not run by default.
 
 Every row also reports its process CPU over the best repetition (all threads of this process;
 the peer's are not counted) and, for rooms, the per-room latency p50/p99 (first post to done
@@ -117,8 +124,9 @@ import multiprocessing
 import os
 import platform
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -673,6 +681,42 @@ def _row_index(heads: Heads, pages: int, idx: Indices) -> Indices:
     return rows.reshape(-1).astype(np.int32)
 
 
+def _request_indices(case: Case, src: Indices, dst: Indices) -> tuple[Indices, Indices]:
+    """One chunk's request indices: sorted by destination (NIXL merges contiguous runs) and,
+    with unequal TP, expanded to the rows of those pages."""
+    if dst.size > 1:
+        order = np.argsort(dst, kind="stable")
+        src, dst = src[order], dst[order]
+    if case.heads is not None:
+        src, dst = _row_index(case.heads, case.pages, src), _row_index(case.heads, case.pages, dst)
+    return src, dst
+
+
+@contextlib.contextmanager
+def _prepped(
+    raw: RawNixl, case: Case
+) -> Iterator[tuple[nixl_prepped_dlist_handle, nixl_prepped_dlist_handle]]:
+    """``raw``'s agent's (local, remote) descriptor lists for ``case``: one descriptor per page
+    (per row with unequal TP), released on exit."""
+    bench, agent, heads = raw.bench, raw.agent, case.heads
+    assert raw.remote is not None
+    if heads is None:
+        local_descs = _descs(bench.src_addr, case.pages, case.page_bytes)
+        remote_descs = _descs(bench.peer.base, case.pages, case.page_bytes)
+    else:
+        local_descs = _row_descs(bench.src_addr, heads.src_geometry(case.pages))
+        remote_descs = _row_descs(bench.peer.base, heads.dst_geometry(case.pages))
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, bench.mem)
+    try:
+        remote = agent.prep_xfer_dlist(raw.remote, remote_descs, bench.mem)
+        try:
+            yield local, remote
+        finally:
+            agent.release_dlist_handle(remote)
+    finally:
+        agent.release_dlist_handle(local)
+
+
 class RawNixl:
     """The initiator ("prefill") side of the raw loop: one agent, the source registered once,
     the peer added once. Built on first use through ``bench.resource``; ``close()`` undoes it."""
@@ -702,40 +746,25 @@ class RawNixl:
             self._reg = None
 
     def run(self, case: Case) -> Result:
-        agent, peer = self.agent, self.bench.peer
-        assert self.remote is not None
+        peer = self.bench.peer
         t0 = time.perf_counter()
-        mem, heads = self.bench.mem, case.heads
-        if heads is None:
-            local_descs = _descs(self.bench.src_addr, case.pages, case.page_bytes)
-            remote_descs = _descs(peer.base, case.pages, case.page_bytes)
-        else:
-            local_descs = _row_descs(self.bench.src_addr, heads.src_geometry(case.pages))
-            remote_descs = _row_descs(peer.base, heads.dst_geometry(case.pages))
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, mem)
-        try:
-            remote = agent.prep_xfer_dlist(self.remote, remote_descs, mem)
+        with _prepped(self, case) as (local, remote):
             prep_s = time.perf_counter() - t0
-            try:
 
-                def go() -> dict[str, float]:
-                    counters = self._send(case, local, remote)
-                    counters["prep_dlists_ms"] = prep_s * 1e3
-                    counters["add_remote_agent_ms"] = self.add_remote_s * 1e3
-                    return counters
+            def go() -> dict[str, float]:
+                counters = self._send(case, local, remote)
+                counters["prep_dlists_ms"] = prep_s * 1e3
+                counters["add_remote_agent_ms"] = self.add_remote_s * 1e3
+                return counters
 
-                return measure(
-                    "raw_nixl",
-                    case,
-                    self.bench,
-                    reset=peer.clear,
-                    go=go,
-                    checksum=lambda: peer.checksum(case),
-                )
-            finally:
-                agent.release_dlist_handle(remote)
-        finally:
-            agent.release_dlist_handle(local)
+            return measure(
+                "raw_nixl",
+                case,
+                self.bench,
+                reset=peer.clear,
+                go=go,
+                checksum=lambda: peer.checksum(case),
+            )
 
     def _send(
         self, case: Case, local: nixl_prepped_dlist_handle, remote: nixl_prepped_dlist_handle
@@ -744,7 +773,7 @@ class RawNixl:
         agent = self.agent
         make, transfer = agent.make_prepped_xfer, agent.transfer
         check, release = agent.check_xfer_state, agent.release_xfer_handle
-        rooms, window, heads, pages = case.rooms, case.window, case.heads, case.pages
+        rooms, window = case.rooms, case.window
         left = [len(room) for room in rooms]  # chunks of each room not yet DONE
         in_flight: list[tuple[nixl_xfer_handle, int]] = []
         next_room = active = done_at_post = polls = rounds = 0
@@ -759,13 +788,7 @@ class RawNixl:
                     next_room += 1
                     posted_at[i] = clock()
                     for src, dst in rooms[i]:
-                        if dst.size > 1:  # sort by destination: contiguous runs become merged
-                            order = np.argsort(dst, kind="stable")
-                            s, d = src[order], dst[order]
-                        else:
-                            s, d = src, dst
-                        if heads is not None:  # unequal TP: the rows of those pages
-                            s, d = _row_index(heads, pages, s), _row_index(heads, pages, d)
+                        s, d = _request_indices(case, src, dst)
                         handle = make("WRITE", local, s, remote, d)
                         if transfer(handle) == "DONE":
                             release(handle)
@@ -1005,6 +1028,148 @@ class Kvfsm:
         }
 
 
+# -- runner: the hand-off floor ----------------------------------------------------------------
+
+
+class ActorFloor:
+    """What any engine whose caller's calls only enqueue (design law 6) can reach behind this
+    benchmark's caller: kvfsm's event loop (uvloop) on its own thread with no room logic at
+    all. The caller is the kvfsm runner's, step for step: it spins (``sleep(0)`` when an
+    iteration moved nothing), polls each live room's published value every iteration, and
+    with ``trips=2`` makes the same two round trips per room: it posts the room (the loop
+    publishes "waiting", as a room in WaitingForInput), sees that, then posts the chunks. The
+    loop posts each chunk through raw NIXL (sorted by destination, ``make_prepped_xfer`` +
+    ``transfer``), polls every loop iteration until all are DONE, releases them and publishes
+    "done". ``trips=1`` posts the room and its chunks at once. No merging, no leases, no state
+    machine: ``kvfsm/actor_floor`` is what kvfsm's room logic costs beyond the hand-offs its
+    shape needs, and ``actor_floor/raw_nixl`` is the most that shape allows."""
+
+    WAITING, DONE = 1, 2
+
+    def __init__(self, bench: Bench, trips: int) -> None:
+        from kvfsm.rooms._runtime import new_event_loop
+
+        self.bench, self.trips = bench, trips
+        self.name = "actor_floor" if trips == 2 else "actor_floor_1trip"
+        self.raw = bench.resource("raw_nixl", lambda: RawNixl(bench))  # shares its agent
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="floor-loop", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+    def run(self, case: Case) -> Result:
+        with _prepped(self.raw, case) as (local, remote):
+            return measure(
+                self.name,
+                case,
+                self.bench,
+                reset=self.bench.peer.clear,
+                go=lambda: self._send(case, local, remote),
+                checksum=lambda: self.bench.peer.checksum(case),
+            )
+
+    def _post(
+        self,
+        slot: list[int | str],
+        room: Room,
+        case: Case,
+        local: nixl_prepped_dlist_handle,
+        remote: nixl_prepped_dlist_handle,
+    ) -> None:
+        """On the loop: post ``room``'s chunks, then poll them each iteration until done."""
+        agent = self.raw.agent
+        handles: list[nixl_xfer_handle] = []
+        for src, dst in room:
+            s, d = _request_indices(case, src, dst)
+            handle = agent.make_prepped_xfer("WRITE", local, s, remote, d)
+            handles.append(handle)
+            agent.transfer(handle)
+
+        def check() -> None:
+            states = [agent.check_xfer_state(h) for h in handles]
+            if any(state == "PROC" for state in states):
+                self.loop.call_soon(check)
+                return
+            for handle in handles:
+                agent.release_xfer_handle(handle)
+            bad = [state for state in states if state != "DONE"]
+            slot[0] = self.DONE if not bad else f"NIXL request ended {bad[0]}"
+
+        check()
+
+    def _send(
+        self, case: Case, local: nixl_prepped_dlist_handle, remote: nixl_prepped_dlist_handle
+    ) -> dict[str, float]:
+        call = self.loop.call_soon_threadsafe
+        cpu0 = self._loop_cpu()
+        rooms, window = case.rooms, case.window
+        live: list[tuple[list[int | str], Room, float]] = []  # (its slot, chunks, handed at)
+        next_room = 0
+        clock = time.perf_counter
+        latency: list[float] = []
+        stall = clock() + STALL_S
+        while next_room < len(rooms) or live:
+            while len(live) < window and next_room < len(rooms):
+                room = rooms[next_room]
+                next_room += 1
+                slot: list[int | str] = [0]
+                if self.trips == 2:
+                    call(slot.__setitem__, 0, self.WAITING)
+                    live.append((slot, room, 0.0))
+                else:
+                    live.append((slot, room, clock()))
+                    call(self._post, slot, room, case, local, remote)
+            moved = False
+            keep = []
+            for slot, room, handed in live:
+                value, at = slot[0], handed
+                if value == self.WAITING and not at:
+                    at = clock()
+                    call(self._post, slot, room, case, local, remote)
+                    moved = True
+                elif value == self.DONE:
+                    latency.append(clock() - at)
+                    moved = True
+                    continue
+                elif isinstance(value, str):
+                    raise BenchError(f"{self.name}: {value}")
+                keep.append((slot, room, at))
+            live = keep
+            if not moved:
+                time.sleep(0)
+                if clock() > stall:
+                    raise BenchError(f"{self.name}: {len(live)} rooms not done after {STALL_S:g}s")
+        # cpu_us_per_chunk is the loop thread's, as kvfsm's row reports its loop's.
+        return {"cpu_s": self._loop_cpu() - cpu0, **_latency(latency)}
+
+    def _loop_cpu(self) -> float:
+        """The loop thread's CPU seconds so far (read on that thread)."""
+        done = threading.Event()
+        out: list[float] = []
+
+        def read() -> None:
+            out.append(time.thread_time())
+            done.set()
+
+        self.loop.call_soon_threadsafe(read)
+        if not done.wait(PEER_TIMEOUT_S):
+            raise BenchError(f"{self.name}: its loop thread does not answer")
+        return out[0]
+
+
+def run_actor_floor(case: Case, bench: Bench) -> Result:
+    return bench.resource("actor_floor", lambda: ActorFloor(bench, trips=2)).run(case)
+
+
+def run_actor_floor_1trip(case: Case, bench: Bench) -> Result:
+    return bench.resource("actor_floor_1trip", lambda: ActorFloor(bench, trips=1)).run(case)
+
+
 def run_kvfsm(case: Case, bench: Bench) -> Result:
     runner = bench.resource(
         f"kvfsm-{case.page_bytes}-{case.pages}-{case.heads}",
@@ -1072,12 +1237,18 @@ RUNNERS: dict[str, Runner] = {
     "kvfsm_alone": run_kvfsm_alone,
     # Not run by default: kvfsm without leases (--runners ...,kvfsm_unfenced).
     "kvfsm_unfenced": run_kvfsm_unfenced,
+    # Not run by default: the hand-off floor (--runners raw_nixl,actor_floor,kvfsm).
+    "actor_floor": run_actor_floor,
+    "actor_floor_1trip": run_actor_floor_1trip,
 }
 DEFAULT_RUNNERS: Final = ("copy", "raw_nixl", "kvfsm")
 
 # (numerator, denominator): printed whenever a case has both rows.
 RATIOS: tuple[tuple[str, str], ...] = (
     ("kvfsm", "raw_nixl"),
+    ("kvfsm", "actor_floor"),
+    ("actor_floor", "raw_nixl"),
+    ("actor_floor_1trip", "raw_nixl"),
     ("kvfsm", "kvfsm_spin"),
     ("kvfsm", "kvfsm_alone"),
     ("kvfsm", "kvfsm_unfenced"),

@@ -60,3 +60,25 @@ def test_a_slice_at_the_wrong_offset_fails_the_run() -> None:
     proc = _run("--cases", "tp2to1_rooms_16", "--runners", "raw_nixl", *SMALL, code=_WRONG_HALF)
     assert proc.returncode != 0
     assert "written outside the head slice" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_hand_off_floor_moves_every_room_and_reports_its_ratios() -> None:
+    """``actor_floor`` (the kvfsm runner's caller and round trips, no room logic) moves the same
+    verified bytes, for equal and unequal TP, and its ratios sit beside kvfsm's."""
+    cases = "rooms_1,rooms_16,tp2to1_rooms_16"
+    runners = "raw_nixl,actor_floor,actor_floor_1trip,kvfsm"
+    proc = _run("--cases", cases, "--runners", runners, "--pages", "256", "--json", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    results = report["results"]
+    assert {(r["case"], r["runner"]) for r in results} == {
+        (case, runner) for case in cases.split(",") for runner in runners.split(",")
+    }
+    assert all(r["verified"] for r in results)
+    floor = [r for r in results if r["runner"].startswith("actor_floor")]
+    # One latency per room, and the loop thread's CPU (not the spinning caller's) per chunk.
+    assert all(r["extra"]["room_p50_us"] > 0 and r["cpu_us_per_chunk"] > 0 for r in floor)
+    ratios = {(r["case"], r["ratio"]) for r in report["ratios"]}
+    for case in cases.split(","):
+        assert {(case, "kvfsm/actor_floor"), (case, "actor_floor/raw_nixl")} <= ratios
