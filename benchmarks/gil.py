@@ -26,6 +26,14 @@ wall second in each phase, and kvfsm's threads' CPU (by name, as ``top -H`` show
 round is one idle, one busy and one raw phase; the best round (highest ratio) is reported with
 the spread over ``--rounds``.
 
+Where the loop's time went, per phase (``scheduler_*``, fractions of wall time unless named
+otherwise): ``running`` (its CPU time), ``waiting_for_cpu`` (runnable, no core free: the OS's
+share), ``waiting_other`` (blocked: on the GIL, as the loop never sleeps), ``rooms_share``
+(its own part in moving the rooms: kvfsm's calls and the loop's bookkeeping around them) and
+``gil_handovers_per_s`` (its voluntary context switches: each one a hand-over of the GIL to
+another thread and the wait to win it back). Iterations lost beyond ``waiting_other`` and
+``rooms_share`` are the work itself running slower on the same CPU time.
+
 SGLang's own NIXL backend is not driven here: ``gil_backends.py`` drives it and kvfsm's adapter
 through SGLang's backend interface, each against a real decode process.
 
@@ -119,7 +127,11 @@ def scheduler_share(before: tuple[float, float], wall: float) -> dict[str, float
 
 
 def _thread_cpu() -> dict[str, float]:
-    return {str(row["name"]): float(row["cpu_s"] or 0.0) for row in thread_table()}
+    out: dict[str, float] = {}
+    for row in thread_table():
+        cpu = row["cpu_s"]  # None where /proc is not readable
+        out[str(row["name"])] = float(cpu) if isinstance(cpu, (int, float)) else 0.0
+    return out
 
 
 class RawWriter:
@@ -220,6 +232,7 @@ def phase(
     flight through it."""
     live: list[tuple[Any, bool]] = []
     rooms = done = iterations = 0
+    rooms_s = 0.0  # this thread's wall time in the rooms part of its iterations
     rng = np.random.default_rng(base)
     pages = runner.layout.kv[0].nbytes // PAGE if runner is not None else 0
     threads0 = _thread_cpu()
@@ -235,6 +248,7 @@ def phase(
         iterations += 1
         if runner is None:
             continue
+        t_rooms = time.perf_counter()
         engine = runner.engine
         while len(live) < window:
             rooms += 1
@@ -266,6 +280,7 @@ def phase(
                 continue
             keep.append((sender, sent))
         live = keep
+        rooms_s += time.perf_counter() - t_rooms
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     share = scheduler_share(sched0, wall)  # now: not the drain below
@@ -288,6 +303,9 @@ def phase(
         "process_cpu_per_s": cpu / wall,
         **share,
         "scheduler_gil_handovers_per_s": switches / wall,
+        # Its own part in moving the rooms: kvfsm's calls (create, post, init, send, poll on
+        # every live room, clear) and this loop's bookkeeping around them, wall time.
+        "scheduler_rooms_share": rooms_s / wall,
         "kvfsm_threads_cpu_per_s": {
             name: round((cpu1 - threads0.get(name, 0.0)) / wall, 3)
             for name, cpu1 in threads1.items()
@@ -349,10 +367,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"rooms/s: {raw['iterations_per_s']:,.0f} it/s, ratio "
                         f"{rounds[-1]['ratio_raw']:.3f}; kvfsm/raw "
                         f"{rounds[-1]['kvfsm_vs_raw']:.3f}; "
-                        f"kvfsm threads' CPU/s {busy['kvfsm_threads_cpu_per_s']}; GIL "
-                        f"hand-overs/s idle {idle['scheduler_gil_handovers_per_s']:.0f}, busy "
-                        f"{busy['scheduler_gil_handovers_per_s']:.0f}, raw "
-                        f"{raw['scheduler_gil_handovers_per_s']:.0f}",
+                        f"kvfsm threads' CPU/s {busy['kvfsm_threads_cpu_per_s']}; the loop "
+                        f"busy / raw: GIL waits {busy['scheduler_waiting_other']:.3f} / "
+                        f"{raw['scheduler_waiting_other']:.3f} of wall, GIL hand-overs/s "
+                        f"{busy['scheduler_gil_handovers_per_s']:.0f} / "
+                        f"{raw['scheduler_gil_handovers_per_s']:.0f}, its rooms part "
+                        f"{busy['scheduler_rooms_share']:.3f}",
                         flush=True,
                     )
     finally:
