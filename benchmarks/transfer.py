@@ -37,6 +37,10 @@ benchmark's source buffer to a destination buffer:
              (design law 6) can reach behind this caller; ``kvfsm/actor_floor`` is what kvfsm's
              room logic costs beyond that. ``actor_floor_1trip`` hands a room and its chunks
              over in one post. Not run by default.
+* kvfsm_ahead - kvfsm with bootstrap ahead of sending, as SGLang's bootstrap queue runs ahead
+             of its forward passes: up to ``window`` rooms wait for their destinations while up
+             to ``window`` others send, so a room's send-to-Success path is the only round trip
+             on the critical path (compare ``actor_floor_1trip``). Not run by default.
 
 Every row also reports its process CPU over the best repetition (all threads of this process;
 the peer's are not counted) and, for rooms, the per-room latency p50/p99 (first post to done
@@ -865,6 +869,7 @@ class Kvfsm:
         spin: bool = False,
         alone: bool = False,
         fenced: bool = True,
+        ahead: bool = False,
         name: str = "kvfsm",
     ) -> None:
         from kvfsm.rooms import RoomEngine
@@ -875,6 +880,7 @@ class Kvfsm:
 
         self.bench = bench
         self.name = name
+        self.ahead = ahead
         peer = bench.peer
         kind: MemKind = MemKind(bench.mem)
         regions = 1 if heads is None else heads.regions
@@ -973,8 +979,14 @@ class Kvfsm:
         clock = time.perf_counter
         latency: list[float] = []
         idle_s = self.bench.caller_idle_s
+        ahead = self.ahead
+        sending = 0  # with ahead: rooms handed over and not done yet
         while next_room < len(rooms) or live:
-            while len(live) < window and next_room < len(rooms):
+            # By default a room counts against the window from its creation. With ahead, up
+            # to ``window`` rooms bootstrap while up to ``window`` others are sending.
+            free = window - (len(live) - sending if ahead else len(live))
+            while free > 0 and next_room < len(rooms):
+                free -= 1
                 room = rooms[next_room]
                 next_room += 1
                 self._rooms += 1
@@ -987,17 +999,23 @@ class Kvfsm:
             for sender, room, handed in live:
                 status = sender.poll()
                 sent = handed
-                if not sent and status is KVPoll.WaitingForInput:
+                if (
+                    not sent
+                    and status is KVPoll.WaitingForInput
+                    and (not ahead or sending < window)
+                ):
                     sent = clock()
                     sender.init(sum(int(src.size) for src, _ in room), -1)
                     for src, _ in room:
                         sender.send(src)
+                    sending += 1
                     moved = True
                 if status in TERMINAL:
                     if status is not KVPoll.Success:
                         raise BenchError(f"kvfsm room failed: {sender.reason}")
                     latency.append(clock() - sent)
                     sender.clear()
+                    sending -= 1
                     moved = True
                     continue
                 keep.append((sender, room, sent))
@@ -1203,6 +1221,21 @@ def run_kvfsm_unfenced(case: Case, bench: Bench) -> Result:
     return runner.run(case)
 
 
+def run_kvfsm_ahead(case: Case, bench: Bench) -> Result:
+    runner = bench.resource(
+        f"kvfsm_ahead-{case.page_bytes}-{case.pages}-{case.heads}",
+        lambda: Kvfsm(
+            bench,
+            case.page_bytes,
+            case.pages,
+            heads=case.heads,
+            ahead=True,
+            name="kvfsm_ahead",
+        ),
+    )
+    return runner.run(case)
+
+
 def run_kvfsm_alone(case: Case, bench: Bench) -> Result:
     runner = bench.resource(
         f"kvfsm_alone-{case.page_bytes}-{case.pages}-{case.heads}",
@@ -1237,6 +1270,8 @@ RUNNERS: dict[str, Runner] = {
     "kvfsm_alone": run_kvfsm_alone,
     # Not run by default: kvfsm without leases (--runners ...,kvfsm_unfenced).
     "kvfsm_unfenced": run_kvfsm_unfenced,
+    # Not run by default: kvfsm with the next rooms bootstrapped while others send.
+    "kvfsm_ahead": run_kvfsm_ahead,
     # Not run by default: the hand-off floor (--runners raw_nixl,actor_floor,kvfsm).
     "actor_floor": run_actor_floor,
     "actor_floor_1trip": run_actor_floor_1trip,
@@ -1249,6 +1284,8 @@ RATIOS: tuple[tuple[str, str], ...] = (
     ("kvfsm", "actor_floor"),
     ("actor_floor", "raw_nixl"),
     ("actor_floor_1trip", "raw_nixl"),
+    ("kvfsm_ahead", "raw_nixl"),
+    ("kvfsm_ahead", "actor_floor_1trip"),
     ("kvfsm", "kvfsm_spin"),
     ("kvfsm", "kvfsm_alone"),
     ("kvfsm", "kvfsm_unfenced"),

@@ -64,10 +64,11 @@ def test_a_slice_at_the_wrong_offset_fails_the_run() -> None:
 
 @pytest.mark.slow
 def test_the_hand_off_floor_moves_every_room_and_reports_its_ratios() -> None:
-    """``actor_floor`` (the kvfsm runner's caller and round trips, no room logic) moves the same
-    verified bytes, for equal and unequal TP, and its ratios sit beside kvfsm's."""
+    """``actor_floor`` (the kvfsm runner's caller and round trips, no room logic) and
+    ``kvfsm_ahead`` (bootstrap ahead of sending) move the same verified bytes, for equal and
+    unequal TP, and their ratios sit beside kvfsm's."""
     cases = "rooms_1,rooms_16,tp2to1_rooms_16"
-    runners = "raw_nixl,actor_floor,actor_floor_1trip,kvfsm"
+    runners = "raw_nixl,actor_floor,actor_floor_1trip,kvfsm,kvfsm_ahead"
     proc = _run("--cases", cases, "--runners", runners, "--pages", "256", "--json", *SMALL)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
@@ -81,4 +82,11 @@ def test_the_hand_off_floor_moves_every_room_and_reports_its_ratios() -> None:
     assert all(r["extra"]["room_p50_us"] > 0 and r["cpu_us_per_chunk"] > 0 for r in floor)
     ratios = {(r["case"], r["ratio"]) for r in report["ratios"]}
     for case in cases.split(","):
-        assert {(case, "kvfsm/actor_floor"), (case, "actor_floor/raw_nixl")} <= ratios
+        assert {
+            (case, "kvfsm/actor_floor"),
+            (case, "actor_floor/raw_nixl"),
+            (case, "kvfsm_ahead/actor_floor_1trip"),
+        } <= ratios
+    # Every room of kvfsm_ahead was timed from its hand-over (one latency each, all Success).
+    ahead = [r for r in results if r["runner"] == "kvfsm_ahead"]
+    assert all(r["extra"]["room_p50_us"] > 0 for r in ahead)
