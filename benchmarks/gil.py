@@ -31,8 +31,10 @@ otherwise): ``running`` (its CPU time), ``waiting_for_cpu`` (runnable, no core f
 share), ``waiting_other`` (blocked: on the GIL, as the loop never sleeps), ``rooms_share``
 (its own part in moving the rooms: kvfsm's calls and the loop's bookkeeping around them) and
 ``gil_handovers_per_s`` (its voluntary context switches: each one a hand-over of the GIL to
-another thread and the wait to win it back). Iterations lost beyond ``waiting_other`` and
-``rooms_share`` are the work itself running slower on the same CPU time.
+another thread and the wait to win it back) and ``work_cpu_us`` (the CPU time of one
+iteration's work: the same work in every phase, so a higher figure than idle's is that work
+running slower on the same core). ``machine_busy_cores`` is the whole machine's load in the
+phase, every process's (the decode peer's too).
 
 SGLang's own NIXL backend is not driven here: ``gil_backends.py`` drives it and kvfsm's adapter
 through SGLang's backend interface, each against a real decode process.
@@ -98,6 +100,17 @@ def scheduler_times() -> tuple[float, float]:
     except (OSError, ValueError):
         return 0.0, 0.0
     return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def machine_busy() -> tuple[int, int]:
+    """Jiffies the whole machine spent busy and in all, so far (``/proc/stat``; zeros
+    elsewhere): every process's CPU, the decode peer's too."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # less idle and iowait
 
 
 def scheduler_switches() -> int:
@@ -236,6 +249,8 @@ def phase(
     rng = np.random.default_rng(base)
     pages = runner.layout.kv[0].nbytes // PAGE if runner is not None else 0
     threads0 = _thread_cpu()
+    busy0, all0 = machine_busy()
+    work_cpu = 0.0  # this thread's CPU time inside _work: the same work in every phase
     sched0 = scheduler_times()
     switches0 = scheduler_switches()
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -244,7 +259,9 @@ def phase(
         now = time.perf_counter()
         if now >= end:
             break
+        w0 = time.thread_time()
         _work(n_work)
+        work_cpu += time.thread_time() - w0
         iterations += 1
         if runner is None:
             continue
@@ -286,6 +303,7 @@ def phase(
     share = scheduler_share(sched0, wall)  # now: not the drain below
     switches = scheduler_switches() - switches0
     threads1 = _thread_cpu()
+    busy1, all1 = machine_busy()
     # Let the rooms still in flight finish outside the measurement (no timing asserts). Those
     # never handed their pages (spawned by the last iteration) would wait for input until
     # their deadline: abort them.
@@ -306,6 +324,11 @@ def phase(
         # Its own part in moving the rooms: kvfsm's calls (create, post, init, send, poll on
         # every live room, clear) and this loop's bookkeeping around them, wall time.
         "scheduler_rooms_share": rooms_s / wall,
+        # The same pure-Python work's CPU time per iteration: higher than idle's when it runs
+        # slower on the same core (caches refilled after kvfsm's calls and other threads).
+        "scheduler_work_cpu_us": work_cpu / max(iterations, 1) * 1e6,
+        # Cores busy machine-wide (every process), to compare the phases' load.
+        "machine_busy_cores": (busy1 - busy0) / max(all1 - all0, 1) * (os.cpu_count() or 1),
         "kvfsm_threads_cpu_per_s": {
             name: round((cpu1 - threads0.get(name, 0.0)) / wall, 3)
             for name, cpu1 in threads1.items()
@@ -372,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{raw['scheduler_waiting_other']:.3f} of wall, GIL hand-overs/s "
                         f"{busy['scheduler_gil_handovers_per_s']:.0f} / "
                         f"{raw['scheduler_gil_handovers_per_s']:.0f}, its rooms part "
-                        f"{busy['scheduler_rooms_share']:.3f}",
+                        f"{busy['scheduler_rooms_share']:.3f}, its work's CPU per iteration "
+                        f"idle / busy / raw {idle['scheduler_work_cpu_us']:.0f} / "
+                        f"{busy['scheduler_work_cpu_us']:.0f} / "
+                        f"{raw['scheduler_work_cpu_us']:.0f} us",
                         flush=True,
                     )
     finally:

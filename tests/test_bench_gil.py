@@ -24,6 +24,11 @@ def test_busy_rounds_move_rooms_and_report_a_ratio() -> None:
     assert 0 < report["ratio_best"] == round_["ratio"]
     # kvfsm's threads took the GIL from the loop (which never sleeps) while they moved rooms.
     assert round_["busy"]["scheduler_gil_handovers_per_s"] > 0
+    # Every phase timed its work on this thread's CPU clock, and the machine was never idle
+    # (the loop itself keeps a core busy).
+    for name in ("idle", "busy", "raw"):
+        assert round_[name]["scheduler_work_cpu_us"] > 0
+        assert round_[name]["machine_busy_cores"] > 0.5
     # The raw NIXL baseline moved rooms too (at the busy phase's rate: not checked, a loaded
     # machine may keep it from it), and the two ratios come from the same phases.
     raw = round_["raw"]
