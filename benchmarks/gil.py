@@ -247,7 +247,17 @@ def phase(
     rooms = done = iterations = 0
     rooms_s = 0.0  # this thread's wall time in the rooms part of its iterations
     rng = np.random.default_rng(base)
-    pages = runner.layout.kv[0].nbytes // PAGE if runner is not None else 0
+    slots = runner.layout.kv[0].nbytes // PAGE // room_pages if runner is not None else 0
+    # Decode's page list for each slot of pages (slots cycle; window << slots), packed as it
+    # arrives off the wire, and the two chunks' source pages: built before the clock starts.
+    # In production the list comes over the control plane (on kvfsm's loop thread) and the
+    # pages from the scheduler's allocator: neither is work this loop would do per room.
+    destinations = [
+        rng.permutation(np.arange(lo, lo + room_pages, dtype=np.int32)).tobytes()
+        for lo in range(0, slots * room_pages, room_pages)
+    ]
+    src = np.arange(room_pages, dtype=np.int32)
+    chunks = (src[: room_pages // 2], src[room_pages // 2 :])  # as a chunked prefill sends
     threads0 = _thread_cpu()
     busy0, all0 = machine_busy()
     work_cpu = 0.0  # this thread's CPU time inside _work: the same work in every phase
@@ -270,13 +280,9 @@ def phase(
         while len(live) < window:
             rooms += 1
             sender = engine.sender(base + rooms)
-            # Each room in flight its own destination pages (slots cycle; window << slots).
-            lo = (rooms % (pages // room_pages)) * room_pages
-            dst = rng.permutation(np.arange(lo, lo + room_pages, dtype=np.int32))
             # Under the runner's write lease, as a production prefill's chunks are.
-            engine.post(
-                sender.key, DestinationReceived(dst.tobytes(), 0, peer="decode", fence=_FENCE)
-            )
+            dst = destinations[rooms % slots]
+            engine.post(sender.key, DestinationReceived(dst, 0, peer="decode", fence=_FENCE))
             live.append((sender, False))
         keep = []
         for sender, handed in live:
@@ -284,10 +290,8 @@ def phase(
             sent = handed
             if not sent and status is KVPoll.WaitingForInput:
                 sender.init(room_pages, -1)
-                src = np.arange(room_pages, dtype=np.int32)
-                half = room_pages // 2
-                sender.send(src[:half])  # two chunks, as a chunked prefill would
-                sender.send(src[half:])
+                for chunk in chunks:
+                    sender.send(chunk)
                 sent = True
             if status in TERMINAL:
                 if status is not KVPoll.Success:
