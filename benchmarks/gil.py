@@ -65,8 +65,6 @@ from transfer import (  # benchmarks/ is on sys.path
     _source,
 )
 
-from kvfsm.rooms import parse_cpu_list, set_thread_cpus
-from kvfsm.rooms._placement import place_this_thread
 from kvfsm.rooms._runtime import thread_table
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
 
@@ -221,7 +219,6 @@ def raw_phase(
     errors: list[BaseException] = []
 
     def write() -> None:
-        place_this_thread()  # where kvfsm's threads are, with --thread-cpus
         try:
             writer.run(stop, rooms_per_s, room_pages, moved)
         except BaseException as exc:  # surfaced below
@@ -351,16 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=16, help="rooms in flight while busy")
     parser.add_argument("--room-pages", type=int, default=16, help="64 KiB pages per room")
     parser.add_argument("--pages", type=int, default=4096, help="64 KiB pages in each buffer")
-    parser.add_argument(
-        "--thread-cpus",
-        default="",
-        help="KVFSM_THREAD_CPUS for the run (e.g. 1): kvfsm's threads, and the raw baseline's "
-        "writer, on these CPUs, and this loop's thread off them",
-    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.thread_cpus:
-        set_thread_cpus(parse_cpu_list(args.thread_cpus))
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
     n_work = calibrate(args.work_us)
@@ -425,7 +414,6 @@ def main(argv: list[str] | None = None) -> int:
         "work_us": args.work_us,
         "window": args.window,
         "room_pages": args.room_pages,
-        "thread_cpus": args.thread_cpus or None,
         "loadavg": os.getloadavg()[0],
         "best": best,
         "ratio_best": best["ratio"],

@@ -14,7 +14,6 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from kvfsm.bootstrap._registry_server import BootstrapServer
-from kvfsm.rooms._runtime import enter_kvfsm_thread
 
 __all__ = ["RegistryThread"]
 
@@ -43,17 +42,15 @@ class RegistryThread:
         self.port, self._url = port, ""
         self.server: BootstrapServer | None = None
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="kvfsm-registry", daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="kvfsm-registry", daemon=True
+        )
         self.thread.start()
         try:
             self.start()
         except BaseException:
             self._stop_loop()
             raise
-
-    def _run(self) -> None:
-        enter_kvfsm_thread(self.thread.name)
-        self.loop.run_forever()
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -9,7 +9,6 @@ from kvfsm.rooms._engine import RoomEngine
 from kvfsm.rooms._facade import KVTransferError, ReceiverRoom, SenderRoom, pack_pages
 from kvfsm.rooms._machine import MACHINES, build_machine, machine_edges
 from kvfsm.rooms._owners import DestinationOwners
-from kvfsm.rooms._placement import parse_cpu_list, set_thread_cpus, thread_cpus
 from kvfsm.rooms._ports import (
     Claims,
     CommandSink,
@@ -20,7 +19,7 @@ from kvfsm.rooms._ports import (
     RoomKey,
 )
 from kvfsm.rooms._registry import DuplicateRoomError, Registry
-from kvfsm.rooms._runtime import LoopThread, enter_kvfsm_thread, name_this_thread, thread_table
+from kvfsm.rooms._runtime import LoopThread, name_this_thread, thread_table
 from kvfsm.rooms._stats import RoomStats
 
 __all__ = [
@@ -48,13 +47,9 @@ __all__ = [
     "RoomStats",
     "SenderRoom",
     "build_machine",
-    "enter_kvfsm_thread",
     "machine_edges",
     "name_this_thread",
     "pack_pages",
     "page_count",
-    "parse_cpu_list",
-    "set_thread_cpus",
-    "thread_cpus",
     "thread_table",
 ]

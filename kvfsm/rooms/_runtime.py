@@ -25,20 +25,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from kvfsm.rooms._placement import keep_this_thread_off, place_this_thread
-
 try:
     import uvloop
 except ImportError:  # pragma: no cover - a dependency on Linux; optional for embedders
     uvloop = None  # type: ignore[assignment]
 
-__all__ = [
-    "LoopThread",
-    "enter_kvfsm_thread",
-    "name_this_thread",
-    "new_event_loop",
-    "thread_table",
-]
+__all__ = ["LoopThread", "name_this_thread", "new_event_loop", "thread_table"]
 
 _log = logging.getLogger("kvfsm.runtime")
 #: Posted callbacks run per loop callback before yielding to other ready work.
@@ -69,13 +61,6 @@ def name_this_thread(name: str) -> None:
         return
     with contextlib.suppress(Exception):
         libc.prctl(_PR_SET_NAME, name.encode()[:_NATIVE_NAME_BYTES], 0, 0, 0)
-
-
-def enter_kvfsm_thread(name: str) -> None:
-    """What every kvfsm thread does first: take ``name`` in the OS and its place on the CPUs
-    of ``KVFSM_THREAD_CPUS`` (see :mod:`kvfsm.rooms._placement`). Never raises."""
-    name_this_thread(name)
-    place_this_thread()
 
 
 def thread_table() -> list[dict[str, object]]:
@@ -145,9 +130,6 @@ class LoopThread:
         return self._thread.is_alive() and self._loop is not None and not self._loop.is_closed()
 
     def start(self, timeout: float = 30.0) -> None:
-        # The caller (SGLang's scheduler thread) leaves kvfsm's CPUs, if they are set, before
-        # the loop takes them: a setting that does not parse is refused here.
-        keep_this_thread_off()
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError(f"event loop thread did not start within {timeout}s")
@@ -214,7 +196,7 @@ class LoopThread:
     # -- the thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        enter_kvfsm_thread(self._thread.name)
+        name_this_thread(self._thread.name)
         try:
             with asyncio.Runner(loop_factory=lambda: new_event_loop(self._use_uvloop)) as runner:
                 runner.run(self._amain())

@@ -17,9 +17,6 @@ be passed to them; these are read when a manager or bootstrap server is built.
                        for dead (raise it on oversubscribed hosts, e.g. several CPU servers on
                        two cores).
 ``KVFSM_LEASE_S``      decode's write-lease length (default 2 s; renewed every quarter).
-``KVFSM_THREAD_CPUS``  a CPU list (``taskset -c`` syntax) for kvfsm's threads; the scheduler
-                       thread that builds the backend moves off it (``kvfsm.rooms._placement``,
-                       read when the engine starts).
 ``KVFSM_EXIT_ON_FENCED_OUT``  ``1`` (default): a prefill scheduler whose NIXL agent was fenced
                        out (stopped or starved past its write lease with a WRITE in flight)
                        exits with status 75, and SGLang's launcher takes the server down for

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvfsm.rooms import enter_kvfsm_thread
+from kvfsm.rooms import name_this_thread
 from kvfsm.transport._agent import Agent, Peer
 from kvfsm.transport._layout import LayoutSummary
 from kvfsm.transport._slices import KvPiece
@@ -186,7 +186,7 @@ class PeerSet:
 
 
 def _name_worker() -> None:
-    enter_kvfsm_thread(threading.current_thread().name)
+    name_this_thread(threading.current_thread().name)
 
 
 def _log_reload_failure(task: asyncio.Task[Peer]) -> None:

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from kvfsm.rooms import enter_kvfsm_thread
+from kvfsm.rooms import name_this_thread
 
 __all__ = ["Poster"]
 
@@ -63,7 +63,7 @@ class Poster(Generic[T]):
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        enter_kvfsm_thread(self._thread.name)
+        name_this_thread(self._thread.name)
         while True:
             batch = [self._queue.get()]
             with contextlib.suppress(queue.Empty):
