@@ -1102,22 +1102,32 @@ class ActorFloor:
         """On the loop: post ``room``'s chunks, then poll them each iteration until done."""
         agent = self.raw.agent
         handles: list[nixl_xfer_handle] = []
-        for src, dst in room:
-            s, d = _request_indices(case, src, dst)
-            handle = agent.make_prepped_xfer("WRITE", local, s, remote, d)
-            handles.append(handle)
-            agent.transfer(handle)
 
         def check() -> None:
-            states = [agent.check_xfer_state(h) for h in handles]
-            if any(state == "PROC" for state in states):
-                self.loop.call_soon(check)
-                return
+            try:
+                states = [agent.check_xfer_state(h) for h in handles]
+                if any(state == "PROC" for state in states):
+                    self.loop.call_soon(check)
+                    return
+                bad = [state for state in states if state != "DONE"]
+                slot[0] = self.DONE if not bad else f"NIXL request ended {bad[0]}"
+            except Exception as exc:  # the caller raises it; the handles are released below
+                slot[0] = f"NIXL: {exc!r}"
             for handle in handles:
-                agent.release_xfer_handle(handle)
-            bad = [state for state in states if state != "DONE"]
-            slot[0] = self.DONE if not bad else f"NIXL request ended {bad[0]}"
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
 
+        try:
+            for src, dst in room:
+                s, d = _request_indices(case, src, dst)
+                handles.append(agent.make_prepped_xfer("WRITE", local, s, remote, d))
+                agent.transfer(handles[-1])
+        except Exception as exc:
+            slot[0] = f"NIXL: {exc!r}"
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
+            return
         check()
 
     def _send(

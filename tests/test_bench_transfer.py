@@ -90,3 +90,41 @@ def test_the_hand_off_floor_moves_every_room_and_reports_its_ratios() -> None:
     # Every room of kvfsm_ahead was timed from its hand-over (one latency each, all Success).
     ahead = [r for r in results if r["runner"] == "kvfsm_ahead"]
     assert all(r["extra"]["room_p50_us"] > 0 for r in ahead)
+
+
+# The floor's NIXL agent refuses the third request it is asked to post.
+_REFUSING_FLOOR = """
+import sys
+import transfer
+
+def refusing(run):
+    def wrapped(self, case):
+        agent, calls = self.raw.agent, [0]
+        real = agent.transfer
+
+        def transfer_(handle):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected NIXL refusal")
+            return real(handle)
+
+        agent.transfer = transfer_
+        try:
+            return run(self, case)
+        finally:
+            del agent.transfer
+    return wrapped
+
+transfer.ActorFloor.run = refusing(transfer.ActorFloor.run)
+sys.exit(transfer.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_request_the_floor_cannot_post_fails_the_run_at_once() -> None:
+    proc = _run(
+        "--cases", "rooms_1", "--runners", "actor_floor", "--pages", "256", *SMALL,
+        code=_REFUSING_FLOOR,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "actor_floor: NIXL: RuntimeError('injected NIXL refusal')" in proc.stderr
