@@ -1198,62 +1198,27 @@ def run_actor_floor_1trip(case: Case, bench: Bench) -> Result:
     return bench.resource("actor_floor_1trip", lambda: ActorFloor(bench, trips=1)).run(case)
 
 
-def run_kvfsm(case: Case, bench: Bench) -> Result:
-    runner = bench.resource(
-        f"kvfsm-{case.page_bytes}-{case.pages}-{case.heads}",
-        lambda: Kvfsm(bench, case.page_bytes, case.pages, heads=case.heads),
-    )
-    return runner.run(case)
+def _kvfsm_runner(name: str, **options: bool) -> Callable[[Case, Bench], Result]:
+    """The runner ``name``: kvfsm built with ``options`` (:class:`Kvfsm`'s keywords), one
+    engine per page shape for the whole run."""
+
+    def run(case: Case, bench: Bench) -> Result:
+        runner = bench.resource(
+            f"{name}-{case.page_bytes}-{case.pages}-{case.heads}",
+            lambda: Kvfsm(
+                bench, case.page_bytes, case.pages, heads=case.heads, name=name, **options
+            ),
+        )
+        return runner.run(case)
+
+    return run
 
 
-def run_kvfsm_spin(case: Case, bench: Bench) -> Result:
-    runner = bench.resource(
-        f"kvfsm_spin-{case.page_bytes}-{case.pages}-{case.heads}",
-        lambda: Kvfsm(
-            bench, case.page_bytes, case.pages, heads=case.heads, spin=True, name="kvfsm_spin"
-        ),
-    )
-    return runner.run(case)
-
-
-def run_kvfsm_unfenced(case: Case, bench: Bench) -> Result:
-    runner = bench.resource(
-        f"kvfsm_unfenced-{case.page_bytes}-{case.pages}-{case.heads}",
-        lambda: Kvfsm(
-            bench,
-            case.page_bytes,
-            case.pages,
-            heads=case.heads,
-            fenced=False,
-            name="kvfsm_unfenced",
-        ),
-    )
-    return runner.run(case)
-
-
-def run_kvfsm_ahead(case: Case, bench: Bench) -> Result:
-    runner = bench.resource(
-        f"kvfsm_ahead-{case.page_bytes}-{case.pages}-{case.heads}",
-        lambda: Kvfsm(
-            bench,
-            case.page_bytes,
-            case.pages,
-            heads=case.heads,
-            ahead=True,
-            name="kvfsm_ahead",
-        ),
-    )
-    return runner.run(case)
-
-
-def run_kvfsm_alone(case: Case, bench: Bench) -> Result:
-    runner = bench.resource(
-        f"kvfsm_alone-{case.page_bytes}-{case.pages}-{case.heads}",
-        lambda: Kvfsm(
-            bench, case.page_bytes, case.pages, heads=case.heads, alone=True, name="kvfsm_alone"
-        ),
-    )
-    return runner.run(case)
+run_kvfsm = _kvfsm_runner("kvfsm")
+run_kvfsm_spin = _kvfsm_runner("kvfsm_spin", spin=True)
+run_kvfsm_unfenced = _kvfsm_runner("kvfsm_unfenced", fenced=False)
+run_kvfsm_ahead = _kvfsm_runner("kvfsm_ahead", ahead=True)
+run_kvfsm_alone = _kvfsm_runner("kvfsm_alone", alone=True)
 
 
 def _latency(seconds: list[float]) -> dict[str, float]:
