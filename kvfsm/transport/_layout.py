@@ -168,11 +168,14 @@ class Layout(Geometry):
         _check_group("aux", self.aux)
         _check_group("state", self.state)
         _check_overlap(self.regions())
+        # Geometry's own sums, once: the one formula, not a second copy of it.
         object.__setattr__(
             self,
             "_row_bytes",
-            tuple(
-                sum(r.item_bytes for r in regions) for regions in (self.kv, self.aux, self.state)
+            (
+                Geometry.page_bytes(self),
+                Geometry.aux_row_bytes(self),
+                Geometry.state_row_bytes(self),
             ),
         )
 
