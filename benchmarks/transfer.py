@@ -1070,6 +1070,8 @@ class ActorFloor:
         self.bench, self.trips = bench, trips
         self.name = "actor_floor" if trips == 2 else "actor_floor_1trip"
         self.raw = bench.resource("raw_nixl", lambda: RawNixl(bench))  # shares its agent
+        #: Each room's posted handles, until released (loop thread only).
+        self._live: dict[int, list[nixl_xfer_handle]] = {}
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="floor-loop", daemon=True)
         self.thread.start()
@@ -1082,14 +1084,41 @@ class ActorFloor:
 
     def run(self, case: Case) -> Result:
         with _prepped(self.raw, case) as (local, remote):
-            return measure(
-                self.name,
-                case,
-                self.bench,
-                reset=self.bench.peer.clear,
-                go=lambda: self._send(case, local, remote),
-                checksum=lambda: self.bench.peer.checksum(case),
-            )
+            try:
+                return measure(
+                    self.name,
+                    case,
+                    self.bench,
+                    reset=self.bench.peer.clear,
+                    go=lambda: self._send(case, local, remote),
+                    checksum=lambda: self.bench.peer.checksum(case),
+                )
+            finally:  # a run that stopped early (an error, a stall): before the lists go
+                self._on_loop(self._abandon)
+
+    def _abandon(self) -> None:
+        """On the loop: release every handle still posted; their rooms stop polling."""
+        live, self._live = self._live, {}
+        for handles in live.values():
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    self.raw.agent.release_xfer_handle(handle)
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the loop thread, and its result."""
+        done = threading.Event()
+        out: list[T] = []
+
+        def run() -> None:
+            try:
+                out.append(fn())
+            finally:
+                done.set()
+
+        self.loop.call_soon_threadsafe(run)
+        if not done.wait(PEER_TIMEOUT_S) or not out:
+            raise BenchError(f"{self.name}: its loop thread did not answer")
+        return out[0]
 
     def _post(
         self,
@@ -1102,8 +1131,18 @@ class ActorFloor:
         """On the loop: post ``room``'s chunks, then poll them each iteration until done."""
         agent = self.raw.agent
         handles: list[nixl_xfer_handle] = []
+        key = id(handles)
+        self._live[key] = handles
+
+        def release() -> None:
+            del self._live[key]
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
 
         def check() -> None:
+            if key not in self._live:  # abandoned: released by _abandon
+                return
             try:
                 states = [agent.check_xfer_state(h) for h in handles]
                 if any(state == "PROC" for state in states):
@@ -1111,11 +1150,9 @@ class ActorFloor:
                     return
                 bad = [state for state in states if state != "DONE"]
                 slot[0] = self.DONE if not bad else f"NIXL request ended {bad[0]}"
-            except Exception as exc:  # the caller raises it; the handles are released below
+            except Exception as exc:  # the caller raises it
                 slot[0] = f"NIXL: {exc!r}"
-            for handle in handles:
-                with contextlib.suppress(Exception):
-                    agent.release_xfer_handle(handle)
+            release()
 
         try:
             for src, dst in room:
@@ -1124,9 +1161,7 @@ class ActorFloor:
                 agent.transfer(handles[-1])
         except Exception as exc:
             slot[0] = f"NIXL: {exc!r}"
-            for handle in handles:
-                with contextlib.suppress(Exception):
-                    agent.release_xfer_handle(handle)
+            release()
             return
         check()
 
@@ -1177,17 +1212,7 @@ class ActorFloor:
 
     def _loop_cpu(self) -> float:
         """The loop thread's CPU seconds so far (read on that thread)."""
-        done = threading.Event()
-        out: list[float] = []
-
-        def read() -> None:
-            out.append(time.thread_time())
-            done.set()
-
-        self.loop.call_soon_threadsafe(read)
-        if not done.wait(PEER_TIMEOUT_S):
-            raise BenchError(f"{self.name}: its loop thread does not answer")
-        return out[0]
+        return self._on_loop(time.thread_time)
 
 
 def run_actor_floor(case: Case, bench: Bench) -> Result:

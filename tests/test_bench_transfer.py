@@ -92,39 +92,63 @@ def test_the_hand_off_floor_moves_every_room_and_reports_its_ratios() -> None:
     assert all(r["extra"]["room_p50_us"] > 0 for r in ahead)
 
 
-# The floor's NIXL agent refuses the third request it is asked to post.
+# The floor's NIXL agent refuses the third request it is asked to post; every handle it made
+# and every one it released are counted, and the counts printed however the run ends.
 _REFUSING_FLOOR = """
 import sys
 import transfer
 
+counts = {"made": 0, "released": 0}
+
 def refusing(run):
     def wrapped(self, case):
         agent, calls = self.raw.agent, [0]
-        real = agent.transfer
+        real_transfer, real_make = agent.transfer, agent.make_prepped_xfer
+        real_release = agent.release_xfer_handle
 
         def transfer_(handle):
             calls[0] += 1
             if calls[0] == 3:
                 raise RuntimeError("injected NIXL refusal")
-            return real(handle)
+            return real_transfer(handle)
 
-        agent.transfer = transfer_
+        def make(*args):
+            handle = real_make(*args)
+            counts["made"] += 1
+            return handle
+
+        def release(handle):
+            counts["released"] += 1
+            return real_release(handle)
+
+        agent.transfer, agent.make_prepped_xfer = transfer_, make
+        agent.release_xfer_handle = release
         try:
             return run(self, case)
         finally:
-            del agent.transfer
+            del agent.transfer, agent.make_prepped_xfer, agent.release_xfer_handle
     return wrapped
 
 transfer.ActorFloor.run = refusing(transfer.ActorFloor.run)
-sys.exit(transfer.main(sys.argv[1:]))
+try:
+    sys.exit(transfer.main(sys.argv[1:]))
+finally:
+    print(f"handles made {counts['made']} released {counts['released']}", file=sys.stderr)
 """
 
 
 @pytest.mark.slow
-def test_a_request_the_floor_cannot_post_fails_the_run_at_once() -> None:
+@pytest.mark.parametrize("case", ["rooms_1", "rooms_16"])
+def test_a_request_the_floor_cannot_post_fails_the_run_at_once(case: str) -> None:
+    """The refusal is the run's error, and no handle is left behind: with 16 rooms in flight
+    the others' handles are still posted when the run stops, and are released before their
+    descriptor lists go."""
     proc = _run(
-        "--cases", "rooms_1", "--runners", "actor_floor", "--pages", "256", *SMALL,
+        "--cases", case, "--runners", "actor_floor", "--pages", "256", *SMALL,
         code=_REFUSING_FLOOR,
     )  # fmt: skip
     assert proc.returncode != 0
     assert "actor_floor: NIXL: RuntimeError('injected NIXL refusal')" in proc.stderr
+    made, released = (int(n) for n in proc.stderr.split("handles made ")[1].split()[::2][:2])
+    assert made >= 3
+    assert released == made
