@@ -7,7 +7,12 @@ everything else passes through untouched:
 
 * ``make_prepped_xfer`` (poster thread): the real handle is made, then the plan decides this
   handle's fault once (:class:`~kvfsm.chaos._plan.TransferFault`). Deciding at creation, in
-  the poster's submission order, keeps the decisions reproducible from the seed.
+  the poster's submission order, keeps the decisions reproducible from the seed. A READ is a
+  flush (the pump's proof that a held WRITE is over) and is never faulted, nor does it take a
+  decision: flushes come when chunks are held, at times the machine decides, so drawing for
+  them would shift every later decision; and a flush the proxy kept reporting ``"PROC"``
+  after its real transfer ended would hold its rooms unsettled for good, a lie the proxy
+  would be telling, not a fault of the transport.
 * ``transfer`` (poster thread): post errors do not post at all (``"ERR"``, an exception, or a
   remote-disconnect exception); for the completion faults the real transfer is posted but
   reported ``"PROC"`` even if it finished inside the call.
@@ -93,8 +98,11 @@ class FaultyNixl:
 
     def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
         handle = self._inner.make_prepped_xfer(*args, **kwargs)
-        fault, param = self._plan.transfer_fault(self._site)
-        delay = param * self._plan.transfer_rates.delay_max_s
+        if args and args[0] == "READ":  # a flush: see the module docstring
+            fault, delay = TransferFault.NONE, 0.0
+        else:
+            fault, param = self._plan.transfer_fault(self._site)
+            delay = param * self._plan.transfer_rates.delay_max_s
         with self._lock:
             self._handles[id(handle)] = _Handle(handle, fault, delay)
             self.counters["handles_made"] += 1

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -32,10 +32,15 @@ from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind
 from kvfsm.transport._nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from kvfsm.transport._slices import NO_KV, KvPiece, check_slice, sliced_descs
 
-__all__ = ["Agent", "AgentConfig", "AgentFencedOutError", "Peer"]
+__all__ = ["FLUSH_BYTES", "Agent", "AgentConfig", "AgentFencedOutError", "Peer"]
 
 _log = logging.getLogger("kvfsm.transport")
 _LOCAL = "NIXL_INIT_AGENT"
+
+#: What a flush reads from a peer (the data path's rule 2, ``_ledger``): a few bytes of the
+#: start of its first registered region, into this agent's own scratch buffer. Reading writes
+#: nothing of the peer's, and the READ's completion is what proves earlier WRITEs over.
+FLUSH_BYTES: Final = 8
 
 #: Raw NIXL agents that were fenced out: referenced until the process ends, so that no
 #: destructor closes their endpoints (a flush-mode close would push their queued WRITEs).
@@ -78,6 +83,7 @@ class Peer:
 
     __slots__ = (
         "aux",
+        "flush",
         "generation",
         "kv",
         "local_kv",
@@ -100,6 +106,7 @@ class Peer:
         state: Any | None,
         piece: KvPiece | None = None,
         local_kv: Any = None,
+        flush: tuple[Any, Any] | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.generation = generation
@@ -113,6 +120,10 @@ class Peer:
         #: (buffer, page, row) (``_slices.sliced_descs``) instead of one per (buffer, page).
         self.piece = piece
         self.local_kv = local_kv
+        #: (local scratch list, remote list) of one ``FLUSH_BYTES`` descriptor each: what a
+        #: flush of this generation READs (``Pump``, the ledger's rule 2). None: this peer
+        #: cannot be flushed (its held WRITEs then wait for their generation to go).
+        self.flush = flush
 
     def __repr__(self) -> str:
         return f"<Peer {self.peer_id} gen {self.generation} agent {self.name}>"
@@ -128,6 +139,8 @@ class Agent:
         self._generations = itertools.count(1)
         self._registrations: list[Any] = []
         self._local: dict[str, Any] = {}
+        #: The flush's landing place (``FLUSH_BYTES``, DRAM): never part of any page.
+        self._flush_scratch = np.zeros(64, np.uint8)
         self._closed = False
         self._metadata: bytes | None = None
         #: Asked before a call that can progress the agent outside the transfer path (adding
@@ -174,6 +187,9 @@ class Agent:
                 [(region.addr, region.nbytes, region.device, "")], region.kind.value
             )
             self._registrations.append(reg)
+        scratch = self._flush_scratch.ctypes.data
+        reg = self.nixl.register_memory([(scratch, FLUSH_BYTES, 0, "")], MemKind.DRAM.value)
+        self._registrations.append(reg)
 
     def _prepare_local(self) -> None:
         layout = self.layout
@@ -182,6 +198,8 @@ class Agent:
             self._local["aux"] = self._prep(_LOCAL, layout.aux_descs(), layout.aux[0].kind)
         if layout.state:
             self._local["state"] = self._prep(_LOCAL, layout.state_descs(), layout.state[0].kind)
+        scratch = np.asarray([[self._flush_scratch.ctypes.data, FLUSH_BYTES, 0]], np.uint64)
+        self._local["flush"] = self._prep(_LOCAL, scratch, MemKind.DRAM)
 
     def _prep(self, agent: str, descs: npt.NDArray[np.uint64], kind: MemKind) -> Any:
         dlist = self.nixl.prep_xfer_dlist(agent, descs, kind.value)
@@ -258,6 +276,8 @@ class Agent:
             if summary.state:
                 state = self._prep(name, summary.state_descs(), MemKind(summary.state_kind))
                 lists.append(state)
+            flush = self._prep(name, *_flush_target(summary))
+            lists.append(flush)
         except BaseException:
             for dlist in lists:
                 self._release_dlist(dlist)
@@ -273,6 +293,7 @@ class Agent:
             state=state,
             piece=piece,
             local_kv=local_kv,
+            flush=(self._local["flush"], flush),
         )
 
     def abandon(self, reason: str) -> None:
@@ -293,10 +314,11 @@ class Agent:
         is removed in flush mode: its queued WRITEs would be pushed)."""
         if not self._usable():
             return
-        for dlist in (peer.kv, peer.aux, peer.state):
+        remote_flush = None if peer.flush is None else peer.flush[1]
+        for dlist in (peer.kv, peer.aux, peer.state, remote_flush):
             if dlist is not None:
                 self._release_dlist(dlist)
-        peer.kv = peer.aux = peer.state = None
+        peer.kv = peer.aux = peer.state = peer.flush = None
         self._remove_remote(peer.name)
 
     def _release_dlist(self, dlist: Any) -> None:
@@ -335,3 +357,17 @@ class Agent:
             except Exception:
                 _log.exception("%s: deregister_memory failed", self.name)
         self._registrations.clear()
+
+
+def _flush_target(summary: LayoutSummary) -> tuple[npt.NDArray[np.uint64], MemKind]:
+    """The descriptor a flush READs on a peer: the first ``FLUSH_BYTES`` of its first region
+    (KV, else aux, else state: a summary always has KV), in that region's memory kind."""
+    for specs, kind in (
+        (summary.kv, summary.kv_kind),
+        (summary.aux, summary.aux_kind),
+        (summary.state, summary.state_kind),
+    ):
+        if specs:
+            addr, _nbytes, _item, device = specs[0]
+            return np.asarray([[addr, FLUSH_BYTES, device]], np.uint64), MemKind(kind)
+    raise ValueError("a layout summary with no region")  # pragma: no cover - validated

@@ -82,6 +82,7 @@ class TransportStats(LedgerStats):
     handles_created: int = 0  # poster thread
     handles_released: int = 0  # loop thread (and close())
     handles_released_at_post: int = 0  # poster thread: done inside transfer()
+    flush_handles_created: int = 0  # loop thread: the pump's flushes (ledger rule 2)
     chunks_posted: int = 0
     pump_rounds: int = 0
     #: Pump rounds after which it slept (``poll_max_wait_s``) instead of yielding only.
@@ -90,6 +91,9 @@ class TransportStats(LedgerStats):
     linger_progresses: int = 0
     peers_lost: int = 0
     peers_connected: int = 0
+    #: Connects of a peer whose current generation already had the same metadata, layout and
+    #: piece (its control link came back): that generation is kept (``PeerSet.connect``).
+    peers_kept: int = 0
     stale_deliveries: int = 0
     #: Runs of chunks whose merge raised (memory): each chunk was posted alone instead.
     merge_errors: int = 0

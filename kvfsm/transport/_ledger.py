@@ -5,8 +5,9 @@
 to release) with ``now`` passed in, and answers with *actions* that
 :class:`~kvfsm.transport.NixlTransport` executes: ``Post`` (hand the record to the poster),
 ``Release`` (release every handle the record holds), ``Deliver`` (an event to a room),
-``StartQuarantine`` (call ``quarantine_over`` at ``until``) and ``Finish`` (release what is
-left, then deliver the record's final event). Decide first, then do IO.
+``StartQuarantine`` (call ``quarantine_over`` at ``until``), ``PostFlush`` / ``CancelFlush``
+(a flush of one peer generation, answered by ``flushed`` or ``flush_failed``) and ``Finish``
+(release what is left, then deliver the record's final event). Decide first, then do IO.
 
 Rules
 -----
@@ -18,15 +19,29 @@ A record is one accepted chunk. It moves through four phases, and only forward:
       |                               +--deadline | peer lost | lease gone | NIXL raised--> HELD
       +--posted: over, or nothing posted--> FINAL                                          |
       +--posted: part in flight and it failed, or its peer was lost--> HELD                |
-                                                                 quarantine over --> FINAL
+                                            quarantine over, and flushed or peer lost --> FINAL
 
 1. **Exactly one final event.** Every accepted record gets exactly one ``ChunkDone`` or
    ``ChunkFailed`` (``Finish``), and then the ledger forgets it. A record refused at
    acceptance is never stored and gets its ``Finish`` at once.
 2. **Final means settled** (law 4). A record becomes final only when none of its handles can
    move another byte: every posted handle reported DONE or ERR, nothing was posted, or its
-   handles were released and a quarantine of ``quarantine_s`` is over. ``ChunkStalled`` (room
-   fails at once) precedes every quarantine; the ``ChunkFailed`` after it settles the pages.
+   handles were released, a quarantine of ``quarantine_s`` is over **and a flush of its peer
+   proved the WRITE over**. ``ChunkStalled`` (room fails at once) precedes every quarantine;
+   the ``ChunkFailed`` after it settles the pages.
+
+   *Flushes.* Releasing a handle does not cancel its WRITE: over UCX's TCP transport (and any
+   transport the target's own progress drives) the bytes wait in the writer's queue and the
+   socket until the target progresses, however long it is frozen, and land then. A time-based
+   quarantine therefore proves nothing when the target is stopped. What does is a *flush*: a
+   small READ from the same peer generation (``PostFlush``), posted after the held record's
+   WRITE. NIXL's UCX backend ends every request with an endpoint flush, and UCX completes a
+   flush only once every operation posted on that endpoint before it has completed at the
+   target, released ones included, so the READ's DONE (``flushed(peer, seq)``) means the held
+   WRITE has landed, or never will. A held record needs the first flush *posted* after it was
+   held; one flush per peer is in flight at a time, the next posted when it ends if a record
+   still needs it. A flush that NIXL refuses (``flush_failed``) is posted again later. A record
+   of a lost peer generation (rule 6) needs no flush: its endpoint is gone with it.
 3. **Fences.** With leases configured, a chunk is accepted only with a valid lease on its
    fence (fence 0 is refused: an unfenced chunk on a fenced transport). The poster checks the
    lease again right before each part's ``transfer()``; a chunk stopped there before its
@@ -46,6 +61,9 @@ A record is one accepted chunk. It moves through four phases, and only forward:
    holds the ACTIVE ones: their remote agent is about to be removed, after which NIXL says ERR
    for reasons that say nothing about the WRITE. A record of a lost peer that comes back from
    the poster with handles is held too. The generation is forgotten with its last record.
+   Its held records wait for no flush (an endpoint that failed moves nothing more; a peer that
+   came back as a new incarnation is another process), and its flush in flight is cancelled
+   (``CancelFlush``: the handle goes before the remote agent does).
 7. **Release requests** (a room failed) only mark the room's records dropped: one the poster
    has not reached yet is skipped and fails settled ("dropped"); a posted one is still polled
    until it is over or hits a rule above. Handles belong to the ledger, not to rooms.
@@ -81,12 +99,14 @@ __all__ = [
     "HELD",
     "QUEUED",
     "Action",
+    "CancelFlush",
     "ChunkLedger",
     "Deliver",
     "Finish",
     "LedgerStats",
     "Member",
     "Post",
+    "PostFlush",
     "Record",
     "Release",
     "StartQuarantine",
@@ -118,6 +138,7 @@ class Record:
         "dropped",
         "due",
         "fence",
+        "flush",
         "handles",
         "key",
         "members",
@@ -125,6 +146,7 @@ class Record:
         "opened",
         "peer",
         "phase",
+        "quarantined",
         "reason",
         "states",
         "t0",
@@ -148,6 +170,10 @@ class Record:
         self.states: list[str] = []
         self.dropped = False
         self.reason = ""  # why it is held
+        #: Held: the flush it waits for (the seq of the first one posted after it was held);
+        #: 0 once a flush proved it over, or when it needs none (rule 2).
+        self.flush = 0
+        self.quarantined = False  # held: its quarantine is over (it may still wait for a flush)
         #: Rule 8: every chunk this record carries, as (room, chunk, bytes); the first is
         #: ``key``/``chunk``. One entry for a record of one chunk.
         self.members: tuple[Member, ...] = ((key, chunk, nbytes),)
@@ -200,6 +226,28 @@ class StartQuarantine:
         self.until = until
 
 
+class PostFlush:
+    """Post flush number ``seq`` of ``peer`` (rule 2) and tell the ledger how it ended
+    (``flushed`` or ``flush_failed``); not before ``not_before`` (the caller's clock: a retry
+    after a refusal)."""
+
+    __slots__ = ("not_before", "peer", "seq")
+
+    def __init__(self, peer: Any, seq: int, not_before: float = 0.0) -> None:
+        self.peer = peer
+        self.seq = seq
+        self.not_before = not_before
+
+
+class CancelFlush:
+    """Release ``peer``'s flush in flight, unanswered: its generation is lost (rule 6)."""
+
+    __slots__ = ("peer",)
+
+    def __init__(self, peer: Any) -> None:
+        self.peer = peer
+
+
 class Finish:
     """Release whatever handles ``record`` still holds, then deliver the final event of each of
     its chunks: ``event`` (for its first chunk) made for each (``events``)."""
@@ -221,7 +269,7 @@ class Finish:
         return [(key, ChunkFailed(chunk, reason)) for key, chunk, _ in members]
 
 
-Action: TypeAlias = Post | Release | Deliver | StartQuarantine | Finish
+Action: TypeAlias = Post | Release | Deliver | StartQuarantine | PostFlush | CancelFlush | Finish
 _NOTHING: Final[list[Action]] = []  # returned, never appended to
 
 
@@ -236,8 +284,26 @@ class LedgerStats:
     chunks_stalled: int = 0  # past the deadline
     chunks_fenced: int = 0  # stopped by an invalid lease (at acceptance, posting or in flight)
     chunks_quarantined: int = 0
+    flushes_posted: int = 0  # rule 2: flushes asked for (retries included)
+    flushes_done: int = 0
+    flushes_failed: int = 0  # NIXL refused or failed one (it is posted again)
     done_at_post: int = 0
     bytes_done: int = 0
+
+
+class _Flushes:
+    """Rule 2's bookkeeping for one peer generation: the last flush number posted, and
+    whether it is still in flight."""
+
+    __slots__ = ("in_flight", "posted")
+
+    def __init__(self) -> None:
+        self.posted = 0
+        self.in_flight = False
+
+
+#: How long after NIXL refused a flush the next one is posted.
+FLUSH_RETRY_S: Final = 0.05
 
 
 class ChunkLedger:
@@ -247,6 +313,7 @@ class ChunkLedger:
     __slots__ = (
         "_active",
         "_deadline_s",
+        "_flushes",
         "_held",
         "_leases",
         "_lost",
@@ -273,6 +340,7 @@ class ChunkLedger:
         self._active: list[Record] = []
         self._held: set[Record] = set()
         self._lost: dict[Any, int] = {}  # lost peer generation -> its records not final
+        self._flushes: dict[Any, _Flushes] = {}  # peer generation -> its flushes (rule 2)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -297,6 +365,12 @@ class ChunkLedger:
 
     def lost(self, peer: Hashable) -> bool:
         return peer in self._lost
+
+    @property
+    def awaiting_flush(self) -> int:
+        """Held records whose quarantine is over but no flush has proved them yet (their
+        peer has not made their WRITE's bytes land: frozen, or unreachable)."""
+        return sum(1 for r in self._held if r.quarantined and r.flush)
 
     def records(self) -> list[Record]:
         return list(self._records)
@@ -419,25 +493,66 @@ class ChunkLedger:
         """The peer generation ``peer`` is gone (a remote disconnect); its remote agent is
         about to be removed, so every handle to it is released first (rule 6)."""
         out: list[Action] = []
-        count = 0
-        for record in self._records:
-            if record.peer is peer:
-                count += 1
-                out += [Deliver(key, PeerLost(reason)) for key in _rooms(record)]
-                record.dropped = True  # not posted yet: the poster skips it
-                if record.phase == ACTIVE:
-                    out += self._hold(record, f"peer lost ({reason}); released", now)
-        if count:
-            self._lost[peer] = count
+        records = [r for r in self._records if r.peer is peer]
+        if records:
+            self._lost[peer] = len(records)  # (before _hold: it needs no flush now)
+        for record in records:
+            out += [Deliver(key, PeerLost(reason)) for key in _rooms(record)]
+            record.dropped = True  # not posted yet: the poster skips it
+            if record.phase == ACTIVE:
+                out += self._hold(record, f"peer lost ({reason}); released", now)
+            elif record.phase == HELD and record.flush:
+                # Its flush can never come now: the endpoint is gone (rule 6).
+                record.flush = 0
+                if record.quarantined:
+                    out.append(self._settle_held(record))
+        flushes = self._flushes.pop(peer, None)
+        if flushes is not None and flushes.in_flight:
+            out.append(CancelFlush(peer))
         return out
 
     def quarantine_over(self, record: Record) -> list[Action]:
         """The quarantine ``StartQuarantine`` asked for has passed."""
         if record.phase != HELD:
             return _NOTHING
-        self._held.discard(record)
-        over = f"{record.reason}; quarantine of {self._quarantine_s:g}s over"
-        return [self._finish(record, ChunkFailed(record.chunk, over))]
+        record.quarantined = True
+        if record.flush:
+            return _NOTHING  # its WRITE is not proven over yet (rule 2): the flush ends it
+        return [self._settle_held(record)]
+
+    def flushed(self, peer: Hashable, seq: int, now: float) -> list[Action]:
+        """Flush ``seq`` of ``peer`` reached DONE: every WRITE posted to that peer before it
+        has completed at the target (rule 2)."""
+        flushes = self._flushes.get(peer)
+        if flushes is None or seq != flushes.posted or not flushes.in_flight:
+            return _NOTHING  # cancelled meanwhile (its generation was lost)
+        flushes.in_flight = False
+        self.stats.flushes_done += 1
+        out: list[Action] = []
+        later = False
+        for record in [r for r in self._held if r.peer is peer and r.flush]:
+            if record.flush <= seq:
+                record.flush = 0
+                if record.quarantined:
+                    out.append(self._settle_held(record))
+            else:
+                later = True
+        if later:  # held after this flush was posted: the next one proves them
+            out.append(self._next_flush(peer, flushes, now))
+        elif not any(r.peer is peer for r in self._held):
+            self._flushes.pop(peer, None)  # (settling its last record may have dropped it)
+        return out
+
+    def flush_failed(self, peer: Hashable, seq: int, reason: str, now: float) -> list[Action]:
+        """NIXL refused flush ``seq`` of ``peer``, or reported it ERR, without a remote
+        disconnect (that one is ``peer_lost``): it proves nothing, so another is posted, a
+        little later. Its records stay held meanwhile."""
+        flushes = self._flushes.get(peer)
+        if flushes is None or seq != flushes.posted or not flushes.in_flight:
+            return _NOTHING
+        flushes.in_flight = False
+        self.stats.flushes_failed += 1
+        return [self._next_flush(peer, flushes, now + FLUSH_RETRY_S)]
 
     def tracks(self, key: RoomKey, chunk: int) -> bool:
         """Whether chunk ``chunk`` of room ``key`` is in an accepted record not yet final. A
@@ -465,6 +580,7 @@ class ChunkLedger:
         out: list[Action] = [self._finish(r, ChunkFailed(r.chunk, reason)) for r in posted]
         self._active.clear()
         self._held.clear()
+        self._flushes.clear()  # (the pump keeps its flush handles, as it keeps the others)
         return out
 
     def drain(self) -> list[Record]:
@@ -477,7 +593,12 @@ class ChunkLedger:
         self._active.clear()
         self._held.clear()
         self._lost.clear()
+        self._flushes.clear()
         return records
+
+    def flushes_in_flight(self) -> list[Any]:
+        """The peers with a flush in flight (shutdown: the caller releases their handles)."""
+        return [peer for peer, f in self._flushes.items() if f.in_flight]
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -487,10 +608,38 @@ class ChunkLedger:
         record.reason = reason
         self._held.add(record)
         self.stats.chunks_quarantined += len(record.members)
-        stalled: list[Action] = [
-            Deliver(key, ChunkStalled(chunk, reason)) for key, chunk, _ in record.members
-        ]
-        return [Release(record), *stalled, StartQuarantine(record, now + self._quarantine_s)]
+        out: list[Action] = [Release(record)]
+        out += [Deliver(key, ChunkStalled(chunk, reason)) for key, chunk, _ in record.members]
+        out.append(StartQuarantine(record, now + self._quarantine_s))
+        peer = record.peer
+        if peer not in self._lost:
+            # Rule 2: the first flush posted from now on proves this WRITE over.
+            flushes = self._flushes.get(peer)
+            if flushes is None:
+                flushes = self._flushes[peer] = _Flushes()
+            record.flush = flushes.posted + 1
+            if not flushes.in_flight:
+                out.append(self._next_flush(peer, flushes, now))
+        return out
+
+    def _next_flush(self, peer: Any, flushes: _Flushes, not_before: float) -> PostFlush:
+        flushes.posted += 1
+        flushes.in_flight = True
+        self.stats.flushes_posted += 1
+        return PostFlush(peer, flushes.posted, not_before)
+
+    def _settle_held(self, record: Record) -> Finish:
+        """A held record whose quarantine is over and whose WRITE is proven over (rule 2)."""
+        self._held.discard(record)
+        over = f"{record.reason}; quarantine of {self._quarantine_s:g}s over"
+        flushes = self._flushes.get(record.peer)
+        if (
+            flushes is not None
+            and not flushes.in_flight
+            and not any(r.peer is record.peer for r in self._held)
+        ):
+            del self._flushes[record.peer]
+        return self._finish(record, ChunkFailed(record.chunk, over))
 
     def _finish(self, record: Record, event: ChunkDone | ChunkFailed) -> Finish:
         record.phase = FINAL

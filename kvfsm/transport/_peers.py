@@ -9,6 +9,11 @@ Rules kept here:
 * Concurrent connects of one peer with the same metadata share one attempt; one with other
   metadata (a reload of a dead incarnation racing the restarted peer's registration) waits the
   other out, then makes its own.
+* A connect with the metadata, layout and piece of the peer's current generation keeps that
+  generation (a control link that came back to the same process): replacing it would remove
+  the remote agent while WRITEs to it may still be queued, and with it the only endpoint
+  whose flush can prove them over (the data path's rule 2, ``_ledger``). ``remove_remote_agent``
+  returns at once and its queued bytes still land later, unproven.
 * A reconnect, or a lost peer, hands the old generation to ``drop`` first, on the loop, before
   its remote agent goes: the data path holds its chunks (NIXL's word on a handle whose agent was
   removed says nothing about the WRITE) and keeps progressing what the old endpoint has queued.
@@ -86,6 +91,10 @@ class PeerSet:
     ) -> Peer:
         """Connect (or reconnect, as a new generation) the peer ``peer_id``."""
         loop = asyncio.get_running_loop()
+        current = self._peers.get(peer_id)
+        if current is not None and self._known.get(peer_id) == (metadata, summary, piece):
+            self._count("peers_kept")
+            return current
         while (pending := self._connecting.get(peer_id)) is not None:
             same = self._attempts.get(peer_id) == metadata
             try:

@@ -33,6 +33,15 @@ within milliseconds of the release on a healthy link, and as soon as a cut link 
 when the next transfer happens to progress the agent (found by the two-host cut test: bytes
 queued before a 4 s cut landed 16 s later, in pages decode had settled and handed out again).
 What stays unfenced: ``docs/reliability.md``, Write fencing.
+
+Flushes (the ledger's rule 2). Progress makes a released WRITE's bytes move only if the target
+takes them: a target that is frozen takes nothing, and its socket and this agent's queue hold
+them until it resumes, however long that is. So a held chunk is not final on a timer alone:
+the pump posts a flush of its peer generation (a ``FLUSH_BYTES`` READ from the peer's memory,
+``Peer.flush``) and polls it with the other handles each round; its DONE, which NIXL's UCX
+backend gives only after flushing the endpoint, means every WRITE posted there before it has
+completed at the target. A flush that raises a remote disconnect loses its peer generation, as
+a chunk's would; any other error is the ledger's ``flush_failed`` (posted again later).
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
+
+import numpy as np
 
 from kvfsm._tasks import cancel_and_wait
 from kvfsm.rooms import Inbox, RoomKey
@@ -54,9 +65,11 @@ from kvfsm.transport._layout import LayoutError
 from kvfsm.transport._ledger import (
     ACTIVE,
     Action,
+    CancelFlush,
     ChunkLedger,
     Deliver,
     Finish,
+    PostFlush,
     Record,
     Release,
     StartQuarantine,
@@ -67,6 +80,8 @@ from kvfsm.transport._pacer import PollPacer
 __all__ = ["Pump"]
 
 _log = logging.getLogger("kvfsm.transport")
+#: The one descriptor of both flush lists (``Peer.flush``).
+_FIRST: Final = np.zeros(1, np.int32)
 
 
 class Pump:
@@ -110,6 +125,10 @@ class Pump:
         self._linger_until = 0.0
         self._task: asyncio.Task[None] | None = None
         self._leaked: list[Any] = []  # handles whose release NIXL refused; retried at close
+        #: Flushes in flight: peer generation -> (its handle, its number).
+        self._flushing: dict[Any, tuple[Any, int]] = {}
+        #: Flushes the ledger asked for later (a retry after a refusal), in no order.
+        self._flushes_due: list[PostFlush] = []
 
     def start(self, loop: asyncio.AbstractEventLoop, inbox: Inbox) -> None:
         """Start the pump coroutine on ``loop`` (running, this thread's); events go to
@@ -161,6 +180,10 @@ class Pump:
                 self._deliver(action.key, action.event)
             elif isinstance(action, Release):
                 self._release_all(action.record)
+            elif isinstance(action, PostFlush):
+                self._post_flush(action)
+            elif isinstance(action, CancelFlush):
+                self._cancel_flush(action.peer)
             elif isinstance(action, StartQuarantine):
                 loop = self._loop
                 assert loop is not None  # actions come only after start()
@@ -179,6 +202,92 @@ class Pump:
             # The peer is reported gone: its rooms fail with a peer-lost reason first.
             self._disconnected(record.peer, f"NIXL remote disconnect from {record.peer.peer_id}")
         return self.ledger.errored(record, describe(exc), now)
+
+    # -- flushes (the ledger's rule 2) ----------------------------------------------------------
+
+    def _post_flush(self, action: PostFlush) -> None:
+        now = time.monotonic()
+        if action.not_before > now:
+            self._flushes_due.append(action)
+            return
+        peer, seq = action.peer, action.seq
+        lists = getattr(peer, "flush", None)
+        if lists is None:
+            # Nothing to flush with (its lists went with a disconnect): it waits for its
+            # generation to be lost, which settles it (rule 6), or for close().
+            _log.warning("%r cannot be flushed; its held chunks wait for it to go", peer)
+            return
+        leases = self.leases
+        if leases is not None and not leases.progress_allowed(now):
+            self._wake_up()  # fenced out: the pump's next round abandons everything
+            return
+        nixl = self.nixl
+        try:
+            handle = nixl.make_prepped_xfer("READ", lists[0], _FIRST, lists[1], _FIRST)
+        except Exception as exc:
+            self._flush_raised(peer, seq, exc, now)
+            return
+        self.stats.flush_handles_created += 1
+        try:
+            state = nixl.transfer(handle)
+        except Exception as exc:
+            self._release(handle)
+            self._flush_raised(peer, seq, exc, now)
+            return
+        if state == "DONE":
+            self._release(handle)
+            self.execute(self.ledger.flushed(peer, seq, now))
+        else:
+            self._flushing[peer] = (handle, seq)
+            self._wake_up()
+
+    def _poll_flushes(self, now: float) -> None:
+        """One round's check of every flush in flight (each check also progresses the agent)."""
+        check = self.nixl.check_xfer_state
+        for peer, (handle, seq) in list(self._flushing.items()):
+            if self._flushing.get(peer) != (handle, seq):
+                continue  # cancelled or replaced by an earlier one's actions this round
+            try:
+                state = check(handle)
+            except Exception as exc:
+                del self._flushing[peer]
+                self._release(handle)
+                self._flush_raised(peer, seq, exc, now)
+                continue
+            if state == "PROC":
+                continue
+            del self._flushing[peer]
+            self._release(handle)
+            if state == "DONE":
+                self.execute(self.ledger.flushed(peer, seq, now))
+            else:
+                self.execute(self.ledger.flush_failed(peer, seq, f"flush state {state}", now))
+        if self._flushes_due:
+            due = [a for a in self._flushes_due if a.not_before <= now]
+            if due:
+                self._flushes_due = [a for a in self._flushes_due if a.not_before > now]
+                for action in due:
+                    self._post_flush(action)
+
+    def _flush_raised(self, peer: Any, seq: int, exc: BaseException, now: float) -> None:
+        if is_remote_disconnect(exc):
+            # The endpoint failed: its generation is lost, which settles its held chunks
+            # (rule 6) and cancels this flush's bookkeeping.
+            self._disconnected(peer, f"NIXL remote disconnect from {peer.peer_id} (flush)")
+            return
+        _log.warning("flush of %r failed: %s", peer, describe(exc))
+        self.execute(self.ledger.flush_failed(peer, seq, describe(exc), now))
+
+    def _cancel_flush(self, peer: Any) -> None:
+        """Its generation is lost: release the flush's handle before its agent goes."""
+        flushing = self._flushing.pop(peer, None)
+        if flushing is not None:
+            self._release(flushing[0])
+        self._flushes_due = [a for a in self._flushes_due if a.peer is not peer]
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     def _quarantine_over(self, record: Record) -> None:
         self.execute(self.ledger.quarantine_over(record))
@@ -303,6 +412,8 @@ class Pump:
                         pacer.finished(record.nbytes, now - record.t0)
                 if actions:
                     self.execute(actions)
+            if (self._flushing or self._flushes_due) and allowed(clock()):
+                self._poll_flushes(clock())
             self.run_woken()
             stats.pump_rounds += 1
             if leases is not None and leases.fenced_out is not None:
@@ -332,6 +443,10 @@ class Pump:
         NIXL refused earlier. A fenced-out agent's handles are kept, never released."""
         for record in self.ledger.drain():
             self._release_all(record)
+        flushing, self._flushing = self._flushing, {}
+        for handle, _seq in flushing.values():
+            self._release(handle)
+        self._flushes_due.clear()
         leaked, self._leaked = self._leaked, []
         for handle in leaked:
             self._release(handle)

@@ -387,8 +387,10 @@ class NixlTransport(CommandSink):
     def snapshot(self) -> dict[str, int]:
         out = asdict(self.stats)
         out["handles_released"] += out.pop("handles_released_at_post")
+        out["handles_created"] += out.pop("flush_handles_created")
         out["in_flight"] = self.in_flight
         out["held"] = self._ledger.held
+        out["awaiting_flush"] = self._ledger.awaiting_flush
         out["peers"] = len(self._peers)
         if self.leases is not None:
             out["leases_live"] = self.leases.live

@@ -130,5 +130,5 @@ class Pair:
         self.mine.agent.disconnect(self.peer)
         self.mine.agent.close()
         self.theirs.agent.close()
-        created = self.stats.handles_created
+        created = self.stats.handles_created + self.stats.flush_handles_created
         assert created == self.stats.handles_released + self.stats.handles_released_at_post

@@ -66,11 +66,14 @@ def test_regions_are_registered_once_each_and_local_lists_prepared(
     pair: tuple[Agent, Agent, Counting],
 ) -> None:
     mine, _, counting = pair
-    # Two K and two V buffers and one aux buffer: five registrations, never per page.
-    assert counting.calls.count("register_memory") == len(mine.layout.regions()) == 5
-    assert mine.dlists_prepped == 2  # kv and aux, for this agent's own side
+    # Two K and two V buffers and one aux buffer: five registrations, never per page, and the
+    # flush's 8-byte scratch buffer (what a flush READs into: never part of a page).
+    assert len(mine.layout.regions()) == 5
+    assert counting.calls.count("register_memory") == 5 + 1
+    assert mine.dlists_prepped == 3  # kv, aux and the flush scratch, for this agent's own side
     assert mine.local("kv") is not None
     assert mine.local("aux") is not None
+    assert mine.local("flush") is not None
     with pytest.raises(KeyError):
         mine.local("state")  # no state regions in this layout
     assert mine.metadata() is mine.metadata()  # read once
@@ -85,16 +88,20 @@ def test_each_connect_is_a_new_generation_and_disconnect_undoes_it(
     assert second.generation > first.generation
     assert (first.peer_id, first.name) == ("decode-0", theirs.name)
     assert mine.peers_added == 2
-    assert mine.dlists_prepped == 2 + 2 * 2  # each generation prepares its kv and aux lists
+    # Each generation prepares its kv and aux lists and the one-descriptor list a flush reads.
+    assert mine.dlists_prepped == 3 + 2 * 3
+    assert first.flush is not None
+    assert first.flush[0] is mine.local("flush")  # the local side is the agent's scratch
     mine.disconnect(first)
     mine.disconnect(second)
     assert first.kv is None
     assert first.aux is None
+    assert first.flush is None
     assert mine.peers_removed == 2
-    assert mine.dlists_released == 4
+    assert mine.dlists_released == 6
     # Lists before the agent: a handle-free peer goes in that order.
     calls = counting.calls[counting.calls.index("release_dlist_handle") :]
-    assert calls[:3] == ["release_dlist_handle", "release_dlist_handle", "remove_remote_agent"]
+    assert calls[:4] == ["release_dlist_handle"] * 3 + ["remove_remote_agent"]
 
 
 def test_an_incompatible_layout_is_refused_before_nixl_hears_of_it(

@@ -268,13 +268,16 @@ class Gate(Interposer):
         self.transfers = 0
         self.progresses = 0
         self.checks = 0
+        self.flush_calls = 0  # posts and checks of flushes (READs)
         self.calls: list[str] = []
         self.stuck = False
         self.holding = threading.Event()
         self._open = threading.Event()
 
     def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self.inner.make_prepped_xfer(*args, **kwargs)
+        handle = super().make_prepped_xfer(*args, **kwargs)
+        if self.is_flush(handle):
+            return handle  # a held chunk's flush: counted nowhere, never stuck
         self.made += 1
         if self.made == self.hold_at:
             self.holding.set()
@@ -282,11 +285,17 @@ class Gate(Interposer):
         return handle
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> str:
+        if self.is_flush(handle):
+            self.flush_calls += 1
+            return str(self.inner.transfer(handle, *args, **kwargs))
         self.transfers += 1
         state = str(self.inner.transfer(handle, *args, **kwargs))
         return "PROC" if self.stuck else state
 
     def check_xfer_state(self, handle: Any) -> str:
+        if self.is_flush(handle):
+            self.flush_calls += 1
+            return str(self.inner.check_xfer_state(handle))
         self.checks += 1
         state = str(self.inner.check_xfer_state(handle))
         return "PROC" if self.stuck else state
@@ -313,7 +322,14 @@ class Gate(Interposer):
 
     def touched(self) -> tuple[int, ...]:
         """How many times the agent was called, by kind (a fenced-out agent's stay put)."""
-        return (self.made, self.transfers, self.progresses, self.checks, len(self.calls))
+        return (
+            self.made,
+            self.transfers,
+            self.progresses,
+            self.checks,
+            self.flush_calls,
+            len(self.calls),
+        )
 
     def unstick(self) -> None:
         self.stuck = False
@@ -554,14 +570,39 @@ def test_after_a_hold_an_idle_pump_keeps_progressing_the_agent_then_parks(
     assert gate.progresses == parked
 
 
-def test_a_reconnect_holds_the_old_generations_writes_before_its_agent_goes(
+def test_a_reconnect_of_the_same_process_keeps_its_generation_and_the_write_in_flight(
     make: list[FencedPrefill], peer: PeerProcess
 ) -> None:
-    """The same peer connected again (a new generation, as after a control link came back):
-    its old generation's lists and remote agent go. A chunk still in flight to it must be
-    released and held first, as for a lost peer: removing the agent under a live handle makes
-    NIXL say ERR for reasons that say nothing about the WRITE, and settling on that word lets a
-    late write land in reused pages."""
+    """The same peer process connected again (its control link came back, same metadata):
+    its generation is kept, and so is its chunk in flight. Replacing it would remove the
+    remote agent, and with it the endpoint whose flush is the only proof that a WRITE to it
+    is over (``remove_remote_agent`` returns at once; queued bytes still land later)."""
+    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
+    prefill = FencedPrefill(peer, config)
+    make.append(prefill)
+    gate = prefill.gate
+    prefill.grant(FENCE, 30.0)
+    gate.stuck = True  # in flight for as long as the proxy says so
+    sender = prefill.room(8, [11], [43])
+    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    gate.calls.clear()
+    before = prefill.transport.peer("decode")
+    prefill.engine.call(prefill.transport.connect_peer("decode", peer.metadata, peer.summary))
+    assert prefill.transport.peer("decode") is before
+    assert "remove_remote_agent" not in gate.calls
+    assert sender.poll() is KVPoll.Transferring
+    gate.unstick()
+    wait_for(lambda: sender.poll() in TERMINAL, timeout=10)
+    assert sender.poll() is KVPoll.Success
+
+
+def test_a_restarted_peer_holds_the_old_generations_writes_before_its_agent_goes(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> None:
+    """The peer id connected again by another process (a restart: other metadata): the old
+    generation's lists and remote agent go. A chunk still in flight to it must be released
+    and held first, as for a lost peer: removing the agent under a live handle makes NIXL say
+    ERR for reasons that say nothing about the WRITE."""
     config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
     prefill = FencedPrefill(peer, config)
     make.append(prefill)
@@ -572,14 +613,22 @@ def test_a_reconnect_holds_the_old_generations_writes_before_its_agent_goes(
     wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
     assert sender.poll() is KVPoll.Transferring
     gate.calls.clear()
-    prefill.engine.call(prefill.transport.connect_peer("decode", peer.metadata, peer.summary))
-    wait_for(lambda: sender.poll() in TERMINAL, timeout=5)  # at once, not at the 30 s deadline
-    assert "reconnected" in sender.reason, sender.reason
-    assert not sender.settled  # held: the old WRITE may still be moving
-    assert gate.calls.index("release_xfer_handle") < gate.calls.index("remove_remote_agent")
-    gate.unstick()
-    wait_for(lambda: sender.settled, timeout=10)
-    assert prefill.transport.stats.chunks_quarantined == 1
+    restarted = PeerProcess(SHAPE, name=f"fence-peer-restarted-{os.getpid()}")
+    try:
+        prefill.engine.call(
+            prefill.transport.connect_peer("decode", restarted.metadata, restarted.summary)
+        )
+        wait_for(lambda: sender.poll() in TERMINAL, timeout=5)  # at once, not at 30 s
+        assert "reconnected" in sender.reason, sender.reason
+        assert not sender.settled  # held: the old WRITE may still be moving
+        assert gate.calls.index("release_xfer_handle") < gate.calls.index("remove_remote_agent")
+        gate.unstick()
+        wait_for(lambda: sender.settled, timeout=10)
+        assert prefill.transport.stats.chunks_quarantined == 1
+    finally:
+        prefill.close()
+        make.remove(prefill)
+        restarted.close()
 
 
 def freeze(prefill: FencedPrefill, seconds: float) -> tuple[int, ...]:

@@ -2,9 +2,10 @@
 
 One test per rule of ``kvfsm.transport._ledger``, then a hypothesis state machine that plays
 the transport (poster, pump, timers, peers, leases, rooms) around the production ledger with
-a physical model of every handle: whatever the order, every accepted chunk gets exactly one
-final event, none is final while a handle of it may still move bytes (unless it was released
-and its quarantine is over), and nothing is left once all are final. Its records carry one to
+a physical model of every handle and every flush: whatever the order, every accepted chunk gets
+exactly one final event, none is final while a handle of it may still move bytes (unless its
+peer generation was lost: a released WRITE in doubt ends only when a flush posted after it
+proved it over), and nothing is left once the world lets every WRITE end. Its records carry one to
 three chunks of up to three rooms (rule 8), as the transport's merged requests do.
 """
 
@@ -27,10 +28,12 @@ from kvfsm.transport._ledger import (
     HELD,
     QUEUED,
     Action,
+    CancelFlush,
     ChunkLedger,
     Deliver,
     Finish,
     Post,
+    PostFlush,
     Record,
     Release,
     StartQuarantine,
@@ -89,7 +92,14 @@ def only_finish(actions: list[Action]) -> Finish:
 
 
 def held(actions: list[Action], rec: Record, until: float) -> str:
-    """Assert ``actions`` hold ``rec`` (release, stalled, quarantine); return the reason."""
+    """Assert ``actions`` hold ``rec`` (release, stalled, quarantine, and the flush that will
+    prove its WRITE over, unless one is in flight already); return the reason."""
+    types = [type(a) for a in actions]
+    if types == [Release, Deliver, StartQuarantine, PostFlush]:
+        flush = actions.pop()
+        assert isinstance(flush, PostFlush)
+        assert flush.peer is rec.peer
+        assert rec.flush == flush.seq
     assert [type(a) for a in actions] == [Release, Deliver, StartQuarantine], actions
     release, deliver, start = actions
     assert isinstance(release, Release)
@@ -103,6 +113,11 @@ def held(actions: list[Action], rec: Record, until: float) -> str:
     assert deliver.event.chunk == rec.chunk
     assert rec.phase == HELD
     return deliver.event.reason
+
+
+def flushed(book: ChunkLedger, rec: Record, now: float = 100.0) -> list[Action]:
+    """The flush ``rec`` waits for reached DONE (all of its peer's flushes up to it)."""
+    return book.flushed(rec.peer, rec.flush, now)
 
 
 # -- rule 1 and the happy paths --------------------------------------------------------------
@@ -184,6 +199,7 @@ def test_nixl_raising_after_a_part_in_flight_holds_the_chunk() -> None:
     rec.states = ["PROC"]  # the first part is moving; the second part's transfer() raised
     reason = held(book.errored(rec, "nixlBackendError: boom", 0.5), rec, until=0.5 + Q)
     assert reason == "nixlBackendError: boom; released"
+    assert flushed(book, rec) == []  # proven over, but its quarantine is not
     over = only_finish(book.quarantine_over(rec))
     assert over.event == ChunkFailed(0, f"{reason}; quarantine of {Q:g}s over")
     assert book.in_flight == 0
@@ -232,9 +248,109 @@ def test_past_its_deadline_a_chunk_is_released_and_held_then_fails() -> None:
     assert book.in_flight == 1  # not settled until the quarantine is over
     assert book.busy  # held: the pump keeps progressing
     assert book.take_active() == []
-    assert only_finish(book.quarantine_over(rec)).event.reason.endswith("quarantine of 2s over")
+    assert book.quarantine_over(rec) == []  # its quarantine is over; its WRITE may not be
+    assert book.awaiting_flush == 1
+    assert book.busy
+    assert only_finish(flushed(book, rec)).event.reason.endswith("quarantine of 2s over")
     assert book.quarantine_over(rec) == []  # once
     assert not book.busy
+
+
+# -- rule 2: a held WRITE is final only once a flush proved it over --------------------------
+
+
+def stalled_at(book: ChunkLedger, rec: Record, now: float) -> list[Action]:
+    """Post ``rec`` in progress and poll it past its deadline: it is held."""
+    post(rec, "PROC")
+    book.posted(rec, now)
+    book.take_active()
+    return book.polled(rec, ["PROC"], now + DEADLINE + 0.5)
+
+
+def test_a_held_chunk_waits_for_its_flush_however_long_its_quarantine_is_over() -> None:
+    """The target may be frozen: its socket holds the released WRITE's bytes, which land when
+    it resumes. No time is enough; the flush's DONE is."""
+    book = ledger()
+    rec = accept(book, record())
+    actions = stalled_at(book, rec, 0.0)
+    flush = actions[-1]
+    assert isinstance(flush, PostFlush)
+    assert (flush.peer, flush.seq, flush.not_before) == (PEER, 1, DEADLINE + 0.5)
+    for now in (10.0, 1000.0):
+        assert book.quarantine_over(rec) == []
+        assert book.leases_checked(now) == []
+    assert rec.phase == HELD
+    assert book.awaiting_flush == 1
+    assert book.busy  # the pump keeps polling the flush and progressing the agent
+    assert book.flushed(PEER, 2, 5.0) == []  # not the one it waits for (never posted)
+    finish = only_finish(book.flushed(PEER, 1, 5.0))
+    assert isinstance(finish.event, ChunkFailed)
+    assert book.stats.flushes_posted == book.stats.flushes_done == 1
+    assert not book.busy
+
+
+def test_a_chunk_held_while_a_flush_is_in_flight_waits_for_the_next_one() -> None:
+    """A flush covers only what was posted before it: a chunk held after it was posted may
+    have been posted after it too."""
+    book = ledger()
+    first = accept(book, record(KEY, 0))
+    second = accept(book, record(KEY, 1))
+    assert isinstance(stalled_at(book, first, 0.0)[-1], PostFlush)
+    held(stalled_at(book, second, 0.1), second, until=0.1 + DEADLINE + 0.5 + Q)  # no new flush
+    assert (first.flush, second.flush) == (1, 2)
+    book.quarantine_over(first)
+    book.quarantine_over(second)
+    actions = book.flushed(PEER, 1, 3.0)
+    assert [type(a) for a in actions] == [Finish, PostFlush]
+    assert actions[0].record is first  # type: ignore[union-attr]
+    assert actions[1].seq == 2  # type: ignore[union-attr]
+    assert second.phase == HELD
+    assert only_finish(book.flushed(PEER, 2, 3.1)).record is second
+
+
+def test_a_refused_flush_is_posted_again_later_and_proves_nothing() -> None:
+    book = ledger()
+    rec = accept(book, record())
+    stalled_at(book, rec, 0.0)
+    book.quarantine_over(rec)
+    again = book.flush_failed(PEER, 1, "NIXL_ERR_BACKEND", 4.0)
+    assert len(again) == 1
+    assert isinstance(again[0], PostFlush)
+    assert (again[0].seq, again[0].not_before) == (2, pytest.approx(4.05))
+    assert rec.phase == HELD
+    assert book.flushed(PEER, 1, 4.1) == []  # the refused one, answered late: nothing
+    assert only_finish(book.flushed(PEER, 2, 4.2)).record is rec
+    assert book.stats.flushes_failed == 1
+
+
+def test_a_lost_peer_cancels_its_flush_and_its_held_chunks_need_none() -> None:
+    """Rule 6: the endpoint is gone with its generation; nothing of it moves any more."""
+    book = ledger()
+    waiting = accept(book, record(KEY, 0))
+    quarantined = accept(book, record(KEY, 1))
+    stalled_at(book, waiting, 0.0)
+    stalled_at(book, quarantined, 0.1)
+    book.quarantine_over(quarantined)
+    actions = book.peer_lost(PEER, "gone", 5.0)
+    kinds = sorted(type(a).__name__ for a in actions)
+    assert kinds == ["CancelFlush", "Deliver", "Deliver", "Finish"], actions
+    assert quarantined.phase == FINAL
+    assert waiting.phase == HELD
+    assert waiting.flush == 0
+    assert book.flushed(PEER, 1, 5.1) == []  # cancelled: its answer means nothing now
+    assert only_finish(book.quarantine_over(waiting)).record is waiting
+    assert not book.busy
+
+
+def test_a_chunk_held_for_a_lost_peer_posts_no_flush() -> None:
+    book = ledger()
+    rec = accept(book, record())
+    post(rec, "PROC")
+    book.posted(rec, 0.1)
+    actions = book.peer_lost(PEER, "gone", 1.0)
+    assert not any(isinstance(a, PostFlush) for a in actions)
+    assert rec.flush == 0
+    assert only_finish(book.quarantine_over(rec)).record is rec
 
 
 # -- rule 7: release requests ------------------------------------------------------------------
@@ -491,12 +607,14 @@ def test_a_stalled_request_holds_every_chunk_of_it_once() -> None:
     book.posted(rec, 0.1)
     assert book.take_active() == [rec]
     actions = book.polled(rec, ["PROC"], DEADLINE + 0.5)
-    assert [type(a) for a in actions] == [Release, Deliver, Deliver, StartQuarantine]
+    assert [type(a) for a in actions] == [Release, Deliver, Deliver, StartQuarantine, PostFlush]
     stalled = [(a.key, a.event) for a in actions if isinstance(a, Deliver)]
     reason = f"in flight past its {DEADLINE:g}s deadline; released"
     assert stalled == [(KEY, ChunkStalled(0, reason)), (OTHER, ChunkStalled(1, reason))]
     assert book.stats.chunks_stalled == 2
     assert book.stats.chunks_quarantined == 2
+    assert rec.flush == 1  # one flush for the request, as for one chunk
+    assert flushed(book, rec) == []
     over = only_finish(book.quarantine_over(rec))
     assert [key for key, _ in over.events()] == [KEY, OTHER]
     assert all(isinstance(e, ChunkFailed) for _, e in over.events())
@@ -581,6 +699,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.by_id: dict[tuple[RoomKey, int], Record] = {}
         self.chunk_finals: dict[tuple[RoomKey, int], int] = {}
         self.chunks = 0
+        #: The flush in flight per peer generation: its number and the WRITEs it covers (every
+        #: handle to that peer still moving when it was posted, released or not).
+        self.flushes: dict[Peer, tuple[int, list[Handle]]] = {}
 
     @initialize(fenced=st.booleans())
     def configure(self, fenced: bool) -> None:
@@ -593,9 +714,22 @@ class LedgerMachine(RuleBasedStateMachine):
     # -- executing actions, with the physical checks -------------------------------------------
 
     def run(self, actions: list[Action], *, quarantine_over: bool = False) -> None:
+        """``quarantine_over``: these actions end held records (a timer, a flush, a loss)."""
         for action in actions:
             if isinstance(action, Finish):
                 self.finished(action, quarantine_over)
+            elif isinstance(action, PostFlush):
+                peer = action.peer
+                assert peer not in self.lost_peers, "a flush of a lost generation"
+                assert peer not in self.flushes, "two flushes of one peer in flight"
+                covered = [
+                    h for hs in self.made.values() for h in hs
+                    if h.peer is peer and h.posted and h.real == "PROC"
+                ]  # fmt: skip
+                self.flushes[peer] = (action.seq, covered)
+            elif isinstance(action, CancelFlush):
+                assert action.peer in self.lost_peers, "a live generation's flush cancelled"
+                del self.flushes[action.peer]
             elif isinstance(action, Release):
                 self.release(action.record)
             elif isinstance(action, Deliver):
@@ -630,9 +764,12 @@ class LedgerMachine(RuleBasedStateMachine):
             self.chunk_finals[key, e.chunk] = self.chunk_finals.get((key, e.chunk), 0) + 1
         moving = [h for h in self.made.get(rec, []) if h.posted and h.real == "PROC"]
         if moving:
-            # Final while a handle may still move bytes: only after release + quarantine.
+            # Final while a handle may still move bytes: only once released and quarantined,
+            # and only for a lost generation (rule 6); otherwise a flush proved it over first.
             assert quarantine_over, f"{rec} final with a handle in flight"
             assert all(h.released for h in moving)
+            assert rec.peer in self.lost_peers, f"{rec} final, its WRITE not proven over"
+        if quarantine_over:
             assert self.now >= self.held_at[rec] + Q - 1e-9
         if quarantine_over:
             # One ChunkStalled per chunk of the record, each before its quarantine.
@@ -715,6 +852,20 @@ class LedgerMachine(RuleBasedStateMachine):
             handle = data.draw(st.sampled_from(moving))
             handle.real = data.draw(st.sampled_from(["DONE", "DONE", "ERR"]))
 
+    @precondition(lambda self: self.flushes)
+    @rule(data=st.data())
+    def flush_ends(self, data: st.DataObject) -> None:
+        """A flush in flight ends: NIXL refuses it, or it is DONE, which it can be only once
+        every WRITE it covers has ended (UCX's flush)."""
+        peer = data.draw(st.sampled_from(sorted(self.flushes, key=lambda p: p.name)))
+        seq, covered = self.flushes[peer]
+        if data.draw(st.booleans()):
+            del self.flushes[peer]
+            self.run(self.book.flush_failed(peer, seq, "refused", self.now), quarantine_over=True)
+        elif all(h.real != "PROC" for h in covered):
+            del self.flushes[peer]
+            self.run(self.book.flushed(peer, seq, self.now), quarantine_over=True)
+
     @rule(check_raises=st.booleans())
     def pump_round(self, check_raises: bool) -> None:
         self.run(self.book.leases_checked(self.now))
@@ -759,7 +910,7 @@ class LedgerMachine(RuleBasedStateMachine):
         peer = self.peers[slot]
         self.peers[slot] = Peer(peer.name[0] + str(int(peer.name[1:]) + 1))
         self.lost_peers.append(peer)
-        self.run(self.book.peer_lost(peer, "gone", self.now))
+        self.run(self.book.peer_lost(peer, "gone", self.now), quarantine_over=True)
         # The transport removes the remote agent next: nothing posted to it may be unreleased.
         for rec in self.made:
             if rec.peer is peer and rec.phase == ACTIVE:
@@ -794,9 +945,10 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Let everything end: the poster drains, time passes, timers fire, the pump runs.
-        Handles still moving are never completed here: deadlines and quarantines must end
-        them."""
-        for _ in range(12):
+        Handles still moving are completed only after deadlines had their chance to hold
+        them: then the world lets every WRITE end (a frozen target resumes), and the flushes
+        must end what the quarantines could not."""
+        for round_ in range(12):
             while self.queue:
                 self.post_everything(self.queue.pop(0))
             while self.back:
@@ -806,8 +958,17 @@ class LedgerMachine(RuleBasedStateMachine):
             self.fire_timers()
             self.now += Q + 1.0
             self.fire_timers()
+            if round_ >= 1:
+                for handles in self.made.values():
+                    for handle in handles:
+                        if handle.posted and handle.real == "PROC":
+                            handle.real = "DONE"
+                for peer, (seq, _) in sorted(self.flushes.items(), key=lambda i: i[0].name):
+                    del self.flushes[peer]
+                    self.run(self.book.flushed(peer, seq, self.now), quarantine_over=True)
             if not self.book.in_flight:
                 break
+        assert not self.flushes, "a flush left in flight with nothing held"
         assert self.book.in_flight == 0
         assert not self.book.busy
         for peer in {r.peer for r in self.accepted}:

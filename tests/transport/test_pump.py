@@ -46,13 +46,13 @@ class Proxy(Interposer):
 
     def transfer(self, handle: Any) -> str:
         state = str(self.inner.transfer(handle))
-        return "PROC" if self.stuck else state
+        return "PROC" if self.stuck and not self.is_flush(handle) else state
 
     def check_xfer_state(self, handle: Any) -> str:
         if self.disconnect:
             raise nixlRemoteDisconnectError("remote agent gone")
         state = str(self.inner.check_xfer_state(handle))
-        return "PROC" if self.stuck else state
+        return "PROC" if self.stuck and not self.is_flush(handle) else state
 
     def get_new_notifs(self) -> Any:
         self.progresses += 1

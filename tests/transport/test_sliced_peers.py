@@ -221,16 +221,17 @@ def test_one_local_list_per_distinct_slice_released_at_close(agents: list[Agent]
     for i, (decode, piece) in enumerate(zip(decodes, [first, same_src, half, NO_KV], strict=True)):
         summary = decode.layout.summary()
         peers.append(mine.connect(f"decode-{i}", decode.metadata(), summary, piece))
-    # Remote lists: kv and aux per sliced peer, aux only for the dummy link (3 * 2 + 1). Local
-    # lists: one per distinct source slice (first and same_src share one), none for NO_KV.
-    assert mine.dlists_prepped == base + 7 + 2
+    # Remote lists: kv and aux per sliced peer, aux only for the dummy link (3 * 2 + 1), and
+    # one flush list per peer (4). Local lists: one per distinct source slice (first and
+    # same_src share one), none for NO_KV.
+    assert mine.dlists_prepped == base + 7 + 4 + 2
     assert peers[0].local_kv is peers[1].local_kv
     assert peers[2].local_kv is not peers[0].local_kv
     assert peers[3].kv is None
     assert peers[3].local_kv is None
     for peer in peers:
         mine.disconnect(peer)
-    assert mine.dlists_released == 7  # the peers' own; the local slices live with the agent
+    assert mine.dlists_released == 7 + 4  # the peers' own; the local ones live with the agent
     again = mine.connect("decode-0", decodes[0].metadata(), decodes[0].layout.summary(), first)
     assert again.local_kv is peers[0].local_kv  # prepared once per slice, not per connect
     mine.disconnect(again)

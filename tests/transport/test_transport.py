@@ -386,9 +386,14 @@ def read_remote_pages(pid: int, peer: PeerProcess, pages: list[int]) -> bytes:
     return b"".join(out)
 
 
-def test_stalled_peer_hits_the_chunk_deadline_and_no_byte_lands_after_settle(
+def test_a_stopped_peer_fails_the_rooms_at_their_deadline_and_settles_them_only_once_flushed(
     peer: PeerProcess,
 ) -> None:
+    """A stopped peer cannot take a WRITE: every chunk hits its deadline and its room fails at
+    once, with the reason. Its pages are not settled while the peer is stopped, however long
+    past the quarantine: the released WRITEs' bytes wait for the peer and land when it resumes.
+    They settle only when a flush posted after the release ends, which it does only once those
+    bytes have landed: after that, nothing changes in the pages."""
     config = TransferConfig(deadline_base_s=0.3, floor_bandwidth_bps=1e12, quarantine_s=0.5)
     prefill = Prefill(config)
     pages = [0, 1, 2, 3]
@@ -399,19 +404,25 @@ def test_stalled_peer_hits_the_chunk_deadline_and_no_byte_lands_after_settle(
         try:
             senders = [prefill.room(i, [i + 8], [i]) for i in pages]
             wait_for(lambda: all(s.poll() in TERMINAL for s in senders), timeout=10)
-            # A stopped peer cannot acknowledge a WRITE: every chunk hits its deadline, the room
-            # fails at once with the reason, and its pages stay quarantined a while longer.
             for sender in senders:
                 assert sender.poll() is KVPoll.Failed
                 assert "stalled" in sender.reason, sender.reason
-                assert not sender.settled
-            wait_for(lambda: all(s.settled for s in senders), timeout=10)
-            at_settle = read_remote_pages(peer.pid, peer, pages)
+            time.sleep(4 * config.quarantine_s)  # well past every quarantine
+            assert not any(s.settled for s in senders)  # held: the peer took nothing yet
+            snapshot = prefill.transport.snapshot()
+            assert snapshot["awaiting_flush"] >= 1, snapshot
         finally:
             os.kill(peer.pid, signal.SIGCONT)
+        wait_for(lambda: all(s.settled for s in senders), timeout=10)
+        at_settle = read_remote_pages(peer.pid, peer, pages)
         time.sleep(0.5)  # anything still buffered for the peer would land now
         assert read_remote_pages(peer.pid, peer, pages) == at_settle, "late write after settle"
-        assert prefill.transport.stats.chunks_stalled == len(pages)
+        # Released, not cancelled: the WRITEs landed whole, before the flush that settled them.
+        sources = b"".join(bytes(buf[page + 8]) for buf in prefill.kv for page in pages)
+        assert at_settle == sources
+        stats = prefill.transport.stats
+        assert stats.chunks_stalled == len(pages)
+        assert stats.flushes_done >= 1
     finally:
         wait_for(lambda: prefill.engine.stats()["live"] == 0)
         prefill.close()
@@ -434,7 +445,11 @@ def test_concurrent_connects_of_one_peer_share_one_attempt(peer: PeerProcess) ->
         first, second = prefill.engine.call(both())
         assert first == second
         assert prefill.agent.peers_added == 1
-        assert prefill.connect(peer) == first + 1  # a later connect is a new generation
+        # A later connect of the same process (its control link came back) keeps the
+        # generation: its endpoint is the one whose flush proves earlier WRITEs over.
+        assert prefill.connect(peer) == first
+        assert prefill.agent.peers_added == 1
+        assert prefill.transport.stats.peers_kept == 1
     finally:
         prefill.close()
 
