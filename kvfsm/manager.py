@@ -184,7 +184,10 @@ def router_for(control: ControlPlane) -> CommandRouter:
         assert control.transport is not None  # a prefill ControlPlane refuses to run without
         return CommandRouter(control, control.transport)
     progress = AgentProgress(
-        control.agent, lambda: control.expecting_writes, control.config.progress_interval_s
+        control.agent,
+        lambda: control.expecting_writes,
+        control.config.progress_interval_s,
+        control.progress_watch,
     )
     return CommandRouter(control, progress=progress)
 

@@ -107,7 +107,7 @@ from kvfsm.states import (
     Role,
     SendMetadata,
 )
-from kvfsm.transport import NO_KV, Agent, LayoutSummary, NixlTransport
+from kvfsm.transport import NO_KV, Agent, LayoutSummary, NixlTransport, ProgressWatch
 
 __all__ = ["ChannelConfig", "ControlPlane", "Resolver"]
 
@@ -329,11 +329,20 @@ class ControlPlane(CommandSink):
             "links_lost": 0,
             "handshakes_refused": 0,
             "unexpected_errors": 0,
+            "own_stalls": 0,
+            "reconnects_owed": 0,
         }
         routing = self.config.routing()
         self._prefill = PrefillRouting(routing, self.stats) if role == "prefill" else None
         self._decode = DecodeRouting(routing, self.stats) if role == "decode" else None
         self._leases = transport.leases if transport is not None else None
+        #: Decode: when its agent was progressed (``router_for`` hands it to the progress
+        #: loop). A lost link's pages settle only after a steady stretch of progress of
+        #: ``fence_margin_s``: a rank that was frozen has bytes queued for it still to take.
+        # (A gap limit above the idle progress interval, 50 ms: an idle rank is steady too.)
+        self.progress_watch = ProgressWatch(max(self.config.fence_margin_s / 4, 0.1))
+        #: Decode: peer ranks a reconnect task is running for (``_owed``).
+        self._reconnecting: set[int] = set()
 
     # -- CommandSink ---------------------------------------------------------------------------
 
@@ -533,6 +542,28 @@ class ControlPlane(CommandSink):
         self._backoff_until.pop(peer_rank, None)
         future.set_result(link)
         return link
+
+    async def _owed(self, peer_rank: int, peer: str) -> None:
+        """Decode: reconnect to a prefill rank this side owes something (lost rooms to
+        reconcile, aborts to tell) without waiting for a new room to need the link, so a
+        prefill room whose decode room failed meanwhile is told within one reconnect. Gives
+        up once nothing is owed (what is owed expires with its TTL, or settles)."""
+        assert self._decode is not None
+        try:
+            while self._decode.owes(peer):
+                link = self._links.get(peer_rank)
+                if link is not None and not link.closed:
+                    return  # connected again (a room needed it): the link paid what was owed
+                try:
+                    await self._link_to(peer_rank)
+                except Exception as exc:
+                    _log.info("reconnecting to prefill rank %d failed: %s", peer_rank, exc)
+                    await anyio.sleep(self.config.reconnect_max_s / 4)
+                else:
+                    self.stats["reconnects_owed"] += 1
+                    return
+        finally:
+            self._reconnecting.discard(peer_rank)
 
     # -- both sides: a connection's life -------------------------------------------------------
 
@@ -886,9 +917,17 @@ class ControlPlane(CommandSink):
         tick = min(self.config.heartbeat_s, self.config.lease_s) / 10
         # Declared lost one tick early, so detection never takes longer than silence_s.
         limit = self.config.silence_s - tick
+        last = loop.time()
         while True:
             await anyio.sleep(tick)
             now, mono = loop.time(), self._now()
+            if now - last > limit:
+                # This process stood still (SIGSTOP, a VM or GC stall): its peers' silence is
+                # its own. Judge them from now on, once what they sent meanwhile is read.
+                self.stats["own_stalls"] += 1
+                for link in self._links.values():
+                    link.last_seen = max(link.last_seen, now)
+            last = now
             for link in list(self._links.values()):
                 if now - link.last_seen > limit:
                     self._lose(
@@ -897,9 +936,11 @@ class ControlPlane(CommandSink):
                 elif self._prefill is not None:
                     # Leases are asked for on a timer, not when idle: a busy link must renew.
                     self._do(self._prefill.lease_due(link.generation, mono))
-            core = self._prefill if self._prefill is not None else self._decode
-            assert core is not None
-            self._do(core.tick(mono))
+            if self._prefill is not None:
+                self._do(self._prefill.tick(mono))
+            else:
+                assert self._decode is not None
+                self._do(self._decode.tick(mono, self.progress_watch.steady_for(mono)))
             self._run_woken()
 
     def _lose(self, link: _Link, reason: str) -> None:
@@ -917,6 +958,16 @@ class ControlPlane(CommandSink):
         assert core is not None
         self._do(core.link_lost(link.generation, reason, self._now()))
         link.outbox.put_nowait(b"")  # wake the writer so it notices
+        decode = self._decode
+        if (
+            decode is not None
+            and isinstance(link.key, int)
+            and link.key not in self._reconnecting
+            and decode.owes(link.peer_id)
+            and self._tg is not None
+        ):
+            self._reconnecting.add(link.key)
+            self._spawn(self._owed(link.key, link.peer_id))
 
     # -- incoming frames -----------------------------------------------------------------------
 

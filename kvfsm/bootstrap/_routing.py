@@ -56,8 +56,10 @@ Legs.
 
 Early aborts.
     A ``RoomAbort`` for a room prefill has not bound is acknowledged at once (``RoomSettled``:
-    nothing was written) and remembered: the next sender of that id fails at once, unless a newer
-    claim for the id arrived since, which supersedes it.
+    nothing was written). A live sender of that id that no decode room is bound to fails at
+    once (its decode room is over: the abort is all that will come); with no such sender the
+    abort is remembered, and the next sender of that id fails at once, unless a newer claim for
+    the id arrived since, which supersedes it.
 
 Errors.
     An ``Error`` frame that names a room fails exactly that room (its generation, when given).
@@ -65,12 +67,21 @@ Errors.
 Links.
     When a link is lost, its bound rooms get ``PeerLost``. Decode's exposed rooms settle once no
     write can still land: the last lease decode granted on that link, plus ``lease_s``, plus
-    ``fence_margin_s`` (a write checked against its lease just before it was posted). Prefill
-    revokes the link's fence at once and keeps bindings whose sender may still write as
+    ``fence_margin_s`` (a write checked against its lease just before it was posted), *and*
+    only after decode's own agent has been progressed without a gap for ``fence_margin_s``
+    (``tick(now, steady_s)``). A decode frozen past that bound has not taken the bytes its
+    socket and prefill's agent hold for it: they land once it is progressed again, so its
+    clock alone proves nothing; the steady stretch after it resumes is when they land.
+    Prefill revokes the link's fence at once and keeps bindings whose sender may still write as
     *orphans*. After decode reconnects to the same prefill incarnation it sends ``Reconcile``
     with the rooms still waiting; prefill re-attaches the orphans to the new link (their
     ``RoomSettled`` goes out when they settle) and answers the unknown ones ``RoomSettled`` at
-    once, so nothing waits on a message that died with a link.
+    once, so nothing waits on a message that died with a link. Decode's claimed rooms that the
+    loss failed before they were exposed may never have reached prefill (a claim sent into a
+    link prefill had already closed): decode sends a ``RoomAbort`` for each right after the
+    ``Reconcile``, so a sender waiting for that claim fails then, not at its Bootstrapping
+    deadline. Until that reconnect, decode *owes* the incarnation (``owes``): the control
+    plane reconnects for it, not only when a new room needs the link.
 
 Leases (law 4).
     Prefill sends ``LeaseRequest(seq)`` every ``lease_s / 4``, remembering when it sent each;
@@ -204,6 +215,8 @@ def _stats() -> dict[str, int]:
         "leases_granted": 0,
         "errors_for_rooms": 0,
         "early_aborts_over_quota": 0,
+        "aborts_told_late": 0,
+        "settles_held_unsteady": 0,
     }
 
 
@@ -554,11 +567,18 @@ class PrefillRouting:
         if len(kept) != len(waiting):
             state.held -= len(waiting) - len(kept)
             self._set_held(slot, kept)
-        # No sender has it: nothing was written (acknowledge now), and the room, if it comes,
-        # fails at once, unless a newer claim of the id comes first.
-        self._set_early(slot, (now, link, gen, frame.reason))
         self._mark(self._finished, (link, room, gen), now)
-        return [Send(link, RoomSettled(room, gen))]
+        settled = Send(link, RoomSettled(room, gen))  # no sender wrote for it
+        sender = self._current.get(slot)
+        if sender is not None and not sender.ended and sender.binding is None:
+            # A live sender no decode room is bound to: it waits for this room's claim (lost
+            # with a link, or never sent), which will not come now.
+            sender.known = True
+            return [Deliver(sender.key, AbortRequested(frame.reason, origin="peer")), settled]
+        # No sender has it: the room, if it comes, fails at once, unless a newer claim of the
+        # id comes first.
+        self._set_early(slot, (now, link, gen, frame.reason))
+        return [settled]
 
     def rooms_named(self, link: int, room: int, gen: int | None) -> list[RoomKey]:
         """The sender rooms bound on ``link`` to decode room ``room`` (of ``gen``, if given)."""
@@ -746,6 +766,10 @@ class _DecodeLink:
     rooms: set[RoomKey] = field(default_factory=set)
 
 
+#: Why decode aborts a room on the next link when the last one was lost before it was exposed.
+UNTOLD_REASON: Final = "decode room failed while its control link was down"
+
+
 class DecodeRouting:
     """Decode's routing rules (see the module docstring). Loop thread only."""
 
@@ -758,15 +782,31 @@ class DecodeRouting:
         self._links: dict[int, _DecodeLink] = {}
         self._rooms: dict[RoomKey, _Receiver] = {}
         self._lost: dict[RoomKey, _Receiver] = {}  # exposed rooms of lost links, not settled
+        # Claimed rooms a lost link failed before they were exposed, by prefill incarnation:
+        # (room, gen) -> when. Told on the next link to it (a RoomAbort each); TTL'd and
+        # bounded like prefill's marks.
+        self._untold: dict[str, dict[tuple[int, int], float]] = {}
         self._exposed = 0
 
     def entries(self) -> dict[str, int]:
-        return {"rooms": len(self._rooms), "lost": len(self._lost), "exposed": self._exposed}
+        return {
+            "rooms": len(self._rooms),
+            "lost": len(self._lost),
+            "exposed": self._exposed,
+            "untold": sum(len(v) for v in self._untold.values()),
+        }
 
     @property
     def expecting_writes(self) -> bool:
-        """Some room's pages are exposed to a live link: the agent must be progressed."""
-        return self._exposed > 0
+        """Some room's pages are exposed to a live link, or to a lost one and not settled yet
+        (bytes queued for them land as soon as the agent takes them): the agent must be
+        progressed."""
+        return self._exposed > 0 or bool(self._lost)
+
+    def owes(self, peer: str) -> bool:
+        """Something waits for the next link to prefill incarnation ``peer``: a lost room to
+        reconcile, or an abort to tell."""
+        return bool(self._untold.get(peer)) or any(r.peer == peer for r in self._lost.values())
 
     # -- links ----------------------------------------------------------------------------------
 
@@ -775,14 +815,19 @@ class DecodeRouting:
         prefill's, so ``now`` (after prefill's Hello arrived) is no earlier than that grant's
         start on prefill's side."""
         self._links[link] = _DecodeLink(peer, rank, now)
+        out: list[Action] = []
         waiting = [k for k, r in self._lost.items() if r.peer == peer]
-        if not waiting:
-            return []
-        for key in waiting:  # the same prefill incarnation: it knows what it still writes
-            self._lost[key].link = link
-            self._links[link].rooms.add(key)
-        refs = [(k.room, k.generation) for k in waiting]
-        return [Send(link, Reconcile(pack_refs(refs)))]
+        if waiting:
+            for key in waiting:  # the same prefill incarnation: it knows what it still writes
+                self._lost[key].link = link
+                self._links[link].rooms.add(key)
+            refs = [(k.room, k.generation) for k in waiting]
+            out.append(Send(link, Reconcile(pack_refs(refs))))
+        untold = self._untold.pop(peer, None)
+        if untold:
+            self.stats["aborts_told_late"] += len(untold)
+            out += [Send(link, RoomAbort(room, gen, UNTOLD_REASON)) for room, gen in untold]
+        return out
 
     def lease_requested(self, link: int, frame: LeaseRequest, now: float) -> list[Action]:
         state = self._links.get(link)
@@ -811,6 +856,8 @@ class DecodeRouting:
                 self._exposed -= 1
                 receiver.settle_at = settle_at
                 self._lost[key] = receiver
+            else:
+                self._owe_abort(receiver.peer, key, now)
         return out
 
     # -- the rooms' side ------------------------------------------------------------------------
@@ -907,7 +954,20 @@ class DecodeRouting:
 
     # -- time -----------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Action]:
+    def tick(self, now: float, steady_s: float = math.inf) -> list[Action]:
+        """Settle the lost rooms that are due. ``steady_s``: for how long this rank's agent has
+        been progressed without a gap (``kvfsm.transport.ProgressWatch``); a lost room settles
+        only once that is at least ``fence_margin_s`` (the links rule). The default, for a
+        caller that progresses the agent on every tick, vouches for it."""
+        ttl = self.config.pending_ttl_s
+        for peer, untold in list(self._untold.items()):
+            _expire(untold, now - ttl, lambda v: v)
+            if not untold:
+                del self._untold[peer]
+        if steady_s < self.config.fence_margin_s:
+            if any(r.settle_at <= now for r in self._lost.values()):
+                self.stats["settles_held_unsteady"] += 1
+            return []
         due = [k for k, r in self._lost.items() if r.settle_at <= now]
         out: list[Action] = []
         for key in due:
@@ -919,6 +979,12 @@ class DecodeRouting:
         return out
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _owe_abort(self, peer: str, key: RoomKey, now: float) -> None:
+        untold = self._untold.setdefault(peer, {})
+        if len(untold) >= self.config.pending_max:
+            del untold[next(iter(untold))]  # the oldest: its sender's own deadline bounds it
+        untold[(key.room, key.generation)] = now
 
     def _on_link(self, link: int, key: RoomKey) -> _Receiver | None:
         receiver = self._rooms.get(key) or self._lost.get(key)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvfsm.transport._agent import Agent, AgentConfig, AgentFencedOutError, Peer
 from kvfsm.transport._fence import Leases
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
-from kvfsm.transport._progress import AgentProgress
+from kvfsm.transport._progress import AgentProgress, ProgressWatch
 from kvfsm.transport._slices import NO_KV, HeadShard, KvPiece, legs, link_piece, targets
 from kvfsm.transport._transport import NixlTransport, TransferConfig, TransportStats
 
@@ -26,6 +26,7 @@ __all__ = [
     "MemKind",
     "NixlTransport",
     "Peer",
+    "ProgressWatch",
     "Region",
     "TransferConfig",
     "TransportStats",

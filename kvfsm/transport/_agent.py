@@ -61,7 +61,11 @@ class AgentConfig:
 
     ``backend_params`` are merged over the plugin's defaults (for UCX, e.g. ``device_list`` or
     ``ucx_error_handling_mode``); leave ``ucx_error_handling_mode`` at ``peer``, which is what
-    turns a dead peer into an error instead of a silent stall.
+    turns a dead peer into an error instead of a silent stall. UCX's ``num_workers`` and
+    ``num_threads`` must stay at their defaults (1 and unset) and are refused otherwise: with
+    one worker every transfer to a peer, from any thread, goes on one UCX endpoint, which is
+    what lets a flush prove earlier WRITEs over (the data path's rule 2, ``_ledger``); with
+    more, WRITEs and the flush may go on different endpoints and the proof is void.
     """
 
     backend: str = "UCX"
@@ -71,6 +75,14 @@ class AgentConfig:
     #: holds, so every call the agent and the transport make goes through it. For fault
     #: injection (:mod:`kvfsm.chaos`) and tracing; None in production.
     interpose: Callable[[Any], Any] | None = None
+
+    def __post_init__(self) -> None:
+        params = self.backend_params
+        if str(params.get("num_workers", "1")) != "1" or str(params.get("num_threads", "0")) != "0":
+            raise ValueError(
+                "AgentConfig: num_workers must be 1 and num_threads unset: a flush proves "
+                "earlier WRITEs over only on the one endpoint they share"
+            )
 
 
 class Peer:

@@ -195,7 +195,7 @@ def test_a_decode_room_aborted_before_its_page_list_leaves_nothing_behind(
         wait_for(lambda r=receiver: r.settled, timeout=10)
     wait_for(lambda: decode.engine.stats()["live"] == 0, timeout=10)
     entries = decode.engine.call(_entries(decode))
-    assert entries == {"rooms": 0, "lost": 0, "exposed": 0}
+    assert entries == {"rooms": 0, "lost": 0, "exposed": 0, "untold": 0}
     # The prefill rooms that come late fail at once (aborted early), and leave nothing either.
     for room in range(20):
         prefill.ask("hold", room)

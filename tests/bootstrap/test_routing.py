@@ -437,7 +437,7 @@ def test_a_decode_room_aborted_before_its_page_list_leaves_nothing_bound(
 ) -> None:
     decode.bind(R1, A, 0)
     assert sends(decode.receiver_failed(R1, "client gone")) == [RoomAbort(7, 1, "client gone")]
-    assert decode.entries() == {"rooms": 0, "lost": 0, "exposed": 0}
+    assert decode.entries() == {"rooms": 0, "lost": 0, "exposed": 0, "untold": 0}
     assert not decode.expecting_writes
 
 
@@ -490,3 +490,88 @@ def test_decode_fails_the_room_an_error_frame_names(decode: DecodeRouting) -> No
     assert key == R2
     assert isinstance(event, EventRejected)
     assert "aux row 9 out of range" in event.reason
+
+
+# -- a decode frozen past the settle bound, and what a lost link leaves to tell -------------------
+
+
+def test_a_lost_links_pages_wait_for_a_steady_stretch_of_progress(decode: DecodeRouting) -> None:
+    """Decode was frozen (its agent not progressed): the bytes queued for it land once it is
+    progressed again, so its clock alone settles nothing. ``steady_s``: how long its agent
+    has been progressed without a gap."""
+    decode.bind(R1, A, 0)
+    decode.metadata(R1, metadata())
+    decode.lease_requested(A, LeaseRequest(1), now=1.0)  # the lease runs to 3.0, settle at 4.0
+    decode.link_lost(A, "connection to prefill closed", 60.0)  # found on waking from a freeze
+    assert decode.expecting_writes  # a lost room's bytes may still come: progress fast
+    assert decode.tick(60.0, steady_s=0.0) == []  # just woke: nothing taken yet
+    assert decode.tick(60.5, steady_s=0.5) == []  # half the margin
+    assert decode.stats["settles_held_unsteady"] == 2
+    assert delivered(decode.tick(61.0, steady_s=1.0)) == [(R1, PeerSettled(0))]
+    assert not decode.expecting_writes
+
+
+def test_a_steady_decode_settles_a_lost_link_at_its_bound_as_before(
+    decode: DecodeRouting,
+) -> None:
+    decode.bind(R1, A, 0)
+    decode.metadata(R1, metadata())
+    decode.lease_requested(A, LeaseRequest(1), now=5.0)
+    decode.link_lost(A, "silent", 6.0)
+    assert decode.tick(7.9, steady_s=100.0) == []
+    assert delivered(decode.tick(8.0, steady_s=100.0)) == [(R1, PeerSettled(0))]
+
+
+def test_rooms_a_lost_link_failed_before_their_pages_went_are_aborted_on_the_next_link(
+    decode: DecodeRouting,
+) -> None:
+    """Their claims may never have reached prefill (sent into a link it had closed): the
+    sender waiting for them is told on the next link to the same incarnation."""
+    decode.bind(R1, A, 0)  # claimed only
+    decode.bind(RoomKey(8, 1), A, 0)
+    decode.metadata(RoomKey(8, 1), metadata(room=8))  # exposed: reconciled instead
+    decode.link_lost(A, "connection to prefill closed", 1.0)
+    assert decode.owes("prefill-0-9")
+    assert not decode.owes("prefill-0-10")
+    assert decode.entries()["untold"] == 1
+    frames = sends(decode.link_opened(3, "prefill-0-9", rank=0, now=1.5))
+    assert isinstance(frames[0], Reconcile)
+    assert unpack_refs(frames[0].rooms) == [(8, 1)]
+    assert frames[1:] == [RoomAbort(7, 1, "decode room failed while its control link was down")]
+    assert decode.stats["aborts_told_late"] == 1
+    assert decode.entries()["untold"] == 0
+    assert decode.owes("prefill-0-9")  # room 8 still waits for its RoomSettled
+    decode.on_settled(3, RoomSettled(8, 1))
+    assert not decode.owes("prefill-0-9")
+
+
+def test_untold_aborts_are_not_sent_to_another_incarnation_and_expire(
+    decode: DecodeRouting,
+) -> None:
+    decode.bind(R1, A, 0)
+    decode.link_lost(A, "restart", 1.0)
+    assert decode.link_opened(3, "prefill-0-10", rank=0, now=1.5) == []
+    decode.tick(1.0 + CONFIG.pending_ttl_s + 1)
+    assert decode.entries()["untold"] == 0
+    assert not decode.owes("prefill-0-9")
+
+
+def test_untold_aborts_are_bounded(decode: DecodeRouting) -> None:
+    keys = [RoomKey(100 + i, 1) for i in range(CONFIG.pending_max + 3)]
+    for key in keys:
+        decode.bind(key, A, 0)
+    decode.link_lost(A, "cut", 1.0)
+    assert decode.entries()["untold"] == CONFIG.pending_max
+
+
+def test_an_abort_for_a_live_unbound_sender_fails_it_at_once(prefill: PrefillRouting) -> None:
+    """The sender waits in Bootstrapping for a claim that died with a link: decode's abort on
+    the next link is all that will come, so it fails now, not at its deadline, and nothing
+    is remembered for the id's next sender."""
+    prefill.sender_spawned(S1, 0.0)
+    actions = prefill.on_abort(B, RoomAbort(7, 1, "decode room failed"), 1.0)
+    assert delivered(actions) == [(S1, AbortRequested("decode room failed", origin="peer"))]
+    assert sends(actions, B) == [RoomSettled(7, 1)]
+    assert prefill.entries()["early_aborts"] == 0
+    prefill.sender_outcome(S1, KVPoll.Failed, "aborted", 1.1)
+    assert prefill.entries()["tombstones"] == 0  # its decode room knows

@@ -56,8 +56,10 @@ The world
   ``transfer()`` raises (on the first part, or on a later one with an earlier part in flight);
   or the handle never completes. A released handle that has not landed moves nothing more
   (STALL), or lands everything at the release (a flush), or lands it ``late_land_s`` later
-  (STALL_LATE: bytes landing during the quarantine). The pump checks leases before it
-  progresses (as the ledger's rule 3 asks), and checking and posting are one instant. NIXL
+  (STALL_LATE: bytes landing during the quarantine). A flush (the ledger's rule 2) ends at
+  the first pump round after every WRITE to its peer generation posted before it can move
+  nothing more: landed, over, or released with nothing left to land. The pump checks leases
+  before it progresses (as the ledger's rule 3 asks), and checking and posting are one instant. NIXL
   can also report the peer gone (a remote disconnect): the ledger's ``peer_lost``, then a
   reload of the peer as a new generation.
 * **Decode memory.** Decode allocates pages, an aux row and state rows to a room when its
@@ -1077,7 +1079,7 @@ class _Part:
 class Chunk(ledger.Record):
     """A ledger record plus what the model's NIXL does with it."""
 
-    __slots__ = ("fate", "delay", "lease", "parts", "posted_at", "nixl", "released")
+    __slots__ = ("fate", "delay", "late_pending", "lease", "parts", "posted_at", "nixl", "released")
 
     def __init__(
         self,
@@ -1097,6 +1099,13 @@ class Chunk(ledger.Record):
         self.lease = ""
         self.nixl: list[str] = []  # each posted handle's state as NIXL would report it
         self.released = False
+        self.late_pending = False  # released STALL_LATE bytes not landed yet
+
+    def may_still_land(self) -> bool:
+        """Some byte of it may still move (what a flush of its peer waits for)."""
+        if self.posted_at == _INF:
+            return False
+        return self.late_pending if self.released else "PROC" in self.nixl
 
 
 def _ints(packed: bytes) -> list[int]:
@@ -1128,6 +1137,8 @@ class Transport:
         self.fenced = False
         #: Chunk plans per sender room, in the order its chunks were submitted.
         self.plans: dict[RoomKey, deque[ChunkPlan]] = {}
+        #: Flushes in flight (the ledger's rule 2): peer -> (number, not before, what it covers).
+        self.flushes: dict[NixlPeer, tuple[int, float, list[Chunk]]] = {}
 
     # -- peers ---------------------------------------------------------------------------------
 
@@ -1209,6 +1220,15 @@ class Transport:
                     Side.PREFILL,
                     functools.partial(self._quarantine_over, action.record),
                 )
+            elif isinstance(action, ledger.PostFlush):
+                covered = [
+                    r
+                    for r in self.ledger.records()
+                    if r.peer is action.peer and isinstance(r, Chunk) and r.may_still_land()
+                ]
+                self.flushes[action.peer] = (action.seq, action.not_before, covered)
+            elif isinstance(action, ledger.CancelFlush):
+                self.flushes.pop(action.peer, None)
             elif isinstance(action, ledger.Finish):
                 record = action.record
                 if isinstance(record, Chunk) and record.handles:
@@ -1240,8 +1260,10 @@ class Transport:
             if self.may_progress():
                 self.pair.land(record)
         elif record.fate is ChunkFate.STALL_LATE:
+            record.late_pending = True
 
             def late() -> None:
+                record.late_pending = False
                 if self.may_progress():
                     self.pair.land(record)
 
@@ -1325,6 +1347,8 @@ class Transport:
         if self.fenced:
             return  # the pump stopped for good
         due = _INF
+        if self.flushes:
+            due = self.clock.now + self.config.progress_s
         for record in self.ledger.records():
             if record.phase == ledger.HELD:
                 due = min(due, self.clock.now + self.config.progress_s)
@@ -1369,6 +1393,12 @@ class Transport:
         for record in self.ledger.take_active():
             assert isinstance(record, Chunk)
             self.execute(self.ledger.polled(record, list(record.nixl), now))
+        for peer, (seq, not_before, covered) in list(self.flushes.items()):
+            if self.flushes.get(peer, (0,))[0] != seq or now < not_before:
+                continue
+            if not any(r.may_still_land() for r in covered):
+                del self.flushes[peer]
+                self.execute(self.ledger.flushed(peer, seq, now))
         self.schedule_pump()
 
 

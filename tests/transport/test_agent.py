@@ -131,3 +131,11 @@ def test_close_is_idempotent_and_balances_every_count(pair: tuple[Agent, Agent, 
     assert mine.dlists_prepped == mine.dlists_released
     assert mine.peers_added == mine.peers_removed
     assert counting.calls.count("deregister_memory") == counting.calls.count("register_memory")
+
+
+@pytest.mark.parametrize("params", [{"num_workers": "2"}, {"num_threads": "4"}])
+def test_more_than_one_ucx_worker_is_refused(params: dict[str, str]) -> None:
+    """A flush proves earlier WRITEs over only on the endpoint they share: one worker."""
+    with pytest.raises(ValueError, match="num_workers must be 1"):
+        AgentConfig(backend_params=params)
+    AgentConfig(backend_params={"num_workers": "1"})  # the default, said out loud

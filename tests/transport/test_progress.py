@@ -4,10 +4,11 @@ otherwise (virtual time, looptime), and stops when closed."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from kvfsm.transport import AgentProgress
+from kvfsm.transport import AgentProgress, ProgressWatch
 
 pytestmark = pytest.mark.asyncio
 
@@ -58,3 +59,30 @@ async def test_an_interval_over_the_idle_pace_is_used_for_both() -> None:
     await asyncio.sleep(1.0)
     assert 5 <= agent.nixl.progressed <= 6
     await progress.aclose()
+
+
+async def test_a_progress_watch_counts_the_steady_stretch_and_restarts_it_after_a_gap() -> None:
+    watch = ProgressWatch(max_gap_s=0.25)
+    assert watch.steady_for(0.0) == 0.0  # never progressed
+    for now in (1.0, 1.2, 1.4, 1.6):
+        watch.progressed(now)
+    assert watch.steady_for(1.6) == pytest.approx(0.6)
+    assert watch.steady_for(1.8) == pytest.approx(0.8)  # within the gap since the last one
+    assert watch.steady_for(1.9) == 0.0  # the last progress is too old: standing still
+    watch.progressed(61.6)  # woke from a freeze
+    assert watch.steady_for(61.6) == 0.0
+    watch.progressed(61.8)
+    assert watch.steady_for(61.8) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="max_gap_s"):
+        ProgressWatch(0.0)
+
+
+async def test_the_progress_loop_tells_its_watch() -> None:
+    agent = _Agent()
+    watch = ProgressWatch(max_gap_s=0.5)
+    progress = AgentProgress(agent, lambda: True, 0.001, watch)  # type: ignore[arg-type]
+    progress.start()
+    await asyncio.sleep(0.1)
+    await progress.aclose()
+    assert agent.nixl.progressed > 1
+    assert watch.steady_for(time.monotonic()) > 0.0
