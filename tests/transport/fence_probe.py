@@ -15,6 +15,11 @@ Run: ``python -m tests.transport.fence_probe [--tls tcp] [--json]``. Three probe
   progressing (a freeze right after ``transfer()``, or a writer that stops being scheduled):
   the target counts the pages that landed while the writer does nothing for a while, then
   again after the writer progresses once. Over TCP the rest lands only then, however late.
+* ``flush``: the *target* stopped (SIGSTOP) while a WRITE to it is in flight; the writer
+  keeps progressing, then releases the handle and posts a flush (the pump's: an 8-byte READ
+  of the target's first region, ``Peer.flush``). What the WRITE and the flush report while
+  the target is stopped, how long after SIGCONT the flush is DONE, and how many pages had
+  landed by then and a second later (the data path's rule 2 rests on: all of them, at DONE).
 
 Not collected by pytest (no ``test_`` prefix): it takes a while and reports numbers.
 """
@@ -25,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import threading
 import time
@@ -329,6 +335,57 @@ def queued(pages: int = 256, idle_s: float = 2.0, release: bool = False) -> dict
         return out
 
 
+# -- what a flush proves when the target is stopped ------------------------------------------------
+
+
+def flush(pages: int = 256, stopped_s: float = 2.0) -> dict[str, Any]:
+    with _writer_and_target(pages, "flush") as (decode, agent, remote, want):
+        nixl = agent.nixl
+        all_pages = list(range(pages))
+
+        def landed() -> int:
+            return sum(decode.ask("crc", p)[0] == want for p in all_pages)
+
+        def progress_for(handle: Any, seconds: float) -> str:
+            state = "PROC"
+            end = time.monotonic() + seconds
+            while state == "PROC" and time.monotonic() < end:
+                state = str(nixl.check_xfer_state(handle))
+            return state
+
+        out: dict[str, Any] = {"bytes": 2 * pages * 64 * 1024, "of pages": pages}
+        decode.ask("fill", 0)
+        os.kill(decode.pid, signal.SIGSTOP)
+        try:
+            idx = agent.layout.page_index(np.arange(pages, dtype=np.int32))
+            ridx = decode.summary.page_index(np.arange(pages, dtype=np.int32))
+            write = nixl.make_prepped_xfer("WRITE", agent.local("kv"), idx, remote.kv, ridx)
+            out["write: transfer()"] = str(nixl.transfer(write))
+            out["write: after 0.5 s of progress, target stopped"] = progress_for(write, 0.5)
+            nixl.release_xfer_handle(write)  # what the pump does with a held chunk
+            assert remote.flush is not None
+            local, far = remote.flush
+            first = np.zeros(1, np.int32)
+            marker = nixl.make_prepped_xfer("READ", local, first, far, first)
+            out["flush: transfer()"] = str(nixl.transfer(marker))
+            out[f"flush: after {stopped_s:g} s of progress, target stopped"] = progress_for(
+                marker, stopped_s
+            )
+        finally:
+            os.kill(decode.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        state = progress_for(marker, 10.0)
+        out["flush: state after SIGCONT"] = state
+        out["flush: DONE this long after SIGCONT (ms)"] = round(1e3 * (time.monotonic() - t0), 2)
+        out["pages landed at the flush's DONE"] = landed()
+        nixl.release_xfer_handle(marker)
+        for _ in range(1000):
+            nixl.get_new_notifs()
+        time.sleep(1.0)
+        out["pages landed a second later"] = landed()
+        return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tls", default="", help="UCX_TLS for both processes (e.g. tcp)")
@@ -338,7 +395,13 @@ def main() -> None:
     if args.tls:
         os.environ["UCX_TLS"] = args.tls
     results: dict[str, Any] = {"UCX_TLS": args.tls or "(default)", "cpus": os.cpu_count()}
-    probes = {"window": window, "transfer": transfer_sizes, "target": target, "queued": queued}
+    probes = {
+        "window": window,
+        "transfer": transfer_sizes,
+        "target": target,
+        "queued": queued,
+        "flush": flush,
+    }
     for name in args.probes.split(","):
         results[name] = probes[name]()
     if args.json:
