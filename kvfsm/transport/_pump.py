@@ -422,6 +422,11 @@ class Pump:
             # that spins costs the scheduler thread its GIL. Held records (nothing expected)
             # are progressed once per poll_max_wait_s. New chunks posted meanwhile wake it.
             wait = pacer.wait(clock(), ledger.pending())
+            if not ledger.active and wait > 0:
+                # Only held chunks: nothing completes soon, and a flush may wait for a frozen
+                # peer for minutes; polling every 1 ms for that long would cost the scheduler
+                # thread its GIL for nothing (a resumed peer is found within this interval).
+                wait = max(wait, self.config.linger_interval_s)
             if wait <= 0:
                 await asyncio.sleep(0)
                 continue
