@@ -7,8 +7,9 @@
   delays, truncates or corrupts control frames, or cuts the connection.
 * ``_hostile``: hostile clients for a prefill rank's control port.
 * ``_campaign``, ``_rank``, ``_options``, ``_cli``: ``kvfsm chaos``, randomized episodes against a
-  real prefill process and a real decode process (freezes past decode's settle bound, room ids
-  reused at once and oversized calls among the faults), with the report and its checks.
+  real prefill process and a real decode process (freezes of either rank past decode's settle
+  bound, room ids reused at once and oversized calls among the faults), with the report and its
+  checks.
 * ``_netns``, ``_two_hosts``: two network namespaces joined by a veth pair, the demo and a
   link-cut scenario across them (``kvfsm demo --two-hosts``); ``kvfsm chaos --two-hosts`` runs
   the campaign across them, with link cuts as one more fault.

@@ -5,7 +5,9 @@ rank processes (:mod:`kvfsm.chaos._rank`): prefill, whose NIXL agent is wrapped 
 fault proxy, and decode, whose control connections go through the frame fault proxy. Each
 episode runs ``rooms`` rooms on both ranks (aborts from either side at planned points) while this
 process, at seeded times, stops a rank (SIGSTOP, SIGCONT later), freezes prefill for longer
-than decode's settle bound while it has chunks in flight, restarts the registry, sends hostile
+than decode's settle bound while it has chunks in flight, freezes decode as long while prefill
+has chunks in flight to it (and checks, some seconds after it wakes, that no room still waits
+because of it), restarts the registry, sends hostile
 connections to prefill's control port, and maybe SIGKILLs a rank near the end (it is restarted
 before the next episode; its rooms count as ``killed``). The room plan itself reuses some room
 ids right after decode aborts them and makes some ``send_metadata`` calls oversized. After each
@@ -16,7 +18,13 @@ prints for replay.
 Besides what each rank checks (:mod:`kvfsm.chaos._rank`), the campaign checks liveness (law 3):
 it records when it killed, stopped (past the silence limit) or cut off a rank, and every room of
 the other rank that was bound to it then (past Bootstrapping: decode claimed it) must fail
-within the silence limit plus ``liveness_slack_s``, not at its deadline.
+within the silence limit plus ``liveness_slack_s``, not at its deadline. ``after_resume_s``
+after a decode freeze ended (later if another process fault came meanwhile), no room of either
+rank created before it ended may still be non-terminal; and rooms created on both sides after
+it must still be served (the report counts how many succeeded).
+
+Both ranks run UCX's default transports, or TCP only (``transport="tcp"``: ``UCX_TLS=tcp`` in
+their environment), where a stopped decode leaves prefill's WRITEs queued in sockets.
 
 With ``two_hosts`` the ranks run in two network namespaces joined by a veth
 (:class:`~kvfsm.chaos._netns.TwoHosts`), NIXL on UCX TCP over it, and the link between them is
@@ -39,7 +47,7 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any, Final, Protocol
 
-from kvfsm._child import ChildProcess, spawn_quietly
+from kvfsm._child import ChildProcess, environ, spawn_quietly
 from kvfsm.bootstrap import RegistryThread
 from kvfsm.chaos._hostile import HOSTILE_KINDS, HostileResult, send_hostile
 from kvfsm.chaos._netns import CutMode, TwoHosts
@@ -55,6 +63,13 @@ _ROLES: Final = ("prefill", "decode")
 #: A long freeze waiting for chunks in flight is made anyway once this share of the episode's
 #: rooms ended: the rest must still be moving when it comes.
 _FREEZE_BY_ENDED: Final = 0.6
+#: ... and once it waited this long for them.
+_FREEZE_WAIT_S: Final = 3.0
+#: A decode freeze asks prefill for chunks in flight, and prefill answers once it has some or
+#: after this long (the campaign's loop waits meanwhile).
+_IN_FLIGHT_WAIT_S: Final = 0.2
+#: Violations listed for rooms still waiting after a decode freeze (all are counted).
+_WAITING_LISTED: Final = 8
 
 
 class _AnyRegistry(Protocol):
@@ -139,6 +154,25 @@ class _Tally:
         #: chunks in flight when they began.
         self.long_freezes: list[float] = []
         self.long_freezes_in_flight = 0
+        #: Freezes of decode past its settle bound: how long, how many began with chunks in
+        #: flight at prefill (asked right before the stop), those chunks and decode's rooms
+        #: with their page list out then, in all.
+        self.decode_freezes: list[float] = []
+        self.decode_freezes_in_flight = 0
+        self.decode_freeze_chunks = 0
+        self.decode_freeze_exposed = 0
+        #: ``after_resume_s`` after each: checks made, rooms still not terminal then; rooms
+        #: created on both sides after it, and how many of them succeeded.
+        self.resume_checks = 0
+        self.waiting_after_resume = 0
+        self.later_rooms = 0
+        self.later_rooms_succeeded = 0
+        #: Prefill rooms left to their Bootstrapping deadline after a decode freeze although
+        #: decode's room had ended, and the longest such wait past decode's end.
+        self.untold = 0
+        self.untold_max_s = 0.0
+        #: Decode's pages held back (watched, out of the pool) after its own stops.
+        self.holds: Counter[str] = Counter()
         #: Prefill incarnations whose agent the stale-progress gate fenced out (a freeze left
         #: a WRITE queued past its lease): restarted before the next episode; what they
         #: abandoned on purpose (handles, remote agents, lists) is not counted as leaked.
@@ -174,6 +208,19 @@ class _Campaign:
         self.prefill_in_flight = 0  # chunks in flight at prefill's last answer
         self.ended = 0.0  # the share of the episode's rooms (both roles) ended so far
         self.freeze_wait_until = 0.0  # a long freeze waits this long for chunks in flight
+        #: Decode freezes: a separate stream, so that adding them reshuffles no other fault of a
+        #: seed; three draws an episode whatever the rate (``FaultPlan``'s rule 2).
+        self.decode_rng = random.Random(f"kvfsm-chaos/{opts.seed}/decode-freeze")
+        self.decode_freeze_len = 0.0  # this episode's, drawn with its time
+        self.decode_wait_until = 0.0  # a decode freeze waits this long for chunks in flight
+        self.decode_frozen = False  # decode's stop under way is a decode freeze
+        #: This episode's decode freezes: when each began and ended (monotonic).
+        self.freezes: list[tuple[float, float]] = []
+        self.frozen_at = 0.0
+        #: The end of the latest process or link fault but the decode freezes (monotonic): a
+        #: room may wait for a stopped or cut-off peer, so the check after a decode freeze
+        #: comes ``after_resume_s`` after this too.
+        self.disrupted_until = 0.0
         #: Peers lost this episode, for the liveness check: (monotonic time, role lost).
         self.losses: list[tuple[float, str]] = []
 
@@ -216,7 +263,11 @@ class _Campaign:
         for role in roles:
             self.incarnations += 1
             factories.append(factory(role, self.incarnations))
-        for role, child in zip(roles, spawn_quietly(factories), strict=True):
+        # One host: the UCX transports through the environment, which the ranks inherit (two
+        # hosts set them in each rank's command prefix, with its namespace's device).
+        with environ(opts.rank_env() if self.hosts is None else {}):
+            children = spawn_quietly(factories)
+        for role, child in zip(roles, children, strict=True):
             self.ranks[role] = child
 
     def _close_rank(self, role: str) -> None:
@@ -225,7 +276,8 @@ class _Campaign:
         if child is None:
             return
         try:
-            final = child.ask("close", timeout=60)
+            # The close drains first, for as long as a room may take to settle.
+            final = child.ask("close", timeout=self.opts.settle_wait_s() + 60)
             self._account(role, final, closing=True)
         except Exception as exc:
             self.tally.violation(f"{role} did not close cleanly: {exc!r}")
@@ -237,7 +289,7 @@ class _Campaign:
     # -- one episode ---------------------------------------------------------------------------
 
     def episode(self, index: int) -> None:
-        opts, tally, rng = self.opts, self.tally, self.rng
+        opts, tally = self.opts, self.tally
         missing = [role for role in _ROLES if self.ranks[role] is None]
         if missing:
             self._start(missing)
@@ -246,32 +298,12 @@ class _Campaign:
             assert child is not None
             ranks[role] = child
         port = ranks["prefill"].ask("port")
-        # Process-level faults at seeded times within the first seconds of the episode, or as
-        # soon as that fraction of its rooms (times 0.9) has ended, if that comes first: a pair
-        # that serves its rooms faster than ``span`` still gets every fault mid-episode (a
-        # fault due after the episode's last room would not be made at all).
-        span = max(2.0, opts.rooms / opts.concurrency * 0.3)
-        actions: list[tuple[float, str, str]] = []
-        if rng.random() < opts.sigstop_rate:
-            actions.append((rng.uniform(0, span), "sigstop", rng.choice(_ROLES)))
-        if rng.random() < opts.registry_restart_rate:
-            actions.append((rng.uniform(0, span), "registry", ""))
-        actions += [
-            (rng.uniform(0, span), "hostile", rng.choice(HOSTILE_KINDS))
-            for _ in range(opts.hostile_per_episode)
-        ]
-        if index > 0 and rng.random() < opts.sigkill_rate:
-            actions.append((rng.uniform(0.5 * span, span), "sigkill", rng.choice(_ROLES)))
-        if self.hosts is not None and rng.random() < opts.link_cut_rate:
-            actions.append((rng.uniform(0, span), "cut", rng.choice(("blackhole", "down"))))
-        if rng.random() < opts.long_freeze_rate:
-            # Past decode's settle bound, with chunks in flight: the fence's case (law 4). Due
-            # in the first half (by the time, or by 45% of the rooms ended), and then it waits
-            # a little for chunks in flight (``_act``): it must come while rooms still move.
-            actions.append((rng.uniform(0, 0.5 * span), "long_freeze", "prefill"))
-        actions.sort()
+        span = self.span()
+        actions = self.actions(index, span)
         self.losses = []
         self.freeze_wait_until = 0.0
+        self.decode_wait_until = 0.0
+        self.freezes = []
         for child in (ranks["prefill"], ranks["decode"]):  # prefill first: a bootstrap queue
             child.ask("episode", index, self.first_room)
         plans = episode_plan(opts, index, self.first_room)
@@ -281,11 +313,15 @@ class _Campaign:
         killed: set[str] = set()
         stopped: dict[str, float] = {}
         t0 = time.monotonic()
+        # Every room within its bound, plus what the freezes planned add (no room moves then).
+        freezes = [what for _, what, _ in actions if what in ("long_freeze", "decode_freeze")]
         limit = (opts.rooms / opts.concurrency + 2) * (
             max(opts.bound_s(r) for r in Role) + opts.slack_s
-        )
+        ) + len(freezes) * (opts.longest_stop_s() + opts.after_resume_s)
         retried: set[tuple[float, str, str]] = set()  # due by time only
-        while not all(done[r] or r in killed for r in _ROLES):
+        while not all(done[r] or r in killed for r in _ROLES) or any(
+            what == "after_resume" for _, what, _ in actions
+        ):
             now = time.monotonic() - t0
             ended = self.ended = sum(len(outcomes[r]) for r in _ROLES) / (2 * opts.rooms)
             while actions and (
@@ -303,6 +339,15 @@ class _Campaign:
                 if time.monotonic() >= until:
                     os.kill(ranks[role].pid, signal.SIGCONT)
                     del stopped[role]
+                    if role == "decode" and self.decode_frozen:
+                        # Due by time only (never by the rooms ended): it is a wait.
+                        self.decode_frozen = False
+                        resumed = time.monotonic()
+                        self.freezes.append((self.frozen_at, resumed))
+                        check = (resumed - t0 + opts.after_resume_s, "after_resume", repr(resumed))
+                        retried.add(check)
+                        actions.append(check)
+                        actions.sort()
             if self.hosts is not None and self.hosts.is_cut and time.monotonic() >= self.cut_until:
                 self.hosts.restore()
             for role in _ROLES:
@@ -327,10 +372,12 @@ class _Campaign:
             time.sleep(0.05)
         for role in stopped:
             os.kill(ranks[role].pid, signal.SIGCONT)
+        self.decode_frozen = False
         if self.hosts is not None:
             self.hosts.restore()
         self._score(index, plans, outcomes, killed)
         self._liveness(index, outcomes)
+        self._after_freezes(plans, outcomes)
         wait = opts.settle_wait_s()
         for role in _ROLES:
             child = self.ranks[role]
@@ -354,6 +401,48 @@ class _Campaign:
                 tally.restarts["decode_pools"] += 1
                 self._close_rank("decode")
 
+    def span(self) -> float:
+        """Process-level faults are due at seeded times within this many seconds of an
+        episode's start (see :meth:`actions`)."""
+        return max(2.0, self.opts.rooms / self.opts.concurrency * 0.3)
+
+    def actions(self, index: int, span: float) -> list[tuple[float, str, str]]:
+        """Episode ``index``'s process, registry, hostile and link faults: ``(due, what,
+        arg)``, sorted, ``due`` in seconds from the episode's start. Each is due then, or as
+        soon as that fraction of ``span`` (times 0.9) of the episode's rooms has ended."""
+        opts, rng = self.opts, self.rng
+        # Process-level faults at seeded times within the first seconds of the episode, or as
+        # soon as that fraction of its rooms (times 0.9) has ended, if that comes first: a pair
+        # that serves its rooms faster than ``span`` still gets every fault mid-episode (a
+        # fault due after the episode's last room would not be made at all).
+        actions: list[tuple[float, str, str]] = []
+        if rng.random() < opts.sigstop_rate:
+            actions.append((rng.uniform(0, span), "sigstop", rng.choice(_ROLES)))
+        if rng.random() < opts.registry_restart_rate:
+            actions.append((rng.uniform(0, span), "registry", ""))
+        actions += [
+            (rng.uniform(0, span), "hostile", rng.choice(HOSTILE_KINDS))
+            for _ in range(opts.hostile_per_episode)
+        ]
+        if index > 0 and rng.random() < opts.sigkill_rate:
+            actions.append((rng.uniform(0.5 * span, span), "sigkill", rng.choice(_ROLES)))
+        if self.hosts is not None and rng.random() < opts.link_cut_rate:
+            actions.append((rng.uniform(0, span), "cut", rng.choice(("blackhole", "down"))))
+        if rng.random() < opts.long_freeze_rate:
+            # Past decode's settle bound, with chunks in flight: the fence's case (law 4). Due
+            # in the first half (by the time, or by 45% of the rooms ended), and then it waits
+            # a little for chunks in flight (``_act``): it must come while rooms still move.
+            actions.append((rng.uniform(0, 0.5 * span), "long_freeze", "prefill"))
+        chance, at, length = (self.decode_rng.random() for _ in range(3))
+        low, high = opts.decode_freeze_range_s()
+        self.decode_freeze_len = low + length * (high - low)
+        if chance < opts.decode_freeze_rate:
+            # Due in the first half like a long freeze, for the same reason: it waits for
+            # chunks in flight, and rooms must be left to serve after it.
+            actions.append((at * 0.5 * span, "decode_freeze", "decode"))
+        actions.sort()
+        return actions
+
     def _act(  # noqa: PLR0917 - one scheduled action and the episode's state
         self,
         what: str,
@@ -370,6 +459,7 @@ class _Campaign:
             os.kill(ranks[arg].pid, signal.SIGSTOP)
             length = self.rng.uniform(0.3, opts.sigstop_max_s)
             self._stopped(arg, length, stopped)
+            self._disrupted(length)
             tally.faults[f"sigstop_{arg}"] += 1
         elif what == "long_freeze" and arg not in killed:
             if arg in stopped:  # an ordinary stop is under way: after it
@@ -387,12 +477,18 @@ class _Campaign:
             os.kill(ranks[arg].pid, signal.SIGSTOP)
             length = self.rng.uniform(*opts.long_freeze_s())
             self._stopped(arg, length, stopped)
+            self._disrupted(length)
             tally.faults[f"long_freeze_{arg}"] += 1
             tally.long_freezes.append(length)
             tally.long_freezes_in_flight += self.prefill_in_flight > 0
+        elif what == "decode_freeze" and arg not in killed:
+            return self._decode_freeze(ranks, stopped, killed)
+        elif what == "after_resume":
+            return self._after_resume(float(arg), ranks, killed)
         elif what == "registry":
             assert self.registry is not None
             self.registry.restart(self.rng.uniform(0.2, 1.5))
+            self._disrupted(0.0)  # restart() returns once it is back
             tally.faults["registry_restart"] += 1
         elif what == "hostile" and "prefill" not in killed:
             # A stopped prefill cannot answer, and a cut link carries nothing: what is being
@@ -411,6 +507,7 @@ class _Campaign:
             stopped.pop(arg, None)
             ranks[arg].kill()
             self.losses.append((time.monotonic(), arg))
+            self._disrupted(0.0)
             killed.add(arg)
             self.ranks[arg] = None
             tally.faults[f"sigkill_{arg}"] += 1
@@ -420,10 +517,118 @@ class _Campaign:
             now = time.monotonic()
             length = self.rng.uniform(0.5, opts.link_cut_max_s)
             self.cut_until = now + length
+            self._disrupted(length)
             if length > opts.channel_silence_s() + 0.5:  # each side loses the other
                 self.losses += [(now, "prefill"), (now, "decode")]
             tally.faults[f"link_cut_{mode}"] += 1
         return None
+
+    def _decode_freeze(
+        self, ranks: dict[str, ChildProcess], stopped: dict[str, float], killed: set[str]
+    ) -> float | None:
+        """Freeze decode past its settle bound, right after prefill said it has chunks in
+        flight and then decode that it has at least ``decode_freeze_exposed`` rooms with their
+        page list out (asked now, not at their last poll: over TCP, and for the default
+        transports' rendezvous, those WRITEs and the rooms' next ones cannot finish while
+        decode is stopped, since decode's own UCX worker is what applies them). Like a long
+        freeze it waits for such a moment a little, and not past 60% of the episode's rooms
+        ended; a stopped rank (either) is waited for."""
+        if "decode" in stopped or "prefill" in stopped:
+            return max(stopped.values())
+        opts = self.opts
+        now = time.monotonic()
+        if not self.decode_wait_until:
+            self.decode_wait_until = now + _FREEZE_WAIT_S
+        waiting = now < self.decode_wait_until and self.ended < _FREEZE_BY_ENDED
+        in_flight = 0
+        if "prefill" not in killed:
+            # Prefill answers the moment it has chunks in flight (or after the wait), then
+            # decode at once: the stop follows within a millisecond or so.
+            wait = _IN_FLIGHT_WAIT_S if waiting else 0.0
+            in_flight = int(ranks["prefill"].ask("exposed", wait, timeout=wait + 30))
+        exposed = int(ranks["decode"].ask("exposed", 0.0))
+        enough = min(opts.decode_freeze_exposed, opts.concurrency)
+        if (in_flight == 0 or exposed < enough) and waiting and "prefill" not in killed:
+            return now + 0.02
+        os.kill(ranks["decode"].pid, signal.SIGSTOP)
+        self.frozen_at = time.monotonic()
+        length = self.decode_freeze_len
+        self._stopped("decode", length, stopped)
+        self.decode_frozen = True  # the check after it is scheduled when it ends
+        tally = self.tally
+        tally.faults["decode_freeze"] += 1
+        tally.decode_freezes.append(length)
+        tally.decode_freezes_in_flight += in_flight > 0
+        tally.decode_freeze_chunks += in_flight
+        tally.decode_freeze_exposed += exposed
+        return None
+
+    def _after_resume(
+        self, resumed: float, ranks: dict[str, ChildProcess], killed: set[str]
+    ) -> float | None:
+        """``after_resume_s`` after a decode freeze ended: no room of either rank created
+        before it ended may still be non-terminal. The last lease of the lost link is long
+        over, decode's rooms of it fail on waking, prefill's failed on the loss; an unclaimed
+        prefill room ends at its Bootstrapping deadline at the latest, and one claimed after
+        the freeze is served like any other. Another process or link fault since the freeze
+        ended (a room may then wait for its peer) moves the check as long after that one."""
+        due = max(resumed, self.disrupted_until) + self.opts.after_resume_s
+        if time.monotonic() < due:
+            return due
+        tally = self.tally
+        tally.resume_checks += 1
+        for role in _ROLES:
+            if role in killed:
+                continue
+            waiting: list[dict[str, Any]] = ranks[role].ask("waiting", resumed)
+            tally.waiting_after_resume += len(waiting)
+            late = time.monotonic() - resumed
+            for room in waiting[:_WAITING_LISTED]:
+                tally.violation(
+                    f"{role} room {room['room']} still {room['state']} {late:.1f}s after decode "
+                    f"woke from a freeze ({room})"
+                )
+        return None
+
+    def _disrupted(self, length: float) -> None:
+        """A process or link fault (not a decode freeze) was just made, over ``length`` s
+        from now (see ``disrupted_until``)."""
+        self.disrupted_until = max(self.disrupted_until, time.monotonic() + length)
+
+    def _after_freezes(
+        self, plans: list[RoomPlan], outcomes: dict[str, dict[tuple[int, int], dict[str, Any]]]
+    ) -> None:
+        """Rooms created on both sides after this episode's last decode freeze ended: they
+        must still be served (counted; the report says how many succeeded). And prefill rooms
+        that lived through a freeze and ended at their Bootstrapping deadline more than a
+        second after decode's room of that id had already ended: decode knew, prefill was not
+        told (counted, with the longest such wait, and a violation)."""
+        tally = self.tally
+        for plan in plans:
+            gen = 1 if (plan.room, 1) in outcomes["decode"] else 0
+            dec = outcomes["decode"].get((plan.room, gen))
+            pre = outcomes["prefill"].get((plan.room, gen))
+            if dec is None or pre is None:
+                continue
+            started = min(dec.get("started_at", 0.0), pre.get("started_at", 0.0))
+            if self.freezes and started > self.freezes[-1][1]:
+                tally.later_rooms += 1
+                if dec["status"] == KVPoll.Success and not dec["mismatched"]:
+                    tally.later_rooms_succeeded += 1
+            pre_end, dec_end = pre.get("ended_at", 0.0), dec.get("ended_at", 0.0)
+            if not pre["reason"].startswith("deadline expired: Bootstrapping"):
+                continue
+            for frozen_at, resumed in self.freezes:
+                lived = pre.get("started_at", 0.0) < resumed < pre_end
+                if lived and dec_end >= frozen_at and pre_end - dec_end > 1.0:
+                    tally.untold += 1
+                    tally.untold_max_s = max(tally.untold_max_s, pre_end - dec_end)
+                    # Decode tells what a lost link failed within one reconnect (law 3).
+                    tally.violation(
+                        f"room {plan.room}: prefill waited out Bootstrapping "
+                        f"{pre_end - dec_end:.2f}s after decode's room ended"
+                    )
+                    break
 
     def _stopped(self, role: str, length: float, stopped: dict[str, float]) -> None:
         """``role`` was just stopped for ``length`` seconds. Long enough past the silence
@@ -565,6 +770,8 @@ class _Campaign:
                 tally.faults[name[6:]] += n
             elif name.startswith("xfer."):
                 tally.transport[name[5:]] += n
+            elif name.startswith("hold."):
+                tally.holds[name[5:]] += n
         for note in counters["late_notes"]:
             tally.violation(f"late write: {note}")
 
@@ -658,6 +865,13 @@ class _Campaign:
         self.registry = _NetnsRegistry(registry)
         self.hostile_source = source
 
+    def _ucx(self) -> dict[str, Any]:
+        """Which UCX transports the ranks ran: the option, and the ``UCX_TLS`` they had (set
+        by the campaign, or inherited; None: UCX chose)."""
+        opts = self.opts
+        tls = "tcp" if opts.two_hosts else opts.rank_env().get("UCX_TLS", os.environ.get("UCX_TLS"))
+        return {"transport": opts.ucx_transport(), "UCX_TLS": tls}
+
     def report(self, episodes: int, seconds: float) -> dict[str, Any]:
         t = self.tally
         for name, n in t.slow_calls.items():
@@ -710,6 +924,26 @@ class _Campaign:
                 "settle_after_loss_s": self.opts.settle_after_loss_s(),
                 "fenced_out": t.fenced_out,
             },
+            "decode_freezes": {
+                "count": len(t.decode_freezes),
+                "with_chunks_in_flight": t.decode_freezes_in_flight,
+                "chunks_in_flight": t.decode_freeze_chunks,
+                "rooms_exposed": t.decode_freeze_exposed,
+                "min_s": round(min(t.decode_freezes, default=0.0), 2),
+                "max_s": round(max(t.decode_freezes, default=0.0), 2),
+                "checks_after_resume": t.resume_checks,
+                "waiting_after_resume": t.waiting_after_resume,
+                "later_rooms": t.later_rooms,
+                "later_rooms_succeeded": t.later_rooms_succeeded,
+                "prefill_untold": t.untold,
+                "prefill_untold_max_s": round(t.untold_max_s, 3),
+                "rooms_held": t.holds["rooms"],
+                "pages_held": t.holds["pages"],
+                "held_released_early": t.holds["released_early"],
+                # Late writes (of ``late_writes``) found when held pages were checked.
+                "late_writes_in_held": t.holds["late_writes"],
+            },
+            "ucx": self._ucx(),
             "liveness": {
                 "rooms_checked": t.liveness_checked,
                 "max_s": round(t.liveness_max_s, 3),

@@ -7,7 +7,7 @@ import secrets
 import sys
 from typing import Any
 
-from kvfsm.chaos._options import CampaignOptions
+from kvfsm.chaos._options import TRANSPORTS, CampaignOptions
 from kvfsm.workload.command import run_command
 
 __all__ = ["add_parser", "print_text", "run"]
@@ -20,8 +20,8 @@ def add_parser(
     p = subparsers.add_parser(
         "chaos",
         help="fault campaign: real prefill and decode processes under transfer faults, control "
-        "frame faults, hostile frames, aborts, SIGSTOP/SIGKILL (and freezes past decode's "
-        "settle bound), room id reuse, oversized calls and registry restarts",
+        "frame faults, hostile frames, aborts, SIGSTOP/SIGKILL (and freezes of either rank past "
+        "decode's settle bound), room id reuse, oversized calls and registry restarts",
         description="Run randomized fault episodes against a real prefill-decode pair and check "
         "that no room wedges, nothing leaks, no byte lands in settled pages and no "
         "scheduler-facing call blocks. Exit status 1 on any violation.",
@@ -38,6 +38,30 @@ def add_parser(
         type=float,
         default=d.long_freeze_rate,
         help="per episode: freeze prefill past decode's settle bound (%(default)s)",
+    )
+    a(
+        "--decode-freeze-rate",
+        type=float,
+        default=d.decode_freeze_rate,
+        help="per episode: freeze decode past its settle bound while prefill has chunks in "
+        "flight (%(default)s)",
+    )
+    low, high = d.decode_freeze_range_s()
+    a(
+        "--decode-freeze-s",
+        type=float,
+        nargs=2,
+        metavar=("FROM", "TO"),
+        default=None,
+        help=f"how long a decode freeze lasts (default: {low:g} to {high:g} s on one host, "
+        "1.5 to 4 times decode's settle bound)",
+    )
+    a(
+        "--transport",
+        choices=TRANSPORTS,
+        default=d.transport,
+        help="UCX transports of both ranks: UCX's choice, or UCX_TLS=tcp (%(default)s; "
+        "--two-hosts always runs tcp)",
     )
     a(
         "--reuse-rate",
@@ -77,6 +101,9 @@ def options(args: argparse.Namespace) -> CampaignOptions:
         concurrency=args.concurrency,
         abort_rate=args.abort_rate,
         long_freeze_rate=args.long_freeze_rate,
+        decode_freeze_rate=args.decode_freeze_rate,
+        decode_freeze_s=tuple(args.decode_freeze_s) if args.decode_freeze_s else None,
+        transport=args.transport,
         reuse_rate=args.reuse_rate,
         oversized_rate=args.oversized_rate,
         slow_call_ms=args.slow_call_ms,
@@ -110,6 +137,8 @@ def print_text(s: dict[str, Any]) -> None:
         ("settle after loss s", s["settle_after_loss_s"]),
         ("liveness", s["liveness"]),
         ("long freezes", s["long_freezes"]),
+        ("decode freezes", s["decode_freezes"]),
+        ("UCX", s["ucx"]),
         ("reused ids", s["reuse"]),
         ("oversized calls", s["oversized"]),
         ("transport", s["transport"]),

@@ -16,7 +16,7 @@ from kvfsm.rooms import RoomConfig
 from kvfsm.states import KVPoll, Role
 from kvfsm.transport import TransferConfig
 
-__all__ = ["OVERSIZED_PAGES", "CampaignOptions", "RoomPlan", "episode_plan"]
+__all__ = ["OVERSIZED_PAGES", "TRANSPORTS", "CampaignOptions", "RoomPlan", "episode_plan"]
 
 
 #: Short deadlines (law 3 bounds every room by their sum per role); production is minutes.
@@ -86,6 +86,17 @@ _DECODE_MAX_PAGES: Final = 4_400_000
 #: over the frame limit.
 OVERSIZED_PAGES: Final = {"max_pages": _DECODE_MAX_PAGES + 1, "frame": 4_250_000}
 
+#: UCX transports the ranks may run (``--transport``): ``"default"`` leaves the choice to UCX
+#: (on one host: TCP active messages, shared memory, CMA); ``"tcp"`` sets ``UCX_TLS=tcp`` in
+#: both rank processes, where a WRITE is bytes in sockets that the target's own UCX worker
+#: applies, so a stopped decode leaves them queued.
+TRANSPORTS: Final = ("default", "tcp")
+
+#: A decode freeze lasts this many times decode's settle bound, unless ``decode_freeze_s``
+#: says otherwise: past the bound (and so past the silence limit), so that on waking decode
+#: finds its link lost and may settle that link's pages at once.
+_DECODE_FREEZE_FACTOR: Final = (1.5, 4.0)
+
 
 @dataclass(frozen=True, slots=True)
 class CampaignOptions:
@@ -116,6 +127,25 @@ class CampaignOptions:
     #: has chunks in flight. Fencing must keep every late write out (law 4).
     long_freeze_rate: float = 0.3
     long_freeze_factor: tuple[float, float] = (1.5, 4.0)
+    #: Per episode: probability of freezing the *decode* rank (SIGSTOP) for a seeded time in
+    #: :meth:`decode_freeze_range_s`, made while prefill reports chunks in flight. Over TCP
+    #: the WRITEs of those chunks sit in sockets and UCX's buffers, and land only once decode
+    #: runs again: none may land in pages decode declared free on waking (law 4), and no room
+    #: may still wait because of the freeze ``after_resume_s`` after it (law 3).
+    decode_freeze_rate: float = 0.2
+    #: How long a decode freeze lasts (from, to); None: ``_DECODE_FREEZE_FACTOR`` times
+    #: :meth:`settle_after_loss_s` (4.5 to 12 s on one host, 16.5 to 44 s on two).
+    decode_freeze_s: tuple[float, float] | None = None
+    #: ... and, as well as chunks in flight, at least this many decode rooms with their page
+    #: list out (capped at ``concurrency``): each is a room prefill may be writing to when
+    #: decode stops, the more the more bytes queued for decode to find on waking.
+    decode_freeze_exposed: int = 4
+    #: After a decode freeze ends: when every room that existed before it must be terminal,
+    #: and how long decode keeps the pages of rooms that lived through one of its own stops
+    #: watched (canaried, not handed out) after freeing them.
+    after_resume_s: float = 5.0
+    #: UCX transports of both ranks (``TRANSPORTS``); two hosts always run ``"tcp"``.
+    transport: str = "default"
     #: Per room: probability that decode aborts the room after its page list went out and at
     #: once creates the id's next receiver (prefill then creates the id's next sender).
     reuse_rate: float = 0.05
@@ -157,7 +187,13 @@ class CampaignOptions:
             raise ValueError("--rooms, --concurrency and --episodes must be >= 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("--duration must be > 0")
-        for name in ("abort_rate", "reuse_rate", "oversized_rate", "long_freeze_rate"):
+        for name in (
+            "abort_rate",
+            "reuse_rate",
+            "oversized_rate",
+            "long_freeze_rate",
+            "decode_freeze_rate",
+        ):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1]")
         if self.break_invariant not in ("", "canary"):
@@ -169,6 +205,19 @@ class CampaignOptions:
         low, high = self.long_freeze_factor
         if not 1.0 < low <= high:
             raise ValueError("long freezes must outlast decode's settle bound: 1 < low <= high")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}")
+        low, high = self.decode_freeze_range_s()
+        floor = max(self.channel_silence_s(), self.settle_after_loss_s())
+        if not floor < low <= high:
+            raise ValueError(
+                f"decode freezes ({low:g} to {high:g} s) must outlast the silence limit and "
+                f"decode's settle bound ({floor:g} s): {floor:g} < low <= high"
+            )
+        if self.decode_freeze_exposed < 1:
+            raise ValueError("decode_freeze_exposed must be >= 1")
+        if not self.after_resume_s > 0:
+            raise ValueError("after_resume_s must be > 0")
         if not self.margin_s() >= self.needed_margin_s():
             raise ValueError(
                 f"fence_margin_s ({self.margin_s():g}) must cover what the fence cannot see "
@@ -211,10 +260,22 @@ class CampaignOptions:
             heartbeat_s=_HEARTBEAT_S,
             liveness_factor=_LIVENESS,
             connect_timeout_s=2.0,
-            pending_ttl_s=10.0,
+            pending_ttl_s=self.pending_ttl_s(),
             lease_s=self.lease_s,
             fence_margin_s=self.margin_s(),
         )
+
+    def pending_ttl_s(self) -> float:
+        """``ChannelConfig.pending_ttl_s``: how long prefill keeps held claims and the
+        tombstones of senders no decode claimed. 10 s, or with decode freezes 10 s past the
+        longest: prefill runs ahead in the plan while decode is frozen and fails those rooms
+        at their Bootstrapping deadline, and decode, on waking, must find their tombstones and
+        fail its rooms of the same ids at once. Without them each such room waits out its own
+        deadline, eight at a time, while prefill fails the next ids at theirs: the pair would
+        not serve a room together again within the episode. (Production keeps them 60 s.)"""
+        if self.decode_freeze_rate <= 0:
+            return 10.0
+        return max(10.0, self.decode_freeze_range_s()[1] + 10.0)
 
     def channel_silence_s(self) -> float:
         return _HEARTBEAT_S * _LIVENESS
@@ -225,10 +286,31 @@ class CampaignOptions:
         bound = self.settle_after_loss_s()
         return low * bound, high * bound
 
+    def decode_freeze_range_s(self) -> tuple[float, float]:
+        """How long a decode freeze lasts (from, to)."""
+        if self.decode_freeze_s is not None:
+            return self.decode_freeze_s
+        low, high = _DECODE_FREEZE_FACTOR
+        bound = self.settle_after_loss_s()
+        return low * bound, high * bound
+
     def longest_stop_s(self) -> float:
         """The longest a rank may be stopped in one go."""
         longest = self.long_freeze_s()[1] if self.long_freeze_rate > 0 else 0.0
-        return max(self.sigstop_max_s, longest)
+        decode = self.decode_freeze_range_s()[1] if self.decode_freeze_rate > 0 else 0.0
+        return max(self.sigstop_max_s, longest, decode)
+
+    def ucx_transport(self) -> str:
+        """The UCX transports the ranks run (``TRANSPORTS``): two hosts force ``"tcp"`` (on
+        the veth), whatever ``transport`` says."""
+        return "tcp" if self.two_hosts else self.transport
+
+    def rank_env(self) -> dict[str, str]:
+        """Environment both rank processes of one host get on top of the campaign's own:
+        ``UCX_TLS=tcp`` for ``"tcp"``, nothing for ``"default"`` (an inherited ``UCX_*``
+        setting then stands; the report shows it). Two hosts set it with each namespace's
+        device instead (``TwoHosts.ucx_env``)."""
+        return {"UCX_TLS": "tcp"} if self.transport == "tcp" else {}
 
     def room_settle_timeout_s(self) -> float:
         """``RoomConfig.settle_timeout_s``, after which a terminal room gives up settling. A

@@ -8,6 +8,11 @@ loop counts the time this process spent stopped (``stop_gap_s``).
 The campaign process drives it over a pipe: ``("episode", index, first_room)`` starts that
 episode's rooms (from :func:`~kvfsm.chaos._options.episode_plan`, the same list on both ranks),
 ``("poll",)`` returns the outcomes since the last poll and whether the episode is over,
+``("exposed", wait)`` what a stop of decode would catch (prefill: its chunks in flight, answered
+as soon as there are some, or after ``wait`` seconds; decode: its rooms whose page list is out
+and that are not terminal, at once; the campaign freezes decode while there are both),
+``("waiting", before)`` the rooms created before ``before`` that are still not terminal (the
+campaign asks it some seconds after a decode freeze ended),
 ``("drain", timeout)`` waits until the engine has no room left and returns what is still held,
 ``("close",)`` closes the manager and returns the NIXL accounting, ``("quit",)`` ends it. Every
 answer to poll, drain and close carries ``counters``: what was counted since the previous
@@ -33,7 +38,12 @@ What a rank checks itself, because only it can:
   they are handed out again and at every drain (:class:`~kvfsm.workload.buffers.DecodeChecks`,
   the demo's decode rank's check too). A changed byte is a write that landed after its pages
   were declared free. Pages are handed out oldest-freed first, so a canary stays in place
-  as long as the pool allows (through a freeze of prefill past decode's settle bound).
+  as long as the pool allows (through a freeze of prefill past decode's settle bound). The
+  pages of a room that lived through a stop of decode itself are not handed out at all for
+  ``after_resume_s`` after they were freed, and are checked again then: a WRITE that prefill
+  posted before the stop may still be in sockets and UCX's buffers when decode wakes and
+  frees the room, and land moments later; in a page already handed out again it would land
+  in a live room (caught there only if that room succeeds).
 * **settled** (both): a terminal room must settle before its own settle timeout; decode rooms of
   a lost link settle the lease plus the fence margin after the last lease granted on it. A
   decode room whose frames the fault proxy dropped or reordered (TCP never does) is reported as
@@ -59,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -79,7 +90,7 @@ from kvfsm.chaos._plan import FaultPlan
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.manager import DecodeManager, PrefillManager
 from kvfsm.rooms import ReceiverRoom
-from kvfsm.states import KVPoll, Role
+from kvfsm.states import TERMINAL, KVPoll, Role
 from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout, shape_of
 from kvfsm.workload.call_timer import CallTimer
 from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
@@ -137,6 +148,9 @@ class _Pool:
         self.size = size
         self.free: deque[int] = deque(range(size))
 
+    def __len__(self) -> int:
+        return len(self.free)
+
     def take(self, n: int, rng: np.random.Generator) -> Pages | None:
         if len(self.free) < n:
             return None
@@ -146,6 +160,16 @@ class _Pool:
 
     def give(self, indices: Pages) -> None:
         self.free.extend(int(i) for i in indices)
+
+
+@dataclass(slots=True, frozen=True)
+class _Held:
+    """A freed room's pages and aux row, kept watched (out of the pools) until ``until``."""
+
+    until: float
+    room: int
+    pages: Pages
+    aux: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -190,6 +214,8 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         self.events: Counter[str] = Counter()  # what this rank did on plan (reuse, oversized)
         self.reported: Counter[str] = Counter()  # cumulative counters as last reported
         self.broken = False
+        #: Prefill: a pending ``exposed`` request's deadline (0: none pending).
+        self.exposed_until = 0.0
         # The loop's bounds: a room must be terminal within its role's deadline sum plus slack,
         # and settle within the settle wait (both plus this process's stops).
         side = Role.SENDER if role == "prefill" else Role.RECEIVER
@@ -227,19 +253,28 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
             self.manager = DecodeManager(
                 self.layout, self.url, engine_id=ENGINE, resolver=resolver, config=config
             )
-            want_kv = [
-                source_rows(opts.seed, b, np.arange(opts.num_pages), opts.page_bytes)
-                for b in range(len(self.kv))
-            ]
-            want_aux = source_rows(opts.seed, -1, np.arange(opts.aux_rows), opts.aux_row_bytes)
-            self.checks = DecodeChecks(self.kv, self.aux, want_kv, want_aux, marker=_CANARY)
-            self.pages = _Pool(opts.num_pages)
-            self.aux_pool = _Pool(opts.aux_rows)
-            self.rng = np.random.default_rng(opts.seed + seed_salt)
-            # Oversized page lists over the frame limit pass the facade, so the engine holds
-            # them as destinations until the room settles: indices past the pool, in slots
-            # that never overlap while one is held (a room that never settles keeps its slot).
-            self.oversized_held: set[int] = set()
+            self.decode_pages(seed_salt)
+
+    def decode_pages(self, seed_salt: int) -> None:
+        """Decode's page and aux pools and their checks (no NIXL: a test can drive them)."""
+        opts = self.opts
+        want_kv = [
+            source_rows(opts.seed, b, np.arange(opts.num_pages), opts.page_bytes)
+            for b in range(len(self.kv))
+        ]
+        want_aux = source_rows(opts.seed, -1, np.arange(opts.aux_rows), opts.aux_row_bytes)
+        self.checks = DecodeChecks(self.kv, self.aux, want_kv, want_aux, marker=_CANARY)
+        self.pages = _Pool(opts.num_pages)
+        self.aux_pool = _Pool(opts.aux_rows)
+        self.rng = np.random.default_rng(opts.seed + seed_salt)
+        # Oversized page lists over the frame limit pass the facade, so the engine holds
+        # them as destinations until the room settles: indices past the pool, in slots
+        # that never overlap while one is held (a room that never settles keeps its slot).
+        self.oversized_held: set[int] = set()
+        #: Freed pages of rooms that lived through a stop of this process, oldest first:
+        #: watched, out of the pools, until ``after_resume_s`` after they were freed.
+        self.held: deque[_Held] = deque()
+        self.holds: Counter[str] = Counter()
 
     # -- the pipe ------------------------------------------------------------------------------
 
@@ -248,6 +283,20 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         may come while the last one's rooms still settle (the campaign gave up waiting)."""
         while not self.stopping():
             self.between(self.iterate())
+
+    def between(self, progressed: bool) -> None:
+        if self.exposed_until:
+            self._answer_exposed()
+        super().between(progressed)
+
+    def _answer_exposed(self) -> None:
+        """Answer a pending ``exposed`` once prefill has chunks in flight, or its wait is
+        over (the campaign waits for the answer: no other request comes meanwhile)."""
+        assert isinstance(self.manager, PrefillManager)
+        in_flight = self.manager.transport.in_flight
+        if in_flight or time.monotonic() >= self.exposed_until:
+            self.exposed_until = 0.0
+            self.conn.send(in_flight)
 
     def nap_s(self) -> float:
         return self.idle_sleep_s if self.busy else 0.01
@@ -269,6 +318,18 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
                 # accepted and not final (queued for the poster, or posted).
                 answer["in_flight"] = self.manager.transport.in_flight
             self.conn.send(answer)
+        elif op == "exposed":
+            if isinstance(self.manager, PrefillManager):
+                # Over the default transports a chunk to a running decode is in flight for
+                # moments that the campaign's own asking rarely sees: the answer waits for
+                # one, checked after every iteration (_answer_exposed).
+                self.exposed_until = time.monotonic() + float(request[1])
+                self._answer_exposed()
+            else:
+                # Phase.SENDING: the page list went out, the room is not terminal yet.
+                self.conn.send(sum(item.phase is Phase.SENDING for item in self.live))
+        elif op == "waiting":
+            self.conn.send(self._waiting(float(request[1])))
         elif op == "port":
             self.conn.send(self.manager.port if isinstance(self.manager, PrefillManager) else 0)
         elif op == "drain":
@@ -348,13 +409,10 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
                 self.call("abort", sender.abort, CAMPAIGN_ABORT)
             return item
         # An oversized room names pages past the pool (see _send_oversized), none of it.
-        dst = self.pages.take(0 if plan.oversized else len(plan.src), self.rng)
-        if dst is None:
+        taken = self.take_pages(0 if plan.oversized else len(plan.src))
+        if taken is None:
             return None
-        aux = self.aux_pool.take(1, self.rng)
-        if aux is None:
-            self.pages.give(dst)
-            return None
+        dst, aux = taken
         assert self.checks is not None
         self.checks.check(dst, aux, hand_out=True)
         assert isinstance(self.manager, DecodeManager)
@@ -363,6 +421,22 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         return _Live(
             room=receiver, started=self.now, plan=plan, gen=gen, dst=dst, dst_aux=int(aux[0])
         )
+
+    def take_pages(self, n: int) -> tuple[Pages, Pages] | None:
+        """``n`` free pages and one aux row for a new decode room; None: not now."""
+        if self.held and not self.live and (len(self.pages) < n or not len(self.aux_pool)):
+            # Nothing live frees anything: the loop would call the rest of the plan starved.
+            # Held pages are free, only watched for a while: check them now and give them back.
+            self._release_held(math.inf)
+            self.holds["released_early"] += 1
+        dst = self.pages.take(n, self.rng)
+        if dst is None:
+            return None
+        aux = self.aux_pool.take(1, self.rng)
+        if aux is None:
+            self.pages.give(dst)
+            return None
+        return dst, aux
 
     def _next_generation(self, item: _Live) -> None:
         """The id's next room on this side (``plan.reuse``): right away, while the first one
@@ -453,17 +527,64 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
     # -- decode: bytes, canaries ---------------------------------------------------------------
 
     def _release(self, item: _Live) -> None:
-        """The room is settled: its pages go back to the pool, holding a canary."""
+        """The room is settled: its pages go back to the pool, holding a canary; those of a
+        room that lived through a stop of this process only after ``after_resume_s``."""
         assert self.checks is not None
         self.checks.settled(item, item.plan)
         assert item.dst is not None
-        self.pages.give(item.dst)
-        self.aux_pool.give(np.asarray([item.dst_aux], np.int32))
+        if self.stopped_since(item) > 0:
+            self.held.append(
+                _Held(self.now + self.opts.after_resume_s, item.plan.room, item.dst, item.dst_aux)
+            )
+            self.holds["rooms"] += 1
+            self.holds["pages"] += int(item.dst.size)
+        else:
+            self.pages.give(item.dst)
+            self.aux_pool.give(np.asarray([item.dst_aux], np.int32))
         self.oversized_held.discard(item.oversized_slot)
         if self.opts.break_invariant == "canary" and not self.broken and item.dst.size:
             # A deliberate late write, to prove the check is not vacuous.
             self.kv[0][item.dst[0], 0] ^= 0xFF
             self.broken = True
+
+    def _release_held(self, now: float) -> None:
+        """Check the held pages due by ``now`` for late writes, then give them to the pools
+        (still watched until handed out, where they are checked once more)."""
+        checks = self.checks
+        assert checks is not None
+        while self.held and self.held[0].until <= now:
+            held = self.held.popleft()
+            before = checks.late_writes
+            checks.check(held.pages, [held.aux], hand_out=False)
+            self.holds["late_writes"] += checks.late_writes - before
+            self.pages.give(held.pages)
+            self.aux_pool.give(np.asarray([held.aux], np.int32))
+
+    def iterated(self) -> None:
+        if self.role == "decode" and self.held:
+            self._release_held(self.now)
+
+    def _waiting(self, before: float) -> list[dict[str, Any]]:
+        """Rooms created before ``before`` (monotonic) that are still not terminal, polled now
+        (the loop may not have stepped a room that just ended)."""
+        out = []
+        for item in self.live:
+            if item.phase >= Phase.SETTLING or item.started >= before:
+                continue
+            status = self.call("poll", item.room.poll)
+            if status in TERMINAL:
+                continue
+            out.append(
+                {
+                    "room": item.plan.room,
+                    "gen": item.gen,
+                    "state": status.name,
+                    "phase": item.phase.name,
+                    "age_s": round(time.monotonic() - item.started, 3),
+                    "frozen_s": round(self.stopped_since(item), 3),
+                }
+            )
+        return out
 
     def _finish(self, item: _Live, *, settled: bool) -> None:
         disordered = False
@@ -525,9 +646,14 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
             out["transfer_faults"] = self.faults.snapshot()
         if self.role == "decode":
             # Not free and not held by a room still watched: a room that never settled.
+            # Not free, not held by a room still watched, not held back after a stop of this
+            # process (free, only watched a while longer): a room that never settled.
             held = sum(i.dst.size for i in self.live if i.dst is not None)
-            out["written_off_pages"] = self.pages.size - len(self.pages.free) - held
-            out["written_off_aux"] = self.aux_pool.size - len(self.aux_pool.free) - len(self.live)
+            held += sum(h.pages.size for h in self.held)
+            out["written_off_pages"] = self.pages.size - len(self.pages) - held
+            out["written_off_aux"] = (
+                self.aux_pool.size - len(self.aux_pool) - len(self.live) - len(self.held)
+            )
             # Oversized page lists of rooms that never settled: 4 M destinations each, held by
             # the engine for its life (34 MB of owner table per slot).
             live_slots = {i.oversized_slot for i in self.live}
@@ -554,6 +680,8 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
                     if name.startswith("injected_")
                 }
             )
+        if self.checks is not None:
+            now.update({f"hold.{name}": n for name, n in self.holds.items()})
         if self.proxy is not None:
             now.update(
                 {
