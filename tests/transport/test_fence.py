@@ -570,6 +570,20 @@ def test_after_a_hold_an_idle_pump_keeps_progressing_the_agent_then_parks(
     assert gate.progresses == parked
 
 
+def in_flight_for_good(
+    make: list[FencedPrefill], peer: PeerProcess
+) -> tuple[FencedPrefill, SenderRoom]:
+    """A fenced prefill with one room whose chunk is posted and in flight for as long as the
+    proxy says so (``gate.unstick()`` ends that)."""
+    prefill = FencedPrefill(peer, TransferConfig(deadline_base_s=30.0, quarantine_s=0.5))
+    make.append(prefill)
+    prefill.grant(FENCE, 30.0)
+    prefill.gate.stuck = True
+    sender = prefill.room(8, [11], [43])
+    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    return prefill, sender
+
+
 def test_a_reconnect_of_the_same_process_keeps_its_generation_and_the_write_in_flight(
     make: list[FencedPrefill], peer: PeerProcess
 ) -> None:
@@ -577,14 +591,8 @@ def test_a_reconnect_of_the_same_process_keeps_its_generation_and_the_write_in_f
     its generation is kept, and so is its chunk in flight. Replacing it would remove the
     remote agent, and with it the endpoint whose flush is the only proof that a WRITE to it
     is over (``remove_remote_agent`` returns at once; queued bytes still land later)."""
-    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
-    prefill = FencedPrefill(peer, config)
-    make.append(prefill)
+    prefill, sender = in_flight_for_good(make, peer)
     gate = prefill.gate
-    prefill.grant(FENCE, 30.0)
-    gate.stuck = True  # in flight for as long as the proxy says so
-    sender = prefill.room(8, [11], [43])
-    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
     gate.calls.clear()
     before = prefill.transport.peer("decode")
     prefill.engine.call(prefill.transport.connect_peer("decode", peer.metadata, peer.summary))
@@ -603,14 +611,8 @@ def test_a_restarted_peer_holds_the_old_generations_writes_before_its_agent_goes
     generation's lists and remote agent go. A chunk still in flight to it must be released
     and held first, as for a lost peer: removing the agent under a live handle makes NIXL say
     ERR for reasons that say nothing about the WRITE."""
-    config = TransferConfig(deadline_base_s=30.0, quarantine_s=0.5)
-    prefill = FencedPrefill(peer, config)
-    make.append(prefill)
+    prefill, sender = in_flight_for_good(make, peer)
     gate = prefill.gate
-    prefill.grant(FENCE, 30.0)
-    gate.stuck = True  # in flight for as long as the proxy says so
-    sender = prefill.room(8, [11], [43])
-    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
     assert sender.poll() is KVPoll.Transferring
     gate.calls.clear()
     restarted = PeerProcess(SHAPE, name=f"fence-peer-restarted-{os.getpid()}")
