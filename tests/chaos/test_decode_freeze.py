@@ -315,9 +315,10 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
         # their pages on waking is a race between its loop and its UCX worker, so each
         # freeze is a chance (before the fix, about 6 episodes in 10 showed late writes).
         pytest.param("tcp", 10.0, 3, 2, 96, id="tcp-10s"),
-        # Over UCX's default transports (CMA) a WRITE is prefill's own copy and finishes at
-        # once, stopped decode or not: chunks are in flight for moments, and the freeze may
-        # wait seconds for one (more rooms end before it).
+        # Over UCX's default transports many WRITEs finish inside transfer() (shared memory,
+        # prefill's own copy), stopped decode or not: chunks are in flight for moments, and
+        # the freeze may wait seconds for one (more rooms end before it). Larger ones wait
+        # for decode as over TCP (fence_probe --probes flush).
         pytest.param("default", 10.0, 13, 1, 128, id="default-10s"),
         # While decode is frozen prefill runs on through the plan, failing up to 4 rooms a
         # second (16 in flight, a 4 s Bootstrapping deadline; 134 to 240 in a minute were
