@@ -388,7 +388,8 @@ def run_link_cut(
     _check_cut_batch(report, opts, seed, tuning, t_cut)
     _check_after(report, opts, seed, dec2, pre2)
     # NIXL: after the drain every transfer handle is released; the lists left are the local
-    # ones (kv, aux) and those of the peer generation now connected.
+    # ones (kv, aux, the flush's scratch) and those of the peer generation now connected (kv,
+    # aux, the flush's target).
     for name, counters in (("after the cut", drained), ("at the end", final)):
         if counters["in_flight"]:
             problems.append(f"prefill has {counters['in_flight']} chunks in flight {name}")
@@ -399,12 +400,12 @@ def run_link_cut(
             )
     live_lists = final["dlists_prepped"] - final["dlists_released"]
     live_peers = final["peers_added"] - final["peers_removed"]
-    if live_peers != 1 or live_lists != 2 + 2 * live_peers:
+    if live_peers != 1 or live_lists != 3 + 3 * live_peers:
         problems.append(
             f"prefill holds {live_lists} descriptor lists and {live_peers} peers at the end "
-            "(want 2 local + 2 for the one connected peer)"
+            "(want 3 local + 3 for the one connected peer)"
         )
-    if decode_nixl["dlists_prepped"] - decode_nixl["dlists_released"] != 2:
+    if decode_nixl["dlists_prepped"] - decode_nixl["dlists_released"] != 3:  # its local ones
         problems.append(f"decode descriptor lists: {decode_nixl}")
     moved2 = sum(
         len(r.src) * opts.total_page_bytes + opts.aux_row_bytes

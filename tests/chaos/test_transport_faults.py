@@ -4,7 +4,6 @@ its pages are settled only when nothing can write them; every handle is released
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from collections.abc import Iterator
@@ -165,8 +164,12 @@ def test_a_peer_connecting_when_the_engine_stops_is_released(peer: PeerProcess) 
         return connect(*args)
 
     agent.connect = held_connect  # type: ignore[method-assign]
-    asyncio.run_coroutine_threadsafe(
-        transport.connect_peer("decode", peer.metadata, peer.summary), prefill.engine.loop
+    # NIXL reported the peer gone: the generation is dropped and reloaded on the worker (a
+    # connect of the current generation's own metadata would keep it and connect nothing).
+    current = transport.peer("decode")
+    assert current is not None
+    prefill.engine.loop.call_soon_threadsafe(
+        transport._peers.lost, current, "NIXL remote disconnect (test)"
     )
     assert entered.wait(30)
     prefill.engine.close()  # the reconnect's task is cancelled with the loop
