@@ -56,6 +56,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
+from kvfsm._tasks import cancel_and_wait
 from kvfsm.bootstrap._fingerprint import (
     Fingerprint,
     link_plan,
@@ -343,6 +344,9 @@ class ControlPlane(CommandSink):
         self.progress_watch = ProgressWatch(max(self.config.fence_margin_s / 4, 0.1))
         #: Decode: peer ranks a reconnect task is running for (``_owed``).
         self._reconnecting: set[int] = set()
+        #: Shutting down: a link lost now is not reconnected for what it owed.
+        self._closing = False
+        self._owed_tasks: set[asyncio.Task[None]] = set()
 
     # -- CommandSink ---------------------------------------------------------------------------
 
@@ -964,10 +968,15 @@ class ControlPlane(CommandSink):
             and isinstance(link.key, int)
             and link.key not in self._reconnecting
             and decode.owes(link.peer_id)
-            and self._tg is not None
+            and self._loop is not None
+            and not self._closing
         ):
+            # A task of its own, not the task group's: _lose also runs from plain callbacks,
+            # and aclose cancels and awaits it.
             self._reconnecting.add(link.key)
-            self._spawn(self._owed(link.key, link.peer_id))
+            task = self._loop.create_task(self._owed(link.key, link.peer_id))
+            self._owed_tasks.add(task)
+            task.add_done_callback(self._owed_tasks.discard)
 
     # -- incoming frames -----------------------------------------------------------------------
 
@@ -1041,6 +1050,7 @@ class ControlPlane(CommandSink):
         """Engine shutdown hook: let queued frames go out (the rooms' last outcomes and settle
         acknowledgements, which spare the peer its grace period), then close links and stop
         background tasks. The transport is the router's to close, after this."""
+        self._closing = True
         loop = self._running_loop()
         give_up = loop.time() + self.config.flush_timeout_s
         # Polled: the queues have no "drained" event, and this runs once per engine lifetime.
@@ -1050,6 +1060,8 @@ class ControlPlane(CommandSink):
             await anyio.sleep(0.005)
         for link in list(self._links.values()):
             self._lose(link, "engine shutting down")
+        for task in list(self._owed_tasks):
+            await cancel_and_wait(task)
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
         if self._main is not None:

@@ -319,12 +319,13 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
         # prefill's own copy), stopped decode or not: chunks are in flight for moments, and
         # the freeze may wait seconds for one (more rooms end before it). Larger ones wait
         # for decode as over TCP (fence_probe --probes flush).
-        pytest.param("default", 10.0, 13, 1, 128, id="default-10s"),
+        # Rooms enough that some are left however long that wait (a loaded machine: seconds).
+        pytest.param("default", 10.0, 13, 1, 256, id="default-10s"),
         # While decode is frozen prefill runs on through the plan, failing up to 4 rooms a
         # second (16 in flight, a 4 s Bootstrapping deadline; 134 to 240 in a minute were
         # seen): the rest are served after the freeze, whose seeds make it due at once.
         pytest.param("tcp", 60.0, 3, 1, 360, id="tcp-60s", marks=pytest.mark.timeout(300)),
-        pytest.param("default", 60.0, 13, 1, 360, id="default-60s", marks=pytest.mark.timeout(300)),
+        pytest.param("default", 60.0, 13, 1, 520, id="default-60s", marks=pytest.mark.timeout(300)),
     ],
 )
 def test_a_decode_frozen_with_writes_in_flight(
