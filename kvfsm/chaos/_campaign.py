@@ -39,6 +39,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import secrets
 import signal
 import time
@@ -60,6 +61,9 @@ __all__ = ["ok", "run_campaign"]
 
 _log = logging.getLogger("kvfsm.chaos")
 _ROLES: Final = ("prefill", "decode")
+#: Decode reasons of a room that was bound to a control link when that link was lost.
+_LINK_LOST: Final = re.compile(r"^peer lost: (connection to |prefill-.* silent)")
+
 #: A long freeze waiting for chunks in flight is made anyway once this share of the episode's
 #: rooms ended: the rest must still be moving when it comes.
 _FREEZE_BY_ENDED: Final = 0.6
@@ -600,10 +604,13 @@ class _Campaign:
     ) -> None:
         """Rooms created on both sides after this episode's last decode freeze ended: they
         must still be served (counted; the report says how many succeeded). And prefill rooms
-        that lived through a freeze and ended at their Bootstrapping deadline more than a
-        second after decode's room of that id had already ended: decode knew, prefill was not
-        told (counted, with the longest such wait, and a violation)."""
+        that lived through a freeze and ended at their Bootstrapping deadline longer than the
+        liveness bound after decode's room of that id, bound to a link that was then lost, had
+        already ended: decode knew, prefill was not told (counted, with the longest such
+        wait, and a violation)."""
         tally = self.tally
+        # One reconnect (its backoff included) and the abort's way over it: the liveness bound.
+        told_within = self.opts.channel_silence_s() + self.opts.liveness_slack_s
         for plan in plans:
             gen = 1 if (plan.room, 1) in outcomes["decode"] else 0
             dec = outcomes["decode"].get((plan.room, gen))
@@ -618,9 +625,13 @@ class _Campaign:
             pre_end, dec_end = pre.get("ended_at", 0.0), dec.get("ended_at", 0.0)
             if not pre["reason"].startswith("deadline expired: Bootstrapping"):
                 continue
+            if not _LINK_LOST.search(str(dec.get("reason", ""))):
+                # Decode's room never reached a link (its prefill rank unreachable, killed or
+                # restarting): a sender no decode claimed waits out its deadline by design.
+                continue
             for frozen_at, resumed in self.freezes:
                 lived = pre.get("started_at", 0.0) < resumed < pre_end
-                if lived and dec_end >= frozen_at and pre_end - dec_end > 1.0:
+                if lived and dec_end >= frozen_at and pre_end - dec_end > told_within:
                     tally.untold += 1
                     tally.untold_max_s = max(tally.untold_max_s, pre_end - dec_end)
                     # Decode tells what a lost link failed within one reconnect (law 3).

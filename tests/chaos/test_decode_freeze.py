@@ -370,3 +370,43 @@ def test_a_decode_frozen_with_writes_in_flight(
     assert report["unsettled"] == {}, summary
     assert set(report["leaks"].values()) == {0}, report["leaks"]
     assert report["liveness"]["max_s"] <= report["liveness"]["bound_s"]
+
+
+def _ended(reason: str, started: float, ended: float) -> dict[str, Any]:
+    return {
+        "status": KVPoll.Failed,
+        "mismatched": 0,
+        "reason": reason,
+        "started_at": started,
+        "ended_at": ended,
+    }
+
+
+def test_a_prefill_room_left_to_its_deadline_after_decode_lost_the_link_is_a_violation() -> None:
+    """Decode's room ended with its link lost during the freeze; prefill's of the same id then
+    waited out Bootstrapping well past the liveness bound: prefill was not told (a violation).
+    A decode room that never reached a link (its prefill rank unreachable) does not count."""
+    campaign = _Campaign(CampaignOptions(seed=1))
+    campaign.freezes = [(10.0, 20.0)]
+    plans = [
+        cast("RoomPlan", dataclasses.make_dataclass("P", ["room"])(room)) for room in (1, 2, 3)
+    ]
+    bootstrapping = "deadline expired: Bootstrapping for more than 4s"
+    outcomes = {
+        "decode": {
+            (1, 0): _ended("peer lost: connection to prefill-0-7 closed: ", 9.0, 20.1),
+            (2, 0): _ended("peer lost: cannot reach prefill rank 0: EndOfStream", 9.0, 20.1),
+            (3, 0): _ended("peer lost: connection to prefill-0-7 closed: ", 9.0, 20.1),
+        },
+        "prefill": {
+            (1, 0): _ended(bootstrapping, 19.0, 26.0),  # 5.9 s after: untold
+            (2, 0): _ended(bootstrapping, 19.0, 26.0),  # never claimed: by design
+            (3, 0): _ended(bootstrapping, 19.0, 22.0),  # within the bound
+        },
+    }
+    campaign._after_freezes(plans, outcomes)
+    assert campaign.tally.untold == 1
+    assert campaign.tally.untold_max_s == pytest.approx(5.9)
+    assert campaign.tally.violations == [
+        "room 1: prefill waited out Bootstrapping 5.90s after decode's room ended"
+    ]
