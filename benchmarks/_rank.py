@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
+from kvfsm.control._plane import ChannelConfig, ControlPlane
 from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine
 from kvfsm.transport import Agent, Leases, NixlTransport

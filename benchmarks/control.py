@@ -47,7 +47,7 @@ from typing import Any
 
 import msgspec
 
-from kvfsm.bootstrap._frames import (
+from kvfsm.control._frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     AnyFrame,

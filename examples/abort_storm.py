@@ -219,7 +219,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "kvfsm.bootstrap._cli",
+            "kvfsm.registry._cli",
             "--port",
             str(port),
             "--expected-ranks",

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from kvfsm import KVPoll
-from kvfsm.bootstrap import BootstrapServer
 from kvfsm.manager import DecodeManager, PrefillManager
+from kvfsm.registry import BootstrapServer
 from kvfsm.rooms import ReceiverRoom, SenderRoom
 from kvfsm.transport import Layout
 

@@ -23,8 +23,8 @@ with contextlib.redirect_stdout(sys.stderr):
     from kvfsm import demo
     from kvfsm import diagram as diagram_cli
     from kvfsm._child import dump_stacks_on_sigusr1
-    from kvfsm.bootstrap import _cli as bootstrap_cli
     from kvfsm.chaos import _cli as chaos_cli
+    from kvfsm.registry import _cli as bootstrap_cli
     from kvfsm.workload import demo_report, peer_run
     from kvfsm.workload.command import run_command
     from kvfsm.workload.options import (

@@ -1,7 +1,7 @@
 """``kvfsm demo``: a real prefill-decode pair on this machine, both sides with rooms.
 
 Three kinds of process take part: **this process** runs the bootstrap registry embedded in a
-thread of its own (:class:`~kvfsm.bootstrap.RegistryThread`), starts the two ranks,
+thread of its own (:class:`~kvfsm.registry.RegistryThread`), starts the two ranks,
 hands them the plan, collects what they report, prints a live progress line on stderr and the
 summary on stdout; **the prefill process** and **the decode process** each run a manager and a
 scheduler-shaped loop over their rooms (:mod:`kvfsm.workload.ranks`).

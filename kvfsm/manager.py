@@ -41,19 +41,16 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
 
-from kvfsm.bootstrap import (
-    BootstrapClient,
-    BootstrapError,
+from kvfsm.control import (
     ChannelConfig,
     ControlPlane,
     Fingerprint,
-    NotReadyError,
     PipelineStage,
     Registration,
     Resolver,
-    UnreachableError,
     registry_resolver,
 )
+from kvfsm.registry import BootstrapClient, BootstrapError, NotReadyError, UnreachableError
 from kvfsm.rooms import (
     CommandSink,
     Inbox,
@@ -246,7 +243,7 @@ class ManagerConfig:
     #: Keep Prometheus metrics (needs ``prometheus-client``: ``pip install kvfsm[metrics]``).
     metrics: bool = False
     #: The model layout and parallel shape this rank declares in its handshake; a peer whose
-    #: declaration does not pair with it is refused there (``kvfsm.bootstrap._fingerprint``).
+    #: declaration does not pair with it is refused there (``kvfsm.control._fingerprint``).
     #: None: nothing declared (pairs only with peers that declare nothing).
     fingerprint: Fingerprint | None = None
     #: Prefill: when the stale-progress gate fences the NIXL agent out (the process was
@@ -394,7 +391,7 @@ class PrefillManager(_Manager):
     ) -> None:
         """``pp_size > 1``: this rank is pipeline stage ``pp_rank``; ``stage_root`` is the
         registry rank of stage 0 of its pipeline (same DP and TP rank), whom a later stage
-        reports its rooms' statuses to (``kvfsm.bootstrap._pipeline``)."""
+        reports its rooms' statuses to (``kvfsm.control._pipeline``)."""
         super().__init__(
             "prefill",
             layout,

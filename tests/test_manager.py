@@ -12,7 +12,7 @@ import socket
 import numpy as np
 
 from kvfsm import KVPoll
-from kvfsm.bootstrap import ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager, default_agent_name
 from kvfsm.states import TERMINAL
 from kvfsm.testing import KvfsmPair

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvfsm import KVPoll
-from kvfsm.bootstrap import ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.metrics import reason_kind
 from kvfsm.states import TERMINAL

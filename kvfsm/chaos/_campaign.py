@@ -49,11 +49,11 @@ from multiprocessing.connection import Connection
 from typing import Any, Final, Protocol
 
 from kvfsm._child import ChildProcess, environ, spawn_quietly
-from kvfsm.bootstrap import RegistryThread
 from kvfsm.chaos._hostile import HOSTILE_KINDS, HostileResult, send_hostile
 from kvfsm.chaos._netns import CutMode, TwoHosts
 from kvfsm.chaos._options import CampaignOptions, RoomPlan, episode_plan
 from kvfsm.chaos._rank import CAMPAIGN_ABORT, rank_main
+from kvfsm.registry import RegistryThread
 from kvfsm.states import KVPoll, Role
 from kvfsm.workload.report import reason_class
 

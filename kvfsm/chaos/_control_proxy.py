@@ -7,7 +7,7 @@ listener forwarding to it (one listener per upstream address, made on first use)
 connection gets its own upstream connection and two pumps, ``to_prefill`` and ``to_decode``.
 
 A pump cuts the byte stream into frames by the channel's framing
-(:mod:`kvfsm.bootstrap._frames` rule 1: ``length:u32 big-endian | body``; the proxy needs
+(:mod:`kvfsm.control._frames` rule 1: ``length:u32 big-endian | body``; the proxy needs
 nothing else, so it neither decodes nor checks a frame) and asks the plan, once per frame,
 what to do with it (site = the pump's direction): forward, drop, duplicate, hold back behind
 the next frame (reorder), delay (the frames behind it wait: a stream keeps its order), forward
@@ -38,8 +38,8 @@ from typing import Any, Final
 
 import msgspec
 
-from kvfsm.bootstrap._frames import _MAC_BYTES
 from kvfsm.chaos._plan import FaultPlan, FrameFault
+from kvfsm.control._frames import _MAC_BYTES
 
 __all__ = ["ControlProxy", "ProxyThread"]
 

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvfsm.bootstrap import ChannelConfig
 from kvfsm.chaos._plan import ControlRates, TransferRates
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import ManagerConfig
 from kvfsm.rooms import RoomConfig
 from kvfsm.states import KVPoll, Role

@@ -83,12 +83,13 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.bootstrap import BootstrapClient, registry_resolver
 from kvfsm.chaos._control_proxy import ProxyThread
 from kvfsm.chaos._options import OVERSIZED_PAGES, CampaignOptions, RoomPlan, episode_plan
 from kvfsm.chaos._plan import FaultPlan
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.control import registry_resolver
 from kvfsm.manager import DecodeManager, PrefillManager
+from kvfsm.registry import BootstrapClient
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import TERMINAL, KVPoll, Role
 from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout, shape_of

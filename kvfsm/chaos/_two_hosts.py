@@ -37,10 +37,11 @@ from typing import Any
 import numpy as np
 
 from kvfsm._child import ChildProcess, spawn_quietly
-from kvfsm.bootstrap import ChannelConfig, RegistryThread
 from kvfsm.chaos._netns import CutMode, TwoHosts
+from kvfsm.control import ChannelConfig
 from kvfsm.demo import run_demo
 from kvfsm.manager import ManagerConfig
+from kvfsm.registry import RegistryThread
 from kvfsm.rooms import RoomConfig
 from kvfsm.states import KVPoll, Role
 from kvfsm.transport import TransferConfig

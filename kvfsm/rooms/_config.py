@@ -14,7 +14,7 @@ __all__ = ["DEFAULT_MAX_PAGES", "RoomConfig"]
 #: Pages (plus state rows) one room may name. A receiver's page list travels in one control
 #: frame, and the control channel's default frame limit, 16 MiB, holds about 4.19 M packed int32
 #: indices; 4 M leaves room for the frame's header and some state rows. (The number is repeated
-#: here rather than imported: the rooms layer does not depend on kvfsm.bootstrap.) A channel
+#: here rather than imported: the rooms layer does not depend on kvfsm.control.) A channel
 #: configured with a smaller frame limit wants a smaller ``max_pages`` too.
 DEFAULT_MAX_PAGES: Final = 4_000_000
 

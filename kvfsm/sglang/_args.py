@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvfsm.bootstrap import Fingerprint
+from kvfsm.control import Fingerprint
 from kvfsm.transport import Layout, LayoutError, MemKind
 
 __all__ = [

@@ -22,8 +22,9 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvfsm.bootstrap import BootstrapClient, ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
+from kvfsm.registry import BootstrapClient
 from kvfsm.sglang._args import (
     ENGINE,
     ServerConfig,
@@ -43,7 +44,7 @@ from kvfsm.states import Part
 from kvfsm.transport import legs
 
 if TYPE_CHECKING:
-    from kvfsm.bootstrap import PipelineStage
+    from kvfsm.control import PipelineStage
     from kvfsm.rooms import ReceiverRoom, SenderRoom
     from kvfsm.sglang._legs import Legs
 

@@ -1,8 +1,8 @@
 """``KvfsmKVBootstrapServer``: the bootstrap registry of one prefill instance, as SGLang starts it
 (``host``, ``port`` from ``--host`` and ``--disaggregation-bootstrap-port``) in its main process.
 
-It is kvfsm's registry (kvfsm/bootstrap/_registry_server.py) on a daemon thread with its own
-event loop (``kvfsm.bootstrap.RegistryThread``): SGLang constructs the server and keeps the
+It is kvfsm's registry (kvfsm/registry/_server.py) on a daemon thread with its own
+event loop (``kvfsm.registry.RegistryThread``): SGLang constructs the server and keeps the
 object, and never calls anything on it again. A port that is taken raises from the constructor.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from kvfsm.bootstrap import RegistryThread
+from kvfsm.registry import RegistryThread
 from kvfsm.sglang._bases import BaseKVBootstrapServer
 from kvfsm.sglang._settings import secret
 

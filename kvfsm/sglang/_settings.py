@@ -30,7 +30,7 @@ import dataclasses
 import os
 import threading
 
-from kvfsm.bootstrap import ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import ManagerConfig
 
 __all__ = ["channel_config", "configure", "exit_on_fenced_out", "manager_config", "secret"]

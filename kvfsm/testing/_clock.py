@@ -1,6 +1,6 @@
 """``VirtualClock``: time for kvfsm's sans-IO cores, which never read a clock themselves.
 
-The rules of the control channel (``kvfsm.bootstrap._routing``: leases, fences, claim and
+The rules of the control channel (``kvfsm.control._routing``: leases, fences, claim and
 tombstone lifetimes) and of a room (``kvfsm.rooms.RoomCore``) take ``now`` as an argument, so a
 test can walk them through minutes of deadlines in microseconds, and exactly: hand them
 ``clock.now`` (or the clock itself, where a ``Callable[[], float]`` is wanted) and

@@ -37,9 +37,10 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.bootstrap import ChannelConfig, RegistryThread, registry_resolver
 from kvfsm.chaos import ProxyThread, TransportFaults, faulty_agent_config
+from kvfsm.control import ChannelConfig, registry_resolver
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
+from kvfsm.registry import RegistryThread
 from kvfsm.rooms import ReceiverRoom, RoomConfig, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll, Role
 from kvfsm.testing._faults import Faults, ScriptedPlan

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvfsm.bootstrap import Fingerprint
+from kvfsm.control import Fingerprint
 from kvfsm.workload.buffers import Shape, shape_of
 
 __all__ = [

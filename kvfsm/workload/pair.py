@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvfsm._child import ChildProcess, spawn_quietly
-from kvfsm.bootstrap import RegistryThread
 from kvfsm.manager import ManagerConfig
+from kvfsm.registry import RegistryThread
 from kvfsm.workload.interrupts import sigint_deferred
 from kvfsm.workload.options import DemoOptions
 from kvfsm.workload.ranks import STARVED, Outcome, rank_main

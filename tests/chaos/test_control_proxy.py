@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kvfsm import KVPoll
-from kvfsm.bootstrap import ChannelConfig
 from kvfsm.chaos._control_proxy import ControlProxy, ProxyThread
 from kvfsm.chaos._plan import ControlRates, FaultPlan
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.workload.buffers import make_buffers, make_layout

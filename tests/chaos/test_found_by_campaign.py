@@ -1,7 +1,7 @@
 """Minimal reproductions of what ``kvfsm chaos`` found in kvfsm itself, on a real pair.
 
 Each was an open bug when the campaign found it, marked ``xfail(strict=True)``; all three are
-fixed now (kvfsm/bootstrap/_routing.py, kvfsm/rooms/_core.py) and these are their regression
+fixed now (kvfsm/control/_routing.py, kvfsm/rooms/_core.py) and these are their regression
 tests. docs/reliability.md says which run found each one.
 """
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from kvfsm import KVPoll
-from kvfsm.bootstrap import ChannelConfig
 from kvfsm.chaos._plan import FaultPlan, TransferRates
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import RoomConfig
 from kvfsm.workload.buffers import make_buffers, make_layout

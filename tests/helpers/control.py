@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from kvfsm.bootstrap import ChannelConfig, ControlPlane
+from kvfsm.control import ChannelConfig, ControlPlane
 from kvfsm.manager import router_for
 from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine
 from kvfsm.states import KVPoll

@@ -15,7 +15,7 @@ calls and whose answers it executes, the way the production IO around them does.
                                              RoomEngine's generation counter; callers use the
                                              production facades (SenderRoom, ReceiverRoom)
                                              through a post callable.
-    kvfsm.bootstrap._routing                 kvfsm.bootstrap._control.ControlPlane: submit(),
+    kvfsm.control._routing                 kvfsm.control._plane.ControlPlane: submit(),
     PrefillRouting / DecodeRouting           room_spawned / room_reaped, the Hello exchange ->
                                              link_opened, _lose -> link_lost, the watchdog
                                              (silence, lease_due, tick), _on_frame -> on_*,
@@ -28,7 +28,7 @@ calls and whose answers it executes, the way the production IO around them does.
                                              progress, polled, quarantine timers), peer loss,
                                              release requests.
 
-Frames are the real :mod:`kvfsm.bootstrap._frames` classes and cross the model link as bytes,
+Frames are the real :mod:`kvfsm.control._frames` classes and cross the model link as bytes,
 through ``FrameCodec.encode`` and ``FrameReader.feed``.
 
 The world
@@ -94,7 +94,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
 
-from kvfsm.bootstrap._frames import (
+from kvfsm.control._frames import (
     PROTOCOL_VERSION,
     Error,
     Frame,
@@ -113,7 +113,7 @@ from kvfsm.bootstrap._frames import (
     RoomSettled,
     check_hello,
 )
-from kvfsm.bootstrap._routing import (
+from kvfsm.control._routing import (
     Action,
     DecodeRouting,
     Deliver,

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm._child import ChildProcess
-from kvfsm.bootstrap._control import ChannelConfig, ControlPlane
+from kvfsm.control._plane import ChannelConfig, ControlPlane
 from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import KVPoll
@@ -78,8 +78,8 @@ def _register(control: ControlPlane, url: str) -> Any:
     """Start keeping this rank registered (on the engine loop); returns the task."""
     import asyncio
 
-    from kvfsm.bootstrap import BootstrapClient
-    from kvfsm.bootstrap._discovery import Registration
+    from kvfsm.control._discovery import Registration
+    from kvfsm.registry import BootstrapClient
 
     async def start() -> Any:
         client = BootstrapClient(url)

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from kvfsm.bootstrap import RankInfo
+from kvfsm.registry import RankInfo
 
 ENGINE = "prefill-a"
 SECRET = b"0123456789abcdef-test-secret"

@@ -23,7 +23,7 @@ def running_registry(ttl_s: float, expected_ranks: int = 1) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "kvfsm.bootstrap._cli", "--port", str(port)]
+    command = [sys.executable, "-m", "kvfsm.registry._cli", "--port", str(port)]
     command += ["--expected-ranks", str(expected_ranks), "--ttl", str(ttl_s)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -2,7 +2,7 @@
 exhaustion tests: the child lowers its soft ``RLIMIT_NOFILE`` (1024 unless told otherwise) so
 that a test can run it out of descriptors without running the machine out of them.
 
-    python tests/bootstrap/registry_process.py --nofile 1024 [--max-connections N]
+    python tests/helpers/registry_process.py --nofile 1024 [--max-connections N]
         [--idle-timeout S] [--request-timeout S] [--expected-ranks N] [--uvloop]
 
 Once serving it prints one JSON line, ``{"port": P, "nofile": [soft, hard]}``. Then it reads
@@ -28,7 +28,7 @@ import resource
 import sys
 from typing import Any
 
-from kvfsm.bootstrap import BootstrapServer
+from kvfsm.registry import BootstrapServer
 
 
 def _lower_nofile(soft: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfsm.bootstrap import ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import ManagerConfig
 from kvfsm.rooms import RoomConfig
 from kvfsm.states import KVPoll, Role

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvfsm.bootstrap._frames import (
+from kvfsm.control._frames import (
     Frame,
     LeaseRequest,
     RoomAbort,
@@ -45,7 +45,7 @@ from kvfsm.bootstrap._frames import (
     RoomMetadata,
     RoomSettled,
 )
-from kvfsm.bootstrap._routing import (
+from kvfsm.control._routing import (
     Action,
     Deliver,
     GrantLease,

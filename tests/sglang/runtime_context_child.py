@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from sglang.srt.runtime_context import get_context
 
-from kvfsm.bootstrap import BootstrapClient
+from kvfsm.registry import BootstrapClient
 from kvfsm.sglang import KvfsmKVManager
 from kvfsm.sglang._args import ENGINE, ServerConfig
 from kvfsm.sglang._bases import DisaggregationMode

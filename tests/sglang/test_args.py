@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvfsm.bootstrap import Fingerprint
-from kvfsm.bootstrap._fingerprint import mismatch
+from kvfsm.control import Fingerprint
+from kvfsm.control._fingerprint import mismatch
 from kvfsm.sglang._args import (
     Topology,
     UnsupportedError,

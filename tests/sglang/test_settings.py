@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfsm.bootstrap import ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.sglang._settings import channel_config, configure, manager_config
 
 

@@ -1,0 +1,25 @@
+"""The control channel between prefill and decode ranks: the handshake that checks both sides
+agree on the KV layout, typed frames with heartbeats and leases, per-room routing, the PP status
+consensus between pipeline stages, and the glue that publishes a prefill rank in the registry."""
+
+from __future__ import annotations
+
+from kvfsm.control._discovery import Registration, registry_resolver
+from kvfsm.control._fingerprint import Fingerprint
+from kvfsm.control._frames import PROTOCOL_VERSION, FrameCodec, FrameError, FrameReader
+from kvfsm.control._pipeline import PipelineStage
+from kvfsm.control._plane import ChannelConfig, ControlPlane, Resolver
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ChannelConfig",
+    "ControlPlane",
+    "Fingerprint",
+    "FrameCodec",
+    "FrameError",
+    "FrameReader",
+    "PipelineStage",
+    "Registration",
+    "Resolver",
+    "registry_resolver",
+]

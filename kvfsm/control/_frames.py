@@ -1,0 +1,796 @@
+"""The control channel's wire format: typed frames, their envelope, a codec and a stream reader.
+
+Rule 1: a frame on the wire is ``length:u32 big-endian | body``, ``1 <= length <= max_frame_bytes``
+        (``MAX_FRAME_BYTES``, 16 MiB, by default). A length above the limit is fatal: it is refused
+        as soon as its four bytes are read, before a byte of its body is buffered.
+Rule 2: ``body = auth:u8 | mac | payload``. ``auth`` 0: no MAC, ``mac`` is empty. ``auth`` 1:
+        ``mac`` is the 32-byte HMAC-SHA256 of ``payload`` under the shared secret
+        (``kvfsm.link.sign(secret, payload)``); only ``Hello`` travels so. ``auth`` 2
+        (every frame after the Hellos when a secret is set): ``body = 2 | mac | seq:u64 | payload``
+        and ``mac`` is the HMAC-SHA256 of ``seq | payload`` under this connection's session key
+        for this direction (``SessionCodec``); ``seq`` counts the direction's frames from 1 and
+        must arrive in order. No other ``auth`` value exists.
+Rule 3: ``payload`` is one msgpack map: the frame's fields by name plus ``"t"``, the frame's class
+        name. Decoding it against the tagged union of the frame classes *is* the validation:
+        types, ranges and lengths are declared on the fields, and nothing downstream re-checks.
+Rule 4: the first frame each way on a new connection is ``Hello``; its ``version`` must equal
+        ``PROTOCOL_VERSION`` (``check_hello``). There is no negotiation.
+Rule 5: this module is sans-IO. It turns frames into bytes and bytes into frames or
+        ``FrameError`` values; sockets, time and the choice of reply belong to the caller.
+
+Frames
+------
+
+    frame          direction         meaning
+    Hello          both, first       version, role, rank, NIXL agent name and metadata, layout,
+                                     incarnation; decode's: its first lease and its fence margin
+    Heartbeat      both              a sign of life on an idle connection (any frame is one)
+    LeaseRequest   prefill -> decode asks for a write lease (sequence number)
+    LeaseGrant     decode -> prefill grants it: prefill may write into this decode's pages until
+                                     its own send time of that request plus ``lease_ms``
+    RoomClaim      decode -> prefill this decode room waits for that prefill room (sent as soon as
+                                     decode knows its prefill rank, before pages are reserved)
+    Reconcile      decode -> prefill after a reconnect: the rooms of the lost link whose pages
+                                     still wait for an acknowledgement (packed room, generation)
+    RoomMetadata   decode -> prefill where to write: destination pages, aux row, state rows,
+                                     and the prompt tokens decode holds already (its prefix)
+    RoomOutcome    prefill -> decode the sender room's end: 4 (Success) or 0 (Failed) + reason
+    RoomAbort      both              this side failed or aborted the room
+    RoomSettled    prefill -> decode every transfer handle touching the room settled (abort ack)
+    Error          both              the frame you sent was rejected; names its room if it had one
+
+Every room frame carries ``(room, generation)``, the room's identity (law 5): the generation is the
+decode room's (``RoomKey.generation`` of the receiver), and both sides route by the pair. Page
+lists and state rows are packed little-endian int32 (``np.asarray(ids, "<i4").tobytes()``): one
+million pages are 4 MiB and cost one copy to decode, where a msgpack list of ints costs one Python
+int per page. The
+codec checks that their length is a multiple of 4; whether each index is inside the peer's pool is
+for the transport, which knows the pool.
+
+Validation
+----------
+
+Frames are frozen ``msgspec.Struct`` classes, tagged by class name in the field ``"t"``, with
+``forbid_unknown_fields``: a field this version does not know is an error, not a silent drop.
+Constraints live in the annotations (``Room``, ``Reason``, ...), so msgspec's own error message
+names the field: ``Expected `int` >= 0 - at `$.room```. The few rules msgspec cannot express
+(packed int32 lengths, the two outcome statuses) are ``__post_init__`` checks, which run both when
+a frame is built in Python and when one is decoded. Range constraints run only on decode: a frame
+built locally with a bad value is caught by the peer, which fails the room it names.
+
+The payload is a map, not ``array_like``: positional arrays are cheaper (0.72 against 1.13 us per
+round trip in ``design-anchors.md`` section 2.2), but then errors would say ``$[1]`` instead of
+``$.room``, and a rejected frame could not be read for its room (below).
+
+Errors and law 7
+----------------
+
+``FrameCodec.decode`` returns a frame or raises ``FrameError(reason, room, fatal)``:
+
+* *fatal* (the connection must be dropped, which the channel treats as peer loss): an oversized
+  or empty body, an unknown ``auth`` byte, a missing, unexpected or wrong MAC, and any rejected
+  ``Hello`` (a wrong version included). These mean the peer does not speak this protocol with this
+  secret, so nothing it sends can be trusted, its room numbers included.
+* *not fatal* (skip the frame, reply ``Error``, keep the connection): malformed msgpack, an
+  unknown frame type, a missing or unknown field, a wrong type or an out-of-range value.
+
+A non-fatal rejection reads the payload a second time, with a permissive decoder (``_Probe``:
+``t``, ``room``, ``generation`` and ``version`` typed ``Any``, every other field skipped). If it
+is a map whose ``room`` (and ``generation``) are integers in range, the error names them, so the
+caller fails exactly that room and no other (law 7); an invalid ``room`` names nothing. The probe
+costs nothing on the happy path, and a payload whose MAC failed is never read at all. Reasons are
+clipped (a hostile peer chooses the field names and values msgspec quotes), so every reason fits
+an ``Error`` frame. A caller never answers a rejected ``Error`` frame (``FrameError.tag ==
+"Error"``) with another ``Error``: two peers would echo each other forever.
+
+Authentication
+--------------
+
+With a secret (at least ``MIN_SECRET_BYTES``), every frame is signed and every frame read
+must carry a valid MAC; without one, frames go unsigned and a signed frame is *refused*: one side
+configured with a secret and the other without is a misconfiguration, reported on the first
+``Hello`` rather than papered over. A 1-byte ``auth`` tag and a fixed-offset MAC replace a msgpack
+envelope: no second msgpack pass and no copy of the payload just to unwrap it. The MAC proves that
+a holder of the secret wrote the payload and that it was not altered. It does not prove freshness:
+a recorded frame replayed on another connection would verify. Version 3 closes that: each
+``Hello`` carries a fresh 16-byte nonce, and everything after the Hellos is sealed with a
+*session key* per direction, derived HKDF-style (RFC 5869, HMAC-SHA256) from the secret and both
+nonces (``session_keys``), with a sequence number under the MAC. A frame recorded on one
+connection is worthless on any other (other nonces, other key), and a replay, drop or reorder
+inside one connection breaks the sequence and drops the connection. A replayed ``Hello`` still
+verifies, but its sender cannot produce the session frame that must follow it (key
+confirmation), so the channel registers nothing for it (``kvfsm.control._plane``). No
+encryption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Annotated, Any, Final, Literal, TypeAlias
+
+import msgspec
+
+from kvfsm.control._fingerprint import Fingerprint
+from kvfsm.link import check_secret
+
+__all__ = [
+    "FRAME_TYPES",
+    "MAX_FRAME_BYTES",
+    "NONCE_BYTES",
+    "PROTOCOL_VERSION",
+    "REASON_MAX",
+    "AnyFrame",
+    "Error",
+    "Frame",
+    "FrameCodec",
+    "FrameError",
+    "FrameReader",
+    "Heartbeat",
+    "Hello",
+    "LeaseGrant",
+    "LeaseRequest",
+    "Reconcile",
+    "RoomAbort",
+    "RoomClaim",
+    "RoomMetadata",
+    "RoomOutcome",
+    "RoomSettled",
+    "SessionCodec",
+    "check_hello",
+    "clip_reason",
+    "pack_refs",
+    "session_keys",
+    "unpack_refs",
+]
+
+#: The version this module speaks. Peers with another version are refused at ``Hello``.
+#: 2: leases, claims, reconciliation; 3: session keys, sequence numbers; 4: the handshake
+#: fingerprint (Hello.fingerprint); 5: legs (RoomMetadata.part), the attention-TP rank, and
+#: decode prefix caching (RoomMetadata.prefix); 6: pipeline stages in the fingerprint
+#: (``pp_rank``, ``first_layer``).
+PROTOCOL_VERSION: Final = 7
+#: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
+#: list of a four-million-page room.
+MAX_FRAME_BYTES: Final = 16 * 2**20
+
+_PREFIX: Final = struct.Struct(">I")
+_PREFIX_BYTES: Final = _PREFIX.size
+_MAX_LIMIT: Final = 2**32 - 1  # what a u32 length can say
+_AUTH_NONE: Final = 0
+_AUTH_HMAC_SHA256: Final = 1
+_AUTH_SESSION: Final = 2
+_MAC_BYTES: Final = 32
+_UNSIGNED: Final = bytes([_AUTH_NONE])
+_SIGNED: Final = bytes([_AUTH_HMAC_SHA256])
+_SESSION: Final = bytes([_AUTH_SESSION])
+_SEQ: Final = struct.Struct(">Q")
+#: A Hello's nonce, when a secret is set.
+NONCE_BYTES: Final = 16
+_COPY_MAX: Final = 4096  # below this, slicing a payload out of its body copies it
+_INT63_MAX: Final = 2**63 - 1
+_REASON_MAX: Final = 1024
+#: A reason longer than this is clipped by the sender (``clip_reason``), never refused.
+REASON_MAX: Final = _REASON_MAX
+
+# Field types. The constraints are checked by the decoder, and its messages name the field.
+Room: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_INT63_MAX)]
+Generation: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_INT63_MAX)]
+Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_INT63_MAX)]
+Index: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Reason: TypeAlias = Annotated[str, msgspec.Meta(max_length=_REASON_MAX)]
+AgentName: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+PeerRole: TypeAlias = Literal["prefill", "decode"]
+
+_SUCCESS: Final = 4  # KVPoll.Success
+_FAILED: Final = 0  # KVPoll.Failed
+
+
+def _check_packed(name: str, value: bytes) -> None:
+    if len(value) % 4:
+        raise ValueError(f"`{name}` is {len(value)} bytes, not a multiple of 4 (packed int32)")
+
+
+class Frame(
+    msgspec.Struct, frozen=True, tag=True, tag_field="t", gc=False, forbid_unknown_fields=True
+):
+    """Base of every frame. Never sent itself."""
+
+
+class Hello(Frame, frozen=True):
+    """First frame each way on a new connection: who is talking, and what it can be sent."""
+
+    version: int
+    role: PeerRole
+    rank: Index
+    #: The sender's NIXL agent name.
+    agent: AgentName
+    #: Its NIXL agent metadata (``get_agent_metadata()``); empty from prefill.
+    agent_metadata: bytes
+    #: Its memory layout, an opaque msgpack blob (``LayoutSummary``); empty from prefill.
+    layout: bytes
+    #: Changes every time the rank's process starts: a new incarnation is a new peer.
+    incarnation: Count
+    #: Decode: the write lease its Hello grants (it answers prefill's Hello, so prefill may
+    #: write until it sent its own Hello plus this); later leases come in ``LeaseGrant``.
+    #: 0 from prefill.
+    lease_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
+    #: With a secret: 16 fresh random bytes, half of the session key's salt. Empty without.
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    #: What the peer must agree on (model layout, parallel shape), checked by both sides
+    #: before anything else happens on the link (``_fingerprint.mismatch``).
+    fingerprint: Fingerprint = Fingerprint()
+    #: Decode: its ``fence_margin_s`` (it settles a lost link's pages at its last grant +
+    #: lease + this), which prefill's stale-progress gate must use for this link's writes
+    #: (``Leases.grant``). 0 from prefill. (Protocol 7.)
+    fence_margin_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
+
+
+class Heartbeat(Frame, frozen=True):
+    """A sign of life on an otherwise idle connection."""
+
+    seq: Count
+
+
+class LeaseRequest(Frame, frozen=True):
+    """Prefill → decode: please grant a write lease. ``seq`` grows by one per request."""
+
+    seq: Count
+
+
+class LeaseGrant(Frame, frozen=True):
+    """Decode → prefill: request ``seq`` is granted for ``lease_ms``. Prefill's lease ends at the
+    time *it sent* that request plus ``lease_ms`` (its own clock), so a grant that sat in a
+    buffer while prefill was frozen grants nothing; decode knows that no write it granted can
+    start later than its own grant time plus ``lease_ms``."""
+
+    seq: Count
+    lease_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)]
+
+
+class RoomClaim(Frame, frozen=True):
+    """Decode → prefill: the decode room ``(room, generation)`` waits for prefill's room
+    ``room``. Prefill binds the room to this link at once, so a lost decode fails it within
+    the liveness bound instead of its Bootstrapping deadline."""
+
+    room: Room
+    generation: Generation
+
+
+class Reconcile(Frame, frozen=True):
+    """Decode → prefill, first frame after a reconnect: rooms of the lost link whose pages still
+    wait for ``RoomSettled``, packed little-endian ``(room: u64, generation: u64)`` pairs.
+    Prefill answers ``RoomSettled`` for each once nothing of it can still write (at once if it
+    knows none)."""
+
+    rooms: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.rooms) % 16:
+            raise ValueError(f"`rooms` is {len(self.rooms)} bytes, not a multiple of 16")
+
+
+class RoomMetadata(Frame, frozen=True):
+    """Decode → prefill: where to write this room's KV (packed int32 page ids), which aux row,
+    and which state rows (packed int32, empty when the model keeps no per-request state).
+    ``prefix``: prompt tokens decode holds already (SGLang's ``decode_prefix_len``, decode's
+    radix cache); ``pages`` are those that follow them, and prefill sends only those."""
+
+    room: Room
+    generation: Generation
+    pages: bytes
+    #: -1 (no aux row) only for a leg that is not ``Part.WHOLE``: another leg carries it.
+    aux_index: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
+    state: bytes = b""
+    #: Which part of the decode request this room carries (``kvfsm.states.Part``): the whole
+    #: room, its KV slice only, or nothing (a dummy leg: SGLang's dummy rank).
+    part: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
+    #: Prompt tokens decode already holds (SGLang's ``decode_prefix_len``): ``pages`` follow.
+    prefix: Count = 0
+
+    def __post_init__(self) -> None:
+        _check_packed("pages", self.pages)
+        _check_packed("state", self.state)
+        if (self.aux_index < 0) != (self.part != 0):
+            raise ValueError(
+                f"aux_index {self.aux_index} with part {self.part}: only a leg that is not "
+                "whole has no aux row"
+            )
+
+
+class RoomOutcome(Frame, frozen=True):
+    """Prefill → decode: the sender room ended. ``status`` is 4 (Success: every chunk and the
+    aux row landed) or 0 (Failed, ``reason`` says why)."""
+
+    room: Room
+    generation: Generation
+    status: int
+    reason: Reason = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in (_SUCCESS, _FAILED):
+            raise ValueError(f"`status` must be 4 (Success) or 0 (Failed), not {self.status!r}")
+
+
+class RoomAbort(Frame, frozen=True):
+    """Either direction: this side failed or aborted the room. Prefill answers a decode abort
+    with ``RoomSettled`` once no transfer can still write into the room's pages."""
+
+    room: Room
+    generation: Generation
+    reason: Reason
+
+
+class RoomSettled(Frame, frozen=True):
+    """Prefill → decode: every transfer handle touching this room has settled, so its pages may
+    be reused (the abort acknowledgement, law 4)."""
+
+    room: Room
+    generation: Generation
+
+
+class Error(Frame, frozen=True):
+    """Reply to a rejected frame: ``reason`` is the rejection, ``room`` (and ``generation``) name
+    the room the rejected frame named, when it could be read that far."""
+
+    room: Room | None
+    reason: Reason
+    generation: Generation | None = None
+
+
+AnyFrame: TypeAlias = (
+    Hello
+    | Heartbeat
+    | LeaseRequest
+    | LeaseGrant
+    | RoomClaim
+    | Reconcile
+    | RoomMetadata
+    | RoomOutcome
+    | RoomAbort
+    | RoomSettled
+    | Error
+)
+#: Every frame class, in the order of the table in the module docstring.
+FRAME_TYPES: Final[tuple[type[Frame], ...]] = (
+    Hello,
+    Heartbeat,
+    LeaseRequest,
+    LeaseGrant,
+    RoomClaim,
+    Reconcile,
+    RoomMetadata,
+    RoomOutcome,
+    RoomAbort,
+    RoomSettled,
+    Error,
+)
+_TAGS: Final = frozenset(cls.__name__ for cls in FRAME_TYPES)
+
+
+class FrameError(Exception):
+    """A frame that could not be accepted. ``str(error) == error.reason``.
+
+    ``room``/``generation``: the room the bad frame named, when its payload could be read that
+    far (fail that room and no other); ``None`` otherwise. ``fatal``: the connection can no longer
+    be trusted and must be dropped. ``tag``: the frame type the payload claimed, if any.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        room: int | None = None,
+        fatal: bool = False,
+        *,
+        generation: int | None = None,
+        tag: str | None = None,
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.room = room
+        self.fatal = fatal
+        self.generation = generation
+        self.tag = tag
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.reason, self.room, self.fatal),
+            {"generation": self.generation, "tag": self.tag},
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"FrameError({self.reason!r}, room={self.room!r}, fatal={self.fatal!r}, "
+            f"generation={self.generation!r}, tag={self.tag!r})"
+        )
+
+
+class _Probe(msgspec.Struct):
+    """What a rejected payload is read for: lenient types, unknown fields ignored."""
+
+    t: Any = None
+    room: Any = None
+    generation: Any = None
+    version: Any = None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_TRUNCATED: Final = " [truncated]"
+
+
+def clip_reason(text: str) -> str:
+    """``text`` cut at the source to fit a frame's reason field, with a marker: a long reason is
+    shortened, never turned into a frame the peer must refuse."""
+    if len(text) <= _REASON_MAX:
+        return text
+    return text[: _REASON_MAX - len(_TRUNCATED)] + _TRUNCATED
+
+
+def session_keys(secret: bytes, decode_nonce: bytes, prefill_nonce: bytes) -> tuple[bytes, bytes]:
+    """``(decode -> prefill key, prefill -> decode key)`` of one connection: HKDF (RFC 5869) with
+    HMAC-SHA256, the secret as input keying material and both nonces as salt. One key per
+    direction, so a frame reflected back to its sender does not verify either."""
+    prk = hmac.new(decode_nonce + prefill_nonce, secret, hashlib.sha256).digest()
+    label = f"kvfsm control v{PROTOCOL_VERSION} ".encode()
+
+    def expand(direction: bytes) -> bytes:
+        return hmac.new(prk, label + direction + b"\x01", hashlib.sha256).digest()
+
+    return expand(b"decode->prefill"), expand(b"prefill->decode")
+
+
+def pack_refs(refs: list[tuple[int, int]]) -> bytes:
+    """``(room, generation)`` pairs as ``Reconcile.rooms``."""
+    return b"".join(struct.pack("<QQ", room, gen) for room, gen in refs)
+
+
+def unpack_refs(packed: bytes) -> list[tuple[int, int]]:
+    return [
+        (room, gen)
+        for room, gen in struct.iter_unpack("<QQ", packed)
+        if room <= _INT63_MAX and gen <= _INT63_MAX
+    ]
+
+
+def _int63(value: Any) -> int | None:
+    if type(value) is int and 0 <= value <= _INT63_MAX:
+        return value
+    return None
+
+
+def check_hello(hello: Hello) -> None:
+    """Raise a fatal ``FrameError`` unless the peer's ``Hello`` speaks ``PROTOCOL_VERSION``."""
+    if hello.version != PROTOCOL_VERSION:
+        raise FrameError(_version_mismatch(hello.version), None, True, tag="Hello")
+
+
+def _version_mismatch(theirs: object) -> str:
+    return (
+        f"protocol version mismatch: the peer speaks version {theirs!r}, "
+        f"this side speaks version {PROTOCOL_VERSION}"
+    )
+
+
+class FrameCodec:
+    """Encode frames to wire bytes and decode frame bodies, with an optional shared secret.
+
+    One codec may serve many connections: it holds no per-connection state. ``secret``: sign
+    every frame and require a valid MAC on every frame read (``ValueError`` if shorter than
+    ``MIN_SECRET_BYTES``). ``max_frame_bytes``: the largest body accepted or produced.
+    """
+
+    __slots__ = ("_decoder", "_encoder", "_mac", "_overhead", "_probe", "max_frame_bytes", "secret")
+
+    def __init__(self, secret: bytes | None = None, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        if not 1 + _MAC_BYTES <= max_frame_bytes <= _MAX_LIMIT:
+            raise ValueError(
+                f"max_frame_bytes must be in [{1 + _MAC_BYTES}, {_MAX_LIMIT}], "
+                f"not {max_frame_bytes}"
+            )
+        self.secret = None if secret is None else check_secret(secret)
+        # HMAC-SHA256 keyed once; each frame copies the keyed state (cheaper than re-keying).
+        # The MAC equals ``sign(secret, payload)``.
+        self._mac = None if secret is None else hmac.new(secret, digestmod=hashlib.sha256)
+        self.max_frame_bytes = max_frame_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(AnyFrame)
+        self._probe = msgspec.msgpack.Decoder(_Probe)
+        # Body bytes before the payload: the auth byte and the MAC.
+        self._overhead = 1 if secret is None else 1 + _MAC_BYTES
+
+    def encode(self, frame: Frame) -> bytes:
+        """The wire bytes of ``frame``, length prefix included.
+
+        Raises ``FrameError`` (not fatal, naming the frame's room if it has one) if the body would
+        exceed ``max_frame_bytes``: the peer would drop the connection for it.
+        """
+        return self.seal(self.payload(frame))
+
+    def payload(self, frame: Frame) -> bytes:
+        """The msgpack payload of ``frame``, checked against the frame limit (``FrameError``
+        naming the frame's room if it would exceed it); ``seal`` makes it wire bytes."""
+        payload = self._encoder.encode(frame)
+        size = self._overhead + _SEQ.size + len(payload)
+        if size > self.max_frame_bytes:
+            raise FrameError(
+                f"{type(frame).__name__} of {size} bytes exceeds the frame limit of "
+                f"{self.max_frame_bytes} bytes",
+                getattr(frame, "room", None),
+                False,
+                generation=getattr(frame, "generation", None),
+                tag=type(frame).__name__,
+            )
+        return payload
+
+    def seal(self, payload: bytes) -> bytes:
+        """Wire bytes of a payload from :meth:`payload`: length prefix, auth byte, MAC."""
+        size = self._overhead + len(payload)
+        if self._mac is None:
+            return b"".join((_PREFIX.pack(size), _UNSIGNED, payload))
+        mac = self._mac.copy()
+        mac.update(payload)
+        return b"".join((_PREFIX.pack(size), _SIGNED, mac.digest(), payload))
+
+    def session(
+        self, role: Literal["prefill", "decode"], own_nonce: bytes, peer_nonce: bytes
+    ) -> SessionCodec:
+        """The codec of one connection after its Hellos (a secret is required)."""
+        if self.secret is None:
+            raise ValueError("a session needs a secret")
+        decode_nonce, prefill_nonce = (
+            (own_nonce, peer_nonce) if role == "decode" else (peer_nonce, own_nonce)
+        )
+        to_prefill, to_decode = session_keys(self.secret, decode_nonce, prefill_nonce)
+        send, receive = (to_prefill, to_decode) if role == "decode" else (to_decode, to_prefill)
+        return SessionCodec(self, send, receive)
+
+    def decode(self, body: bytes | bytearray | memoryview) -> Frame:
+        """The frame in ``body`` (the bytes after the length prefix).
+
+        Raises ``FrameError`` for anything else; see the module docstring for which errors are
+        fatal and when the error names a room. Never raises another exception type.
+        """
+        size = len(body)
+        if size > self.max_frame_bytes:
+            raise FrameError(
+                f"frame of {size} bytes exceeds the limit of {self.max_frame_bytes} bytes",
+                None,
+                True,
+            )
+        if size == 0:
+            raise FrameError("empty frame body (no auth byte)", None, True)
+        # Never keep a view of a buffer the caller may change.
+        data = bytes(body) if isinstance(body, bytearray) else body
+        auth = data[0]
+        payload: bytes | memoryview
+        if self._mac is None:
+            if auth != _AUTH_NONE:
+                raise FrameError(
+                    "the peer signs its frames but no secret is configured here"
+                    if auth == _AUTH_HMAC_SHA256
+                    else f"unknown auth byte {auth}",
+                    None,
+                    True,
+                )
+            # Small payloads: a copy is cheaper than a view. Large ones: a view, no copy.
+            payload = data[1:] if size <= _COPY_MAX else memoryview(data)[1:]
+        else:
+            if auth != _AUTH_HMAC_SHA256:
+                raise FrameError(
+                    "unsigned frame: a secret is configured here and every frame must carry a MAC"
+                    if auth == _AUTH_NONE
+                    else "a session frame before the session was set up (expected Hello)"
+                    if auth == _AUTH_SESSION
+                    else f"unknown auth byte {auth}",
+                    None,
+                    True,
+                )
+            if size < 1 + _MAC_BYTES:
+                raise FrameError(f"frame of {size} bytes is too short for its MAC", None, True)
+            view = memoryview(data)
+            payload = view[1 + _MAC_BYTES :]
+            mac = self._mac.copy()
+            mac.update(payload)
+            if not hmac.compare_digest(mac.digest(), view[1 : 1 + _MAC_BYTES]):
+                raise FrameError("bad MAC: frame altered or signed with another secret", None, True)
+        return self.parse(payload)
+
+    def parse(self, payload: bytes | memoryview) -> Frame:
+        """The frame in an authenticated payload (``FrameError`` if it is not one)."""
+        try:
+            frame: Frame = self._decoder.decode(payload)
+        except (msgspec.MsgspecError, RecursionError) as exc:
+            raise self._rejected(payload, exc) from None
+        return frame
+
+    def _rejected(self, payload: bytes | memoryview, exc: BaseException) -> FrameError:
+        """Turn a decode failure into a ``FrameError``, naming the room if the payload can."""
+        try:
+            probe = self._probe.decode(payload)
+        except (msgspec.MsgspecError, RecursionError):
+            probe = _Probe()
+        tag = _clip(probe.t, 64) if type(probe.t) is str else None
+        room, generation = _int63(probe.room), _int63(probe.generation)
+        # msgspec quotes offending values and field names, which a hostile peer chooses.
+        detail = _clip(str(exc), 256)
+        if isinstance(exc, RecursionError):
+            reason = "malformed frame: nested too deeply"
+        elif not isinstance(exc, msgspec.ValidationError):
+            reason = f"malformed frame: {detail}"
+        elif tag is not None and tag not in _TAGS:
+            reason = f"unknown frame type {tag!r}"
+        elif tag is not None:
+            reason = f"invalid {tag} frame: {detail}"
+        else:
+            reason = f"invalid frame: {detail}"
+        fatal = False
+        if tag == "Hello":
+            fatal = True
+            if type(probe.version) is int and probe.version != PROTOCOL_VERSION:
+                reason = _version_mismatch(probe.version)
+        return FrameError(reason, room, fatal, generation=generation, tag=tag)
+
+
+class SessionCodec:
+    """One connection's codec after the Hellos, when a secret is set: every frame is sealed
+    under this direction's session key with the next sequence number, and every frame read must
+    carry the peer's next one (Rule 2). Stateful: one per connection, one writer, one reader."""
+
+    __slots__ = ("_base", "_receive", "_send", "max_frame_bytes", "received", "sent")
+
+    def __init__(self, base: FrameCodec, send_key: bytes, receive_key: bytes) -> None:
+        self._base = base
+        self._send = hmac.new(send_key, digestmod=hashlib.sha256)
+        self._receive = hmac.new(receive_key, digestmod=hashlib.sha256)
+        self.max_frame_bytes = base.max_frame_bytes
+        self.sent = 0  # sequence number of the last frame sealed
+        self.received = 0  # ... and of the last frame accepted
+
+    def payload(self, frame: Frame) -> bytes:
+        return self._base.payload(frame)
+
+    def encode(self, frame: Frame) -> bytes:
+        return self.seal(self.payload(frame))
+
+    def seal(self, payload: bytes) -> bytes:
+        self.sent += 1
+        seq = _SEQ.pack(self.sent)
+        mac = self._send.copy()
+        mac.update(seq)
+        mac.update(payload)
+        size = 1 + _MAC_BYTES + _SEQ.size + len(payload)
+        return b"".join((_PREFIX.pack(size), _SESSION, mac.digest(), seq, payload))
+
+    def decode(self, body: bytes | bytearray | memoryview) -> Frame:
+        size = len(body)
+        if size > self.max_frame_bytes:
+            raise FrameError(f"frame of {size} bytes exceeds the limit", None, True)
+        if size < 1 + _MAC_BYTES + _SEQ.size or body[0] != _AUTH_SESSION:
+            raise FrameError(
+                "not a session frame: every frame after the Hellos must be sealed with the "
+                "session key",
+                None,
+                True,
+            )
+        view = memoryview(bytes(body) if isinstance(body, bytearray) else body)
+        seq_at = 1 + _MAC_BYTES
+        signed = view[seq_at:]
+        mac = self._receive.copy()
+        mac.update(signed)
+        if not hmac.compare_digest(mac.digest(), view[1:seq_at]):
+            raise FrameError(
+                "bad MAC: frame altered, or recorded on another connection", None, True
+            )
+        (seq,) = _SEQ.unpack_from(view, seq_at)
+        if seq != self.received + 1:
+            raise FrameError(
+                f"frame {seq} out of sequence (expected {self.received + 1}): replayed, "
+                "dropped or reordered",
+                None,
+                True,
+            )
+        self.received = seq
+        return self._base.parse(view[seq_at + _SEQ.size :])
+
+
+Decoder: TypeAlias = FrameCodec | SessionCodec
+
+
+class FrameReader:
+    """Incremental reader for one connection's byte stream (sans-IO).
+
+    ``feed(data)`` takes whatever the socket returned and gives back, in order, every frame that
+    became complete, or a ``FrameError`` in its place. Frames may be split across reads and one
+    read may hold several. After a fatal error the reader is dead: that list ends with the error,
+    the buffer is dropped, and every later ``feed`` returns ``[error]`` again.
+    """
+
+    __slots__ = ("_failed", "_need", "_pending", "codec", "limit")
+
+    def __init__(self, codec: Decoder | None = None, limit: int | None = None) -> None:
+        self.codec: Decoder = FrameCodec() if codec is None else codec
+        #: The largest body accepted, checked on the length prefix before a byte of the body is
+        #: kept. Lower than the codec's limit while the peer is not authenticated (its Hello).
+        self.limit = self.codec.max_frame_bytes if limit is None else limit
+        #: The start of a frame that is not complete yet.
+        self._pending = bytearray()
+        self._need = _PREFIX_BYTES  # nothing can complete before this many bytes are pending
+        self._failed: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for a frame that is not complete yet."""
+        return len(self._pending)
+
+    @property
+    def failed(self) -> FrameError | None:
+        """The fatal error that killed this reader, if one did."""
+        return self._failed
+
+    def feed(
+        self, data: bytes | bytearray | memoryview, max_items: int | None = None
+    ) -> list[Frame | FrameError]:
+        """Add ``data`` to the stream; return the frames (or errors) it completed. With
+        ``max_items``, stop after that many and keep the rest for the next call (``feed(b"")``
+        goes on with it): the handshake changes the codec after the peer's Hello."""
+        if self._failed is not None:
+            return [self._failed]
+        if not data:
+            if not self._pending:
+                return []
+            data, self._pending, self._need = bytes(self._pending), bytearray(), _PREFIX_BYTES
+        # A read that starts on a frame boundary is parsed in place (no copy). A partial frame
+        # waits in a bytearray (amortised O(1) per read, compact even if it trickles in a byte at
+        # a time) and is copied out once, when it is complete.
+        if self._pending:
+            self._pending += data
+            if len(self._pending) < self._need:
+                return []
+            buf = bytes(self._pending)
+            self._pending = bytearray()
+        else:
+            buf = data if type(data) is bytes else bytes(data)
+        view = memoryview(buf)
+        end, pos = len(buf), 0
+        limit, decode = self.limit, self.codec.decode
+        out: list[Frame | FrameError] = []
+        need = _PREFIX_BYTES
+        while end - pos >= _PREFIX_BYTES:
+            if max_items is not None and len(out) >= max_items:
+                break
+            (size,) = _PREFIX.unpack_from(buf, pos)
+            if size > limit:
+                return self._die(
+                    out,
+                    FrameError(
+                        f"frame length {size} exceeds the limit of {limit} bytes",
+                        None,
+                        True,
+                    ),
+                )
+            if end - pos - _PREFIX_BYTES < size:
+                need = _PREFIX_BYTES + size
+                break
+            start = pos + _PREFIX_BYTES
+            pos = start + size
+            try:
+                out.append(decode(view[start:pos]))
+            except FrameError as exc:
+                if exc.fatal:
+                    return self._die(out, exc)
+                out.append(exc)
+        if pos < end:
+            self._pending = bytearray(view[pos:])
+        self._need = need
+        return out
+
+    def _die(self, out: list[Frame | FrameError], error: FrameError) -> list[Frame | FrameError]:
+        self._failed = error
+        self._pending = bytearray()
+        out.append(error)
+        return out
