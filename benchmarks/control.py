@@ -47,14 +47,13 @@ from typing import Any
 
 import msgspec
 
+from kvfsm.control._codec import FrameCodec, FrameReader
 from kvfsm.control._frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     AnyFrame,
     Frame,
-    FrameCodec,
     FrameError,
-    FrameReader,
     Heartbeat,
     Hello,
     RoomAbort,

@@ -4,13 +4,15 @@ consensus between pipeline stages, and the glue that publishes a prefill rank in
 
 from __future__ import annotations
 
+from kvfsm.control._codec import FrameCodec, FrameReader
 from kvfsm.control._discovery import Registration, registry_resolver
 from kvfsm.control._fingerprint import Fingerprint
-from kvfsm.control._frames import PROTOCOL_VERSION, FrameCodec, FrameError, FrameReader
+from kvfsm.control._frames import MAC_BYTES, PROTOCOL_VERSION, FrameError, Hello
 from kvfsm.control._pipeline import PipelineStage
 from kvfsm.control._plane import ChannelConfig, ControlPlane, Resolver
 
 __all__ = [
+    "MAC_BYTES",
     "PROTOCOL_VERSION",
     "ChannelConfig",
     "ControlPlane",
@@ -18,6 +20,7 @@ __all__ = [
     "FrameCodec",
     "FrameError",
     "FrameReader",
+    "Hello",
     "PipelineStage",
     "Registration",
     "Resolver",

@@ -57,6 +57,7 @@ import msgspec
 from anyio.abc import SocketStream
 
 from kvfsm._tasks import cancel_and_wait
+from kvfsm.control._codec import FrameCodec, FrameReader, SessionCodec
 from kvfsm.control._fingerprint import (
     Fingerprint,
     link_plan,
@@ -69,9 +70,7 @@ from kvfsm.control._frames import (
     PROTOCOL_VERSION,
     Error,
     Frame,
-    FrameCodec,
     FrameError,
-    FrameReader,
     Heartbeat,
     Hello,
     LeaseGrant,
@@ -82,7 +81,6 @@ from kvfsm.control._frames import (
     RoomMetadata,
     RoomOutcome,
     RoomSettled,
-    SessionCodec,
     check_hello,
     clip_reason,
 )

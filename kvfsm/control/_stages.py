@@ -58,15 +58,8 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
-from kvfsm.control._frames import (
-    NONCE_BYTES,
-    Frame,
-    FrameCodec,
-    FrameError,
-    FrameReader,
-    Room,
-    SessionCodec,
-)
+from kvfsm.control._codec import FrameCodec, FrameReader, SessionCodec
+from kvfsm.control._frames import NONCE_BYTES, Frame, FrameError, Room
 from kvfsm.link import sign
 from kvfsm.states import KVPoll
 

@@ -21,19 +21,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfsm.control._codec import FrameCodec, FrameReader, SessionCodec
 from kvfsm.control._frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     Frame,
-    FrameCodec,
-    FrameReader,
     Heartbeat,
     Hello,
     RoomAbort,
     RoomMetadata,
     RoomOutcome,
     RoomSettled,
-    SessionCodec,
 )
 from kvfsm.control._plane import ChannelConfig, ControlPlane
 from kvfsm.manager import router_for

@@ -12,6 +12,7 @@ import pytest
 
 from kvfsm import KVPoll
 from kvfsm.control import ChannelConfig, Fingerprint
+from kvfsm.control._codec import FrameCodec, FrameReader
 from kvfsm.control._fingerprint import (
     DECLARED_MATCH,
     MUST_MATCH,
@@ -21,7 +22,7 @@ from kvfsm.control._fingerprint import (
     mismatch,
     stage_buffers,
 )
-from kvfsm.control._frames import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
+from kvfsm.control._frames import PROTOCOL_VERSION, Hello
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.transport._slices import KvPiece, RowSlice

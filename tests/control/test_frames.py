@@ -16,15 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfsm.control._codec import FrameCodec, FrameReader
 from kvfsm.control._frames import (
     FRAME_TYPES,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Error,
     Frame,
-    FrameCodec,
     FrameError,
-    FrameReader,
     Heartbeat,
     Hello,
     LeaseGrant,

@@ -8,13 +8,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvfsm.control._frames import (
-    PROTOCOL_VERSION,
-    FrameCodec,
-    FrameError,
-    RoomClaim,
-    RoomMetadata,
-)
+from kvfsm.control._codec import FrameCodec
+from kvfsm.control._frames import PROTOCOL_VERSION, FrameError, RoomClaim, RoomMetadata
 from kvfsm.control._routing import Deliver, PrefillRouting, RoutingConfig, Send
 from kvfsm.rooms._actor import RoomKey
 from kvfsm.states import DestinationReceived

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 import pytest
 
-from kvfsm.control._frames import FrameCodec, FrameError, FrameReader
+from kvfsm.control._codec import FrameCodec, FrameReader
+from kvfsm.control._frames import FrameError
 from kvfsm.control._stages import (
     MAX_FRAME_BYTES,
     StageBeat,
