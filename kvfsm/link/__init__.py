@@ -1,5 +1,6 @@
 """What every kvfsm listener and link stands on: shared-secret authentication (HMAC-SHA256) for
-the registry's HTTP routes and the control channel's frames."""
+the registry's HTTP routes and the control channel's frames, and the one implementation of the
+raw stream, accept loop, handshake reads, heartbeats and liveness that every listener uses."""
 
 from __future__ import annotations
 
@@ -15,16 +16,42 @@ from kvfsm.link._auth import (
     sign,
     verify,
 )
+from kvfsm.link._link import (
+    PEER_ERRORS,
+    READ_BYTES,
+    RESOURCE_ERRNOS,
+    AcceptErrors,
+    Liveness,
+    RawConnection,
+    accept_forever,
+    describe,
+    next_frame,
+    send_or_beat,
+    shake_hands,
+    tune,
+)
 
 __all__ = [
     "MAX_SKEW_S",
     "MIN_SECRET_BYTES",
+    "PEER_ERRORS",
+    "READ_BYTES",
+    "RESOURCE_ERRNOS",
     "SIGNATURE_HEADER",
     "TIMESTAMP_HEADER",
+    "AcceptErrors",
     "AuthError",
+    "Liveness",
+    "RawConnection",
+    "accept_forever",
     "check_request",
     "check_secret",
+    "describe",
+    "next_frame",
     "request_headers",
+    "send_or_beat",
+    "shake_hands",
     "sign",
+    "tune",
     "verify",
 ]

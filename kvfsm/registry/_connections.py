@@ -37,7 +37,6 @@ counted and logged (at most one line per 10 s). The counters are ``BootstrapServ
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import socket
 import time
@@ -45,6 +44,7 @@ from collections.abc import Callable
 from typing import Any, Final, cast
 
 from kvfsm._tasks import cancel_and_wait
+from kvfsm.link import AcceptErrors, accept_forever
 from kvfsm.registry._schemas import ConnectionStats
 
 __all__ = ["IDLE_TIMEOUT_S", "MAX_CONNECTIONS", "Connection", "Listener", "bind"]
@@ -57,12 +57,6 @@ MAX_CONNECTIONS: Final = 512
 #: to do: its accept or its last response.
 IDLE_TIMEOUT_S: Final = 5.0
 
-# accept() failures that mean "out of descriptors or buffers": the pending connection stays queued
-# in the kernel, so the listener frees a descriptor (or waits) and tries again.
-_RESOURCE_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-_ACCEPT_BACKOFF_MIN_S: Final = 0.005
-_ACCEPT_BACKOFF_MAX_S: Final = 0.25
-_ACCEPT_LOG_EVERY_S: Final = 10.0
 # How long setting up an accepted connection (transport and protocol) may take.
 _CONNECT_TIMEOUT_S: Final = 5.0
 # Connections a burst may queue in the kernel (no descriptor of ours) while the accept loop
@@ -134,15 +128,14 @@ class Listener:
         self.shed = 0
         self.idle_closed = 0
         self.request_timeouts = 0
-        self.accept_errors = 0
-        # Accept-error logging: one line at most every _ACCEPT_LOG_EVERY_S, and one when
-        # accepting works again (once the next line is due, if it still works then).
-        self._failing = False
-        self._unreported = 0
-        self._next_log = 0.0
-        self._recovery_check: asyncio.TimerHandle | None = None
+        # Counted, and logged at most once per 10 s with a line when accepting works again.
+        self._errors = AcceptErrors(_log, "bootstrap")
 
     # -- the counters -------------------------------------------------------------------------
+
+    @property
+    def accept_errors(self) -> int:
+        return self._errors.count
 
     def stats(self) -> ConnectionStats:
         return ConnectionStats(
@@ -168,9 +161,7 @@ class Listener:
 
     async def stop(self) -> None:
         """Stop accepting and reaping; the connections themselves are aiohttp's to close."""
-        if self._recovery_check is not None:
-            self._recovery_check.cancel()
-            self._recovery_check = None
+        self._errors.close()
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(*tasks)
 
@@ -256,86 +247,35 @@ class Listener:
     # -- accepting ----------------------------------------------------------------------------
 
     async def _accept(self, sock: socket.socket) -> None:
+        await accept_forever(
+            sock,
+            self._connect,
+            self._errors,
+            shed=self._shed_one,
+            holding=lambda: len(self._idle) + len(self._busy),
+        )
+
+    async def _connect(self, raw: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        backoff = _ACCEPT_BACKOFF_MIN_S
-        while True:
-            try:
-                raw, _ = await loop.sock_accept(sock)
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                continue  # the client gave up before we accepted: nothing to do
-            except OSError as exc:
-                self._accept_failed(exc)
-                # Out of descriptors: a connection idle the longest is the cheapest thing this
-                # process can give back. Its descriptor is free once the loop turns (asyncio
-                # closes the socket in a call_soon); if not yet, the next failure sheds another.
-                if exc.errno in _RESOURCE_ERRNOS and self._shed_one():
-                    await asyncio.sleep(0)
-                    continue
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _ACCEPT_BACKOFF_MAX_S)
-                continue
-            backoff = _ACCEPT_BACKOFF_MIN_S
-            if self._failing:
-                self._accepting_again()
-            try:
-                # Bounded: on uvloop a protocol whose connection_made raised leaves this waiting
-                # forever, and the listener must not stop for one connection.
-                async with asyncio.timeout(_CONNECT_TIMEOUT_S):
-                    _, protocol = await loop.connect_accepted_socket(self._wrap, raw)
-            except OSError as exc:  # reset already, say; the listener goes on regardless
-                _log.debug("bootstrap: dropped a connection at accept: %s", exc)
-                raw.close()
-                continue
-            except TimeoutError:
-                _log.error("bootstrap: an accepted connection was not set up; dropped it")
-                raw.close()
-                continue
-            assert isinstance(protocol, Connection)
-            self._enforce_cap(protocol)
+        try:
+            # Bounded: on uvloop a protocol whose connection_made raised leaves this waiting
+            # forever, and the listener must not stop for one connection.
+            async with asyncio.timeout(_CONNECT_TIMEOUT_S):
+                _, protocol = await loop.connect_accepted_socket(self._wrap, raw)
+        except OSError as exc:  # reset already, say; the listener goes on regardless
+            _log.debug("bootstrap: dropped a connection at accept: %s", exc)
+            raw.close()
+            return
+        except TimeoutError:
+            _log.error("bootstrap: an accepted connection was not set up; dropped it")
+            raw.close()
+            return
+        assert isinstance(protocol, Connection)
+        self._enforce_cap(protocol)
 
     def _wrap(self) -> Connection:
         assert self._factory is not None
         return Connection(self._factory(), self)
-
-    def _accept_failed(self, exc: OSError) -> None:
-        self.accept_errors += 1
-        self._unreported += 1
-        self._failing = True
-        now = time.monotonic()
-        if now < self._next_log:
-            return
-        self._next_log = now + _ACCEPT_LOG_EVERY_S
-        _log.warning(
-            "bootstrap: accept() failed %d time(s) since the last report (%s), %d in all; "
-            "holding %d connection(s); shedding idle ones and backing off until it succeeds "
-            "(one such line per %g s at most)",
-            self._unreported,
-            exc,
-            self.accept_errors,
-            len(self._idle) + len(self._busy),
-            _ACCEPT_LOG_EVERY_S,
-        )
-        self._unreported = 0
-
-    def _accepting_again(self) -> None:
-        self._failing = False
-        if self._recovery_check is None:
-            delay = max(self._next_log - time.monotonic(), 0.0)
-            loop = asyncio.get_running_loop()
-            self._recovery_check = loop.call_later(delay, self._report_recovery)
-
-    def _report_recovery(self) -> None:
-        self._recovery_check = None
-        if self._failing:  # failing again: its own line reports it
-            return
-        self._next_log = time.monotonic() + _ACCEPT_LOG_EVERY_S
-        _log.warning(
-            "bootstrap: accepting connections again (%d accept error(s) since the last report, "
-            "%d in all)",
-            self._unreported,
-            self.accept_errors,
-        )
-        self._unreported = 0
 
 
 def _oldest(table: dict[Connection, float], other_than: Connection) -> Connection | None:
