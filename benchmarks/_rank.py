@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvfsm.control._plane import ChannelConfig, ControlPlane
+from kvfsm.control import ChannelConfig, ControlPlane, DecodeControl, PrefillControl
 from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine
 from kvfsm.transport import Agent, Leases, NixlTransport
@@ -36,13 +36,13 @@ def start_rank(shape: Shape, channel: ChannelConfig, *, name: str, port: int = 0
     transport = None
     if port == 0:
         transport = NixlTransport(agent, leases=Leases(margin_s=channel.fence_margin_s))
-        control = ControlPlane("prefill", 0, agent, transport=transport, config=channel)
+        control = PrefillControl(0, agent, transport=transport, config=channel)
     else:
 
         async def resolve(rank: int) -> tuple[str, int]:
             return "127.0.0.1", port
 
-        control = ControlPlane("decode", 0, agent, resolver=resolve, config=channel)
+        control = DecodeControl(0, agent, resolver=resolve, config=channel)
     engine = RoomEngine(router_for(control)).start()
     engine.call(control.started())
     return Rank(agent, control, engine, transport)

@@ -34,7 +34,7 @@ import numpy as np
 from _rank import start_rank  # benchmarks/ is the script's directory: on sys.path
 
 from kvfsm._child import ChildProcess
-from kvfsm.control._plane import ChannelConfig, ControlPlane
+from kvfsm.control import ChannelConfig, ControlPlane
 from kvfsm.rooms import ReceiverRoom, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.workload.buffers import Shape

@@ -44,8 +44,10 @@ from typing import Any, Final
 from kvfsm.control import (
     ChannelConfig,
     ControlPlane,
+    DecodeControl,
     Fingerprint,
     PipelineStage,
+    PrefillControl,
     Registration,
     Resolver,
     registry_resolver,
@@ -177,9 +179,9 @@ def router_for(control: ControlPlane) -> CommandRouter:
     """The sink an engine needs around ``control``: prefill's transport beside it; on decode,
     the progress loop of its agent, paced by the control plane's ``expecting_writes``. The
     managers use it, and so does anything that builds a ``ControlPlane`` itself."""
-    if control.role == "prefill":
-        assert control.transport is not None  # a prefill ControlPlane refuses to run without
+    if isinstance(control, PrefillControl):
         return CommandRouter(control, control.transport)
+    assert isinstance(control, DecodeControl)
     progress = AgentProgress(
         control.agent,
         lambda: control.expecting_writes,
@@ -416,8 +418,7 @@ class PrefillManager(_Manager):
         self._registration_task: asyncio.Task[None] | None = None
         self.pipeline: PipelineStage | None = None
         try:
-            control = ControlPlane(
-                "prefill",
+            control = PrefillControl(
                 rank,
                 self.agent,
                 transport=self.transport,
@@ -543,8 +544,7 @@ class DecodeManager(_Manager):
             return await registry_resolver(self._bootstrap_client(), engine_id)(peer_rank)
 
         try:
-            control = ControlPlane(
-                "decode",
+            control = DecodeControl(
                 rank,
                 self.agent,
                 resolver=resolver or resolve,

@@ -14,7 +14,8 @@ import logging
 import anyio
 import msgspec
 
-from kvfsm.control._plane import ControlPlane, Resolver
+from kvfsm.control._channel import Resolver
+from kvfsm.control._plane import ControlPlane
 from kvfsm.registry import BootstrapClient, BootstrapError, RankInfo
 
 __all__ = ["Registration", "registry_resolver"]

@@ -31,8 +31,8 @@ from kvfsm.registry import BootstrapClient, BootstrapError
 from kvfsm.states import KVPoll
 
 if TYPE_CHECKING:
+    from kvfsm.control._channel import ChannelConfig
     from kvfsm.control._discovery import Registration
-    from kvfsm.control._plane import ChannelConfig
 
 __all__ = ["PipelineStage"]
 

@@ -121,10 +121,19 @@ class RawConnection:
 
 class AcceptErrors:
     """Counts a listener's accept errors and logs them at most once per ``log_every_s``, with one
-    line when accepting works again. ``count`` is the total, for the listener's stats."""
+    line when accepting works again. ``count`` is the total; with ``stats``, it is also kept in
+    ``stats["accept_errors"]``, the listener's own counters."""
 
-    def __init__(self, log: logging.Logger, what: str, *, log_every_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        log: logging.Logger,
+        what: str,
+        *,
+        log_every_s: float = 10.0,
+        stats: dict[str, int] | None = None,
+    ) -> None:
         self.count = 0
+        self._stats = stats
         self._log = log
         self._what = what
         self._every = log_every_s
@@ -139,6 +148,8 @@ class AcceptErrors:
 
     def failed(self, exc: OSError, holding: int | None = None) -> None:
         self.count += 1
+        if self._stats is not None:
+            self._stats["accept_errors"] = self._stats.get("accept_errors", 0) + 1
         self._unreported += 1
         self._failing = True
         now = time.monotonic()
@@ -262,9 +273,10 @@ async def shake_hands(
     stream: _Stream,
     reader: Reader[_Item],
     hello: bytes,
-    check: Callable[[_Item], None],
+    *,
+    check: Callable[[_Item], object],
     session: Callable[[_Item], bytes | None],
-    confirmed: Callable[[_Item], None],
+    confirmed: Callable[[_Item], object],
 ) -> _Item:
     """Send ``hello``, read the peer's first frame and ``check`` it (raise to refuse). Then
     ``session(theirs)`` switches the reader (and the caller's sealer) to session keys and returns

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfsm.control._plane import ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.states import TERMINAL, KVPoll
 from tests.helpers.control import FAST, Decode
 from tests.helpers.prefill_process import PrefillProcess

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfsm.control import ChannelConfig, PrefillControl
 from kvfsm.control._codec import FrameCodec, FrameReader, SessionCodec
 from kvfsm.control._frames import (
     NONCE_BYTES,
@@ -33,7 +34,6 @@ from kvfsm.control._frames import (
     RoomOutcome,
     RoomSettled,
 )
-from kvfsm.control._plane import ChannelConfig, ControlPlane
 from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine
 from kvfsm.states import TERMINAL, KVPoll
@@ -41,7 +41,7 @@ from kvfsm.transport import Agent, Leases, NixlTransport
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.control import Decode
 from tests.helpers.prefill_process import SHAPE, fill_sources
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 SECRET = b"a shared secret of 32 bytes....."
 
@@ -55,9 +55,7 @@ class LivePrefill:
         fill_sources(self.kv, self.aux)
         self.agent = Agent(f"fuzz-prefill-{os.getpid()}", make_layout(self.kv, self.aux))
         self.transport = NixlTransport(self.agent, leases=Leases())
-        self.control = ControlPlane(
-            "prefill", 0, self.agent, transport=self.transport, config=self.config
-        )
+        self.control = PrefillControl(0, self.agent, transport=self.transport, config=self.config)
         self.engine = RoomEngine(router_for(self.control)).start()
         self.engine.call(self.control.started())
         # A decode agent whose Hello passes, so that fuzzing also reaches the room frames.
@@ -225,10 +223,10 @@ def test_hostile_bytes_never_hurt_the_listener(
     # handshake that the bytes (or the hang-up after them) failed, or a link that prefill
     # registered and then lost (the bytes were fatal, or the peer hung up after them).
     if authenticated(live, stage):
-        wait_for(lambda: moved("links_lost") >= 1, timeout=10)
+        wait_until_sync(lambda: moved("links_lost") >= 1, timeout=10)
         assert (moved("links_opened"), moved("links_lost"), moved("handshakes_failed")) == (1, 1, 0)
     else:
-        wait_for(lambda: moved("handshakes_failed") >= 1, timeout=10)
+        wait_until_sync(lambda: moved("handshakes_failed") >= 1, timeout=10)
         assert (moved("handshakes_failed"), moved("links_opened")) == (1, 0)
     # Whatever the bytes were, they were the peer's fault or nothing: no exception that the
     # control plane does not expect from a peer (a bug) was raised, on the handshake path or on
@@ -242,10 +240,10 @@ def test_the_listener_still_serves_a_real_decode_rank_afterwards(live: LivePrefi
     try:
         sender = live.engine.sender(4242)
         receiver = decode.receive(4242, [30, 31], aux_row=2)
-        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
         sender.init(2, 3)
         sender.send([10, 11])
-        wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
+        wait_until_sync(lambda: receiver.poll() in TERMINAL, timeout=10)
         assert receiver.poll() is KVPoll.Success, receiver.reason
         assert decode.landed([10, 11], [30, 31], 3, 2)
         stats = live.control.stats
@@ -273,9 +271,9 @@ def test_a_room_frame_in_the_same_segment_as_the_hello_is_not_lost(live: LivePre
             session = live.codec.session("decode", nonce, theirs.nonce)
             data = live.hello(nonce) + session.encode(Heartbeat(0)) + session.encode(metadata)
         sock.sendall(data)  # one write: one segment on loopback
-        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
         sender.abort("test over")
-        wait_for(lambda: sender.settled, timeout=10)
+        wait_until_sync(lambda: sender.settled, timeout=10)
 
 
 @pytest.mark.parametrize("when", ["in the handshake's segment", "on the running link"])
@@ -311,9 +309,9 @@ def test_a_bug_reached_through_one_link_costs_that_link_only(
                 sock.sendall(session.encode(Heartbeat(0)) + session.encode(poison))
         else:
             sealer = live.handshake(sock, confirm=True)
-            wait_for(lambda: stats["links_opened"] > opened)  # its reader runs from here
+            wait_until_sync(lambda: stats["links_opened"] > opened)  # its reader runs from here
             sock.sendall(sealer.encode(poison))
-        wait_for(lambda: stats["unexpected_errors"] == before + 1)
+        wait_until_sync(lambda: stats["unexpected_errors"] == before + 1)
         # Prefill closes this connection (after whatever it had sent on it).
         sock.settimeout(10)
         while sock.recv(1 << 16):

@@ -28,13 +28,14 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvfsm.control import ChannelConfig, ControlPlane
+from kvfsm.control._channel import Link as _Link
 from kvfsm.control._frames import Frame, RoomMetadata, RoomOutcome
-from kvfsm.control._plane import ChannelConfig, ControlPlane, _Link
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import TERMINAL, KVPoll
 from tests.helpers.control import Decode
 from tests.helpers.prefill_process import PrefillProcess
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 SECRET = b"a shared secret of 32 bytes....."
 PLAIN = ChannelConfig()
@@ -79,13 +80,13 @@ def move_rooms(
                 prefill.ask("send", room, src, 1 + room % 2, slot)
                 receiver = decode.receive(room, dst, aux_row=slot)
             plan.append((room, receiver, src, dst, slot))
-        wait_for(ended([receiver for _, receiver, *_ in plan]), timeout=60)
+        wait_until_sync(ended([receiver for _, receiver, *_ in plan]), timeout=60)
         for room, receiver, src, dst, slot in plan:
             if receiver.poll() is not KVPoll.Success:
                 failed[room] = receiver.reason
             elif not decode.landed(src, dst, slot, slot):
                 failed[room] = "succeeded, but the bytes differ"
-        wait_for(lambda: decode.engine.stats()["live"] == 0, timeout=30)
+        wait_until_sync(lambda: decode.engine.stats()["live"] == 0, timeout=30)
     return failed
 
 
@@ -391,7 +392,7 @@ def test_accept_out_of_descriptors_backs_off_and_serves_again() -> None:
         open_fds, soft, _ = prefill.ask("fds")
         crowd = Crowd(prefill.port, soft - open_fds + 100)
         try:
-            wait_for(lambda: stats(prefill)["accept_errors"] > 0, timeout=30)
+            wait_until_sync(lambda: stats(prefill)["accept_errors"] > 0, timeout=30)
         finally:
             crowd.close()
         decode = Decode({"port": prefill.port})
@@ -416,7 +417,7 @@ def test_idle_connections_past_the_cap_shed_the_oldest_and_decode_gets_in() -> N
         with own_nofile(4096):
             crowd = Crowd(prefill.port, 1100)
             try:
-                wait_for(lambda: stats(prefill)["unauthenticated_shed"] > 0, timeout=30)
+                wait_until_sync(lambda: stats(prefill)["unauthenticated_shed"] > 0, timeout=30)
                 decode = Decode({"port": prefill.port})  # connects while they are held
                 failed = move_rooms(prefill, decode, range(1, 101))
                 assert_rooms_moved(failed, 100)
@@ -502,13 +503,18 @@ def test_unfinished_hellos_cost_prefill_at_most_the_documented_bound(
             failed = move_rooms(prefill, decode, range(100, 200))
             if length > config.hello_max_bytes:
                 # Refused at the length prefix: every one closed, not left to the timeout.
-                wait_for(lambda: pressure.all_closed_at is not None, timeout=30)
+                wait_until_sync(lambda: pressure.all_closed_at is not None, timeout=30)
                 assert pressure.all_closed_at is not None
                 assert pressure.all_closed_at - resumed < config.connect_timeout_s
             else:
-                wait_for(lambda: pressure.closed_by_peer() >= n - config.max_unauthenticated, 30)
+                wait_until_sync(
+                    lambda: pressure.closed_by_peer() >= n - config.max_unauthenticated, timeout=30
+                )
                 # The rest (those the cap kept) by the handshake timeout.
-                wait_for(lambda: pressure.all_closed_at is not None, config.connect_timeout_s + 10)
+                wait_until_sync(
+                    lambda: pressure.all_closed_at is not None,
+                    timeout=config.connect_timeout_s + 10,
+                )
             sent = pressure.sent
         finally:
             pressure.close()
@@ -577,7 +583,7 @@ def test_held_page_lists_are_capped_per_peer_not_for_everyone() -> None:
         flood = range(1000, 1200)
         flooder.engine.call(_flood_page_lists(flooder.control, flood))
         surplus = len(flood) - config.pending_max
-        wait_for(lambda: len(outcomes) >= surplus, timeout=20)
+        wait_until_sync(lambda: len(outcomes) >= surplus, timeout=20)
         time.sleep(0.2)  # nothing more comes
         assert len(outcomes) == surplus
         assert {o.room for o in outcomes} == set(flood[config.pending_max :])
@@ -589,13 +595,15 @@ def test_held_page_lists_are_capped_per_peer_not_for_everyone() -> None:
         # The other decode: its page lists come before prefill's rooms, and are held.
         rooms = list(range(1, 21))
         receivers = [legit.receive(room, [i], aux_row=i) for i, room in enumerate(rooms)]
-        wait_for(lambda: prefill.ask("entries")["held"] == config.pending_max + len(rooms), 20)
+        wait_until_sync(
+            lambda: prefill.ask("entries")["held"] == config.pending_max + len(rooms), timeout=20
+        )
         # A room's claim goes out (and is held) as soon as it is bound, before its page list:
         # the count above can be reached while the last page lists are still on their way.
-        wait_for(lambda: all(r.poll() is KVPoll.Transferring for r in receivers), timeout=10)
+        wait_until_sync(lambda: all(r.poll() is KVPoll.Transferring for r in receivers), timeout=10)
         for i, room in enumerate(rooms):
             prefill.ask("send", room, [100 + i], 1, i)
-        wait_for(ended(receivers), timeout=30)
+        wait_until_sync(ended(receivers), timeout=30)
         assert {r.room: r.reason for r in receivers if r.poll() is not KVPoll.Success} == {}
         assert all(legit.landed([100 + i], [i], i, i) for i in range(len(rooms)))
         assert prefill.ask("entries")["held"] == config.pending_max  # the flooder's, still
@@ -620,7 +628,7 @@ def test_a_recorded_stream_replayed_by_a_stranger_touches_no_link(replayed: str)
     try:
         assert move_rooms(prefill, decode, range(1, 5)) == {}
         live = [decode.receive(10 + i, [10 + i], aux_row=i) for i in range(4)]  # held there
-        wait_for(lambda: prefill.ask("entries")["held"] == len(live), timeout=10)
+        wait_until_sync(lambda: prefill.ask("entries")["held"] == len(live), timeout=10)
         frames = list(proxy.sessions[0])
         assert [frame_tag(f) for f in frames[:2]] == ["Hello", "Heartbeat"]
         assert "RoomMetadata" in {frame_tag(f) for f in frames}
@@ -633,7 +641,9 @@ def test_a_recorded_stream_replayed_by_a_stranger_touches_no_link(replayed: str)
         with socket.create_connection(("127.0.0.1", prefill.port), timeout=10) as stranger:
             stranger.sendall(data)
             assert read_until_closed(stranger, config.connect_timeout_s + 10), "not refused"
-        wait_for(lambda: stats(prefill)["handshakes_failed"] > before["handshakes_failed"], 10)
+        wait_until_sync(
+            lambda: stats(prefill)["handshakes_failed"] > before["handshakes_failed"], timeout=10
+        )
         after = stats(prefill)
         assert after["links_lost"] == before["links_lost"], after
         assert after["links_opened"] == before["links_opened"], after
@@ -643,7 +653,7 @@ def test_a_recorded_stream_replayed_by_a_stranger_touches_no_link(replayed: str)
         assert prefill.ask("entries")["held"] == len(live)
         for i, receiver in enumerate(live):
             prefill.ask("send", receiver.room, [50 + i], 1, i)
-        wait_for(ended(live), timeout=20)
+        wait_until_sync(ended(live), timeout=20)
         assert {r.room: r.reason for r in live if r.poll() is not KVPoll.Success} == {}
         assert all(decode.landed([50 + i], [10 + i], i, i) for i in range(len(live)))
     finally:
@@ -663,20 +673,22 @@ def test_a_frame_replayed_inside_the_connection_drops_it_out_of_sequence() -> No
         assert move_rooms(prefill, decode, range(1, 5)) == {}
         prefill.ask("hold", 20)  # bound to the link once claimed: it shows the link's end
         bound = decode.receive(20, [20], aux_row=0)
-        wait_for(lambda: status(prefill, 20)[0] == KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: status(prefill, 20)[0] == KVPoll.WaitingForInput, timeout=10)
         before = stats(prefill)
         proxy.duplicate_next("RoomMetadata")
         victim = decode.receive(21, [21], aux_row=1)  # its page list goes out twice
-        wait_for(lambda: status(prefill, 20)[0] == KVPoll.Failed, timeout=10)
+        wait_until_sync(lambda: status(prefill, 20)[0] == KVPoll.Failed, timeout=10)
         assert len(proxy.duplicated) == 1
         reason = status(prefill, 20)[1]
         assert "peer lost" in reason, reason
         assert "out of sequence" in reason, reason
-        wait_for(lambda: bound.poll() is KVPoll.Failed and victim.poll() is KVPoll.Failed, 10)
+        wait_until_sync(
+            lambda: bound.poll() is KVPoll.Failed and victim.poll() is KVPoll.Failed, timeout=10
+        )
         assert "peer lost" in bound.reason, bound.reason
         assert "peer lost" in victim.reason, victim.reason
         assert stats(prefill)["links_lost"] == before["links_lost"] + 1
-        wait_for(lambda: decode.engine.stats()["live"] == 0, timeout=20)
+        wait_until_sync(lambda: decode.engine.stats()["live"] == 0, timeout=20)
         assert move_rooms(prefill, decode, range(30, 34)) == {}  # over a new connection
         assert len(proxy.sessions) == 2
         assert stats(prefill)["links_opened"] == before["links_opened"] + 1
@@ -701,22 +713,24 @@ def test_a_long_abort_reason_is_clipped_not_refused(when: str) -> None:
         if when == "bound":
             prefill.ask("hold", 7)
             receiver = decode.receive(7, [7], aux_row=0)
-            wait_for(lambda: status(prefill, 7)[0] == KVPoll.WaitingForInput, timeout=10)
+            wait_until_sync(lambda: status(prefill, 7)[0] == KVPoll.WaitingForInput, timeout=10)
             receiver.abort(long)
         else:
             receiver = decode.receive(7, [7], aux_row=0)
-            wait_for(lambda: prefill.ask("entries")["held"] == 1, timeout=10)
+            wait_until_sync(lambda: prefill.ask("entries")["held"] == 1, timeout=10)
             receiver.abort(long)
-            wait_for(lambda: receiver.settled, timeout=10)  # acknowledged: nothing was written
+            wait_until_sync(
+                lambda: receiver.settled, timeout=10
+            )  # acknowledged: nothing was written
             prefill.ask("hold", 7)
-        wait_for(lambda: status(prefill, 7)[0] == KVPoll.Failed, timeout=10)
+        wait_until_sync(lambda: status(prefill, 7)[0] == KVPoll.Failed, timeout=10)
         reason = status(prefill, 7)[1]
         assert "aborted (peer)" in reason, reason
         assert "the client went away" in reason, reason
         assert reason.endswith("[truncated]"), reason[-80:]
         assert "bad frame" not in reason, reason
         assert stats(prefill)["frames_rejected"] == 0
-        wait_for(lambda: receiver.settled, timeout=10)
+        wait_until_sync(lambda: receiver.settled, timeout=10)
     finally:
         decode.close()
         prefill.close()

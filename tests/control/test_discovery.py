@@ -12,13 +12,14 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from kvfsm.control import ChannelConfig, ControlPlane
+from kvfsm.control import ChannelConfig, PrefillControl
 from kvfsm.control._discovery import Registration, registry_resolver
 from kvfsm.manager import router_for
 from kvfsm.registry import BootstrapClient, BootstrapServer, NotFoundError, UnreachableError
 from kvfsm.rooms import RoomEngine
 from kvfsm.transport import Agent, Leases, NixlTransport
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
+from tests.helpers.waiting import wait_until
 
 SHAPE = Shape(layers=1, num_pages=4, page_bytes=256, aux_rows=2, aux_row_bytes=64)
 
@@ -30,8 +31,8 @@ class Prefill:
         kv, aux = make_buffers(SHAPE)
         self.agent = Agent(f"discovery-{rank}-{os.getpid()}", make_layout(kv, aux))
         self.transport = NixlTransport(self.agent, leases=Leases())
-        self.control = ControlPlane(
-            "prefill", rank, self.agent, transport=self.transport, config=ChannelConfig()
+        self.control = PrefillControl(
+            rank, self.agent, transport=self.transport, config=ChannelConfig()
         )
         self.engine = RoomEngine(router_for(self.control)).start()
         self.engine.call(self.control.started())
@@ -92,7 +93,9 @@ async def test_the_resolver_reads_back_the_control_address(
 
 
 @pytest.mark.asyncio
-async def test_run_keeps_registering_through_a_registry_outage(prefill: Prefill) -> None:
+async def test_run_keeps_registering_through_a_registry_outage(
+    prefill: Prefill, caplog: pytest.LogCaptureFixture
+) -> None:
     """``run`` registers at once and every interval; a registry that is down is logged and
     retried, never fatal, and the rank is back in the table once the registry is."""
     control = prefill.control
@@ -102,14 +105,22 @@ async def test_run_keeps_registering_through_a_registry_outage(prefill: Prefill)
         registration = Registration(client, control, engine="e4", interval_s=0.05)
         task = asyncio.create_task(registration.run())
         try:
-            await _until(lambda: _registered(client, "e4", 3))
+            await wait_until(
+                lambda: _registered(client, "e4", 3), message="rank 3 of e4 in the registry"
+            )
             await first.stop()
             with pytest.raises(UnreachableError):
                 await client.rank("e4", 3)
-            await asyncio.sleep(0.3)  # several failed rounds
+            failed = "bootstrap registration failed (retrying)"
+            with caplog.at_level("WARNING", logger="kvfsm.registry"):
+                await wait_until(
+                    lambda: caplog.text.count(failed) >= 3, message="three failed rounds"
+                )
             assert not task.done()  # an outage is not fatal
             async with BootstrapServer(port=port, expected_ranks=4):
-                await _until(lambda: _registered(client, "e4", 3))
+                await wait_until(
+                    lambda: _registered(client, "e4", 3), message="rank 3 of e4 in the registry"
+                )
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -123,9 +134,3 @@ async def _registered(client: BootstrapClient, engine: str, rank: int) -> bool:
     except (NotFoundError, UnreachableError):
         return False
     return True
-
-
-async def _until(check: object) -> None:
-    async with asyncio.timeout(10):
-        while not await check():  # type: ignore[operator]
-            await asyncio.sleep(0.02)

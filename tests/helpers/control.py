@@ -8,14 +8,14 @@ import os
 
 import numpy as np
 
-from kvfsm.control import ChannelConfig, ControlPlane
+from kvfsm.control import ChannelConfig, DecodeControl
 from kvfsm.manager import router_for
 from kvfsm.rooms import ReceiverRoom, RoomConfig, RoomEngine
 from kvfsm.states import KVPoll
 from kvfsm.transport import Agent
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.prefill_process import SHAPE, fill_sources
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 __all__ = ["FAST", "Decode"]
 
@@ -37,14 +37,14 @@ class Decode:
         async def resolve(rank: int) -> tuple[str, int]:
             return "127.0.0.1", port["port"]
 
-        self.control = ControlPlane("decode", 0, self.agent, resolver=resolve, config=config)
+        self.control = DecodeControl(0, self.agent, resolver=resolve, config=config)
         self.engine = RoomEngine(router_for(self.control), rooms).start()
         self.engine.call(self.control.started())
 
     def receive(self, room: int, dst: list[int], aux_row: int) -> ReceiverRoom:
         receiver = self.engine.receiver(room)
         receiver.init(0)
-        wait_for(lambda: receiver.poll() is not KVPoll.Bootstrapping, timeout=10)
+        wait_until_sync(lambda: receiver.poll() is not KVPoll.Bootstrapping, timeout=10)
         receiver.send_metadata(np.asarray(dst, np.int32), aux_row)
         return receiver
 

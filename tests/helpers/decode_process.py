@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm._child import ChildProcess
-from kvfsm.control._plane import ChannelConfig
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm._child import ChildProcess
-from kvfsm.control._plane import ChannelConfig, ControlPlane
+from kvfsm.control import ChannelConfig, ControlPlane, PrefillControl
 from kvfsm.manager import router_for
 from kvfsm.rooms import RoomEngine, SenderRoom
 from kvfsm.states import KVPoll
@@ -158,7 +158,7 @@ def _serve(
         agent_config = AgentConfig(interpose=lambda nixl: _SlowPosts(nixl, slow_post_s))
     agent = Agent(f"prefill-{os.getpid()}", make_layout(kv, aux), agent_config)
     transport = NixlTransport(agent, leases=Leases(margin_s=config.fence_margin_s))
-    control = ControlPlane("prefill", 0, agent, transport=transport, config=config)
+    control = PrefillControl(0, agent, transport=transport, config=config)
     engine = RoomEngine(router_for(control)).start()
     engine.call(control.started())
     registration = None
