@@ -26,7 +26,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from kvfsm.control._stages import StageBook, StageFeed, StageHub, StageLink
+from kvfsm.control._stage_links import StageHub, StageLink
+from kvfsm.control._stages import StageBook, StageFeed
 from kvfsm.registry import BootstrapClient, BootstrapError
 from kvfsm.states import KVPoll
 

@@ -16,6 +16,7 @@ import pytest
 
 from kvfsm.control._codec import FrameCodec, FrameReader
 from kvfsm.control._frames import FrameError
+from kvfsm.control._stage_links import StageHub, StageLink
 from kvfsm.control._stages import (
     MAX_FRAME_BYTES,
     StageBeat,
@@ -23,8 +24,6 @@ from kvfsm.control._stages import (
     StageFeed,
     StageForget,
     StageHello,
-    StageHub,
-    StageLink,
     StageStatus,
     _Codec,
 )
