@@ -1,7 +1,8 @@
 """A prefill rank's place in its pipeline (``pp_size > 1``): the status consensus of its stages.
 
 SGLang's scheduler polls a request's bootstrap only on pipeline stage 0, with
-``poll_pp_consensus()``, and acts on the answer on every stage (contract §3.1). So stage 0 must
+``poll_pp_consensus()``, and acts on the answer on every stage (SGLang forwards the answer down the PP chain:
+``disaggregation/utils.py``). So stage 0 must
 know every stage's status of the room: each later stage streams its senders' statuses to
 stage 0 (``_stages``: ``StageFeed`` -> ``StageLink`` -> ``StageHub`` -> ``StageBook``).
 

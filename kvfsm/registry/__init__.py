@@ -1,9 +1,12 @@
 """The bootstrap registry: an HTTP service where prefill ranks publish where their control
 channel listens and decode ranks look them up (SGLang's bootstrap server, kvfsm's way), with
-its client, its schemas and a thread to embed it in a synchronous process."""
+its client, its schemas, a thread to embed it in a synchronous process, and ``kvfsm bootstrap``
+(the parser-adder and runner :mod:`kvfsm.cli` registers it with)."""
 
 from __future__ import annotations
 
+from kvfsm.registry._cli import add_parser as add_bootstrap_parser
+from kvfsm.registry._cli import run as run_bootstrap
 from kvfsm.registry._client import (
     BootstrapClient,
     BootstrapError,
@@ -31,4 +34,6 @@ __all__ = [
     "RejectedError",
     "UnauthorizedError",
     "UnreachableError",
+    "add_bootstrap_parser",
+    "run_bootstrap",
 ]

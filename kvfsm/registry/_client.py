@@ -1,6 +1,6 @@
 """The bootstrap registry's client (``BootstrapClient``) and the errors it raises: one
 ``BootstrapError`` subclass per kind of answer (not ready, not found, unauthorized, rejected,
-unreachable). The routes and their answers are ``_registry_server``'s module doc."""
+unreachable). The routes and their answers are ``_server``'s module doc."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ nothing (the process's descriptors are shared with whatever embeds it). Every li
                                     the response: reading the body, handling, writing. Past it
                                     the request gets 408 and the connection is closed (or, if the
                                     answer had begun, it is cut off). This one is the server's
-                                    outermost middleware (``_registry_server``).
+                                    outermost middleware (``_server``).
 
 Request heads are held to aiohttp's limits (8190-byte request line and header fields) and bodies
 to ``MAX_BODY_BYTES``. When ``accept()`` fails because descriptors ran out (EMFILE, ENFILE,

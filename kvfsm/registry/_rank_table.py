@@ -1,7 +1,7 @@
 """The rank table of the bootstrap registry: its rules, without IO and without a clock.
 
 Every method takes ``now`` (monotonic seconds), so the rules can be tested without sockets or
-sleeps; ``BootstrapServer`` (``_registry_server``) adds HTTP and the clock. A refusal is a
+sleeps; ``BootstrapServer`` (``_server``) adds HTTP and the clock. A refusal is a
 ``RefusedError`` carrying the HTTP status the server answers with.
 
 Expiry

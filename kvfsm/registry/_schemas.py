@@ -1,5 +1,5 @@
 """The bootstrap registry's wire schemas: the JSON bodies of its routes, which ``msgspec``
-decodes against these types on both sides (``_registry_server``, ``_registry_client``).
+decodes against these types on both sides (``_server``, ``_client``).
 
 What a rank publishes
 ---------------------

@@ -1,9 +1,9 @@
 """The bootstrap registry: prefill ranks register where they listen; decode ranks look them up.
 
 This is kvfsm's version of SGLang's bootstrap server (``PUT /route``, ``GET /route``, 503 until
-every rank has registered, ``/health``, periodic entry cleanup); see
-``research/sglang-contract.md`` §4. It is an aiohttp application that any asyncio loop can embed
-(``BootstrapServer``, here), a small client (``BootstrapClient``, ``_registry_client``), and
+every rank has registered, ``/health``, periodic entry cleanup: SGLang's
+``disaggregation/common/conn.py``). It is an aiohttp application that any asyncio loop can embed
+(``BootstrapServer``, here), a small client (``BootstrapClient``, ``_client``), and
 between them JSON bodies that ``msgspec`` decodes against typed schemas (``_schemas``: what a rank
 publishes). The table behind the routes is sans-IO (``RankTable``, ``_rank_table``: its rules and
 expiry); the connections are held to limits by the server's own accept loop (``_connections``).
@@ -40,7 +40,7 @@ Security
 The default bind address is ``127.0.0.1``: nothing off the host can reach a registry started
 without arguments. To serve a cluster pass ``host="0.0.0.0"`` (or a specific interface address;
 ``--host`` on the command line) and, unless the network is trusted, a shared ``secret``. With a
-secret, every mutating request (PUT, DELETE) must carry a fresh HMAC signature (``_auth.py``);
+secret, every mutating request (PUT, DELETE) must carry a fresh HMAC signature (``kvfsm.link``);
 unsigned, wrongly signed or stale requests get 401 and change nothing. Reads stay unsigned on
 purpose: they reveal only what the ranks themselves publish to their peers (host, port, agent
 name, layout geometry) and decode ranks must be able to read them with no more than an address.
@@ -208,7 +208,7 @@ class BootstrapServer:
     ``host`` defaults to ``127.0.0.1`` (reachable from this machine only); pass ``"0.0.0.0"``,
     ``"::"`` or an interface address to serve other hosts, and then consider a ``secret``.
     ``port=0`` picks a free port; ``port`` reads the bound one after ``start()``. With ``secret``
-    (at least 16 bytes), PUT and DELETE must be signed (``_auth.py``); GETs never need to be.
+    (at least 16 bytes), PUT and DELETE must be signed (``kvfsm.link``); GETs never need to be.
     ``max_connections``, ``idle_timeout_s`` and ``request_timeout_s`` bound what clients can hold
     (``_connections``' module doc, "Connections"); ``stats`` counts what they did. ``table``
     is the sans-IO ``RankTable`` the routes read and write, with this server's clock.
