@@ -60,8 +60,8 @@ a frame is built in Python and when one is decoded. Range constraints run only o
 built locally with a bad value is caught by the peer, which fails the room it names.
 
 The payload is a map, not ``array_like``: positional arrays are cheaper (0.72 against 1.13 us per
-round trip, measured with msgspec 0.18 on this kind of machine), but then errors would say ``$[1]`` instead of
-``$.room``, and a rejected frame could not be read for its room (below).
+round trip with msgspec on this kind of machine), but then errors would say ``$[1]`` instead
+of ``$.room``, and a rejected frame could not be read for its room (below).
 
 Errors and law 7
 ----------------

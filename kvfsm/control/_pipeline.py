@@ -1,10 +1,10 @@
 """A prefill rank's place in its pipeline (``pp_size > 1``): the status consensus of its stages.
 
 SGLang's scheduler polls a request's bootstrap only on pipeline stage 0, with
-``poll_pp_consensus()``, and acts on the answer on every stage (SGLang forwards the answer down the PP chain:
-``disaggregation/utils.py``). So stage 0 must
-know every stage's status of the room: each later stage streams its senders' statuses to
-stage 0 (``_stages``: ``StageFeed`` -> ``StageLink`` -> ``StageHub`` -> ``StageBook``).
+``poll_pp_consensus()``, and acts on the answer on every stage (it forwards the answer down the
+PP chain: SGLang's ``disaggregation/utils.py``). So stage 0 must know every stage's status of
+the room: each later stage streams its senders' statuses to stage 0 (``_stages``: ``StageFeed``
+-> ``StageLink`` -> ``StageHub`` -> ``StageBook``).
 
 How the stages find each other: stage 0 binds its hub before its first registration and
 publishes the port in its registry row (``RankInfo.stage_port``); a later stage looks up stage
