@@ -245,11 +245,12 @@ class ManagerConfig:
     #: Keep Prometheus metrics (needs ``prometheus-client``: ``pip install kvfsm[metrics]``).
     metrics: bool = False
     #: The model layout and parallel shape this rank declares in its handshake; a peer whose
-    #: declaration does not pair with it is refused there (``kvfsm.control._fingerprint``).
+    #: declaration does not pair with it is refused there (``kvfsm.control.Fingerprint``; the
+    #: rules: docs/protocol.md, "The handshake").
     #: None: nothing declared (pairs only with peers that declare nothing).
     fingerprint: Fingerprint | None = None
     #: Prefill: when the stale-progress gate fences the NIXL agent out (the process was
-    #: stopped or starved with a WRITE in flight past its lease; ``kvfsm.transport._fence``),
+    #: stopped or starved with a WRITE in flight past its lease; ``kvfsm.transport.Leases``),
     #: exit the process at once with status ``FENCED_OUT_EXIT`` so its supervisor restarts
     #: it. False: the rank stays up and fails every room with the reason until restarted.
     exit_on_fenced_out: bool = False
@@ -393,7 +394,7 @@ class PrefillManager(_Manager):
     ) -> None:
         """``pp_size > 1``: this rank is pipeline stage ``pp_rank``; ``stage_root`` is the
         registry rank of stage 0 of its pipeline (same DP and TP rank), whom a later stage
-        reports its rooms' statuses to (``kvfsm.control._pipeline``)."""
+        reports its rooms' statuses to (``kvfsm.control.PipelineStage``)."""
         super().__init__(
             "prefill",
             layout,

@@ -134,7 +134,9 @@ class RoomCore:
         claim: Claim | None = None,
     ):
         self.role: Final = role
-        #: Written only by the ``transitions`` machine (``set_state``) and read by everyone.
+        #: Written only by :meth:`_fire`, along an edge of the role's compiled dispatch (the
+        #: built ``transitions`` machine's edges; ``trigger`` and ``set_state`` never run on the
+        #: hot path), and read by everyone.
         self.state: KVPoll = KVPoll.Bootstrapping
         #: Why the room failed; empty until it does.
         self.reason = ""

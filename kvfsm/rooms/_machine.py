@@ -1,9 +1,11 @@
 """Build one ``transitions.Machine`` per role from the tables in :mod:`kvfsm.states`.
 
-The machines are built once, at import, and shared by every room of their role: a room is the
-*model* an event is fired on (``MACHINES[role].events[name].trigger(room)``). That keeps the
-per-room cost at zero (no ``add_model``, whose bookkeeping grows with the number of live rooms)
-while every state change still goes through ``transitions``' own checks and ``set_state``.
+The machines are built once, at import, and shared by every room of their role, with no model
+of their own: an event can be fired on any ``RoomCore`` as the model
+(``MACHINES[role].events[name].trigger(core)``, which ``tests/rooms/test_machine.py`` does), so
+no room pays for ``add_model``, whose bookkeeping grows with the number of live rooms. A room's
+state changes along the built machine's edges, read once into a dispatch (below): ``trigger``
+and ``set_state`` are what that dispatch is proven equal to, not what the hot path calls.
 
 The build is faithful to the table and nothing more:
 

@@ -11,7 +11,7 @@ needs the other's class:
   methods (subclass it to inherit them) rather than attributes probed by name.
 * :class:`RoomHost`: what one :class:`~kvfsm.rooms._actor.Room` needs from whoever spawned it.
   The registry implements it; the room module imports only this one, so the actor and the
-  registry no longer import each other.
+  registry do not import each other.
 * :class:`Observer`: what is told about rooms for metrics.
 
 Loop thread only, except :class:`Publication` (read from any thread) and :class:`RoomKey`.

@@ -179,7 +179,8 @@ def _kind(name: str, value: object) -> MemKind:
 
 def _uniform_kind(name: str, kinds: Sequence[object], default: MemKind) -> MemKind:
     # One NIXL descriptor list per group, so one memory kind per group. SGLang's own NIXL
-    # backend refuses mixed source kinds as well (contract §9).
+    # backend refuses mixed kinds as well (``_homogeneous_kv_mem_kind`` in
+    # sglang/srt/disaggregation/nixl/conn.py).
     if not kinds:
         return default
     found = {_kind(name, k) for k in kinds}

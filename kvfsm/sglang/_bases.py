@@ -68,7 +68,7 @@ else:
         BASES = "pinned"
     else:
         # DisaggregationMode lives in disaggregation/utils.py, whose import needs the whole
-        # model stack (docs/sglang-import.md §5). The adapter only compares its value, so it
+        # model stack (docs/sglang-import.md, section 5). The adapter only compares its value, so it
         # keeps the pinned enum; SGLang's member compares equal by ``.value`` (see _manager.py).
         from kvfsm.sglang._pinned import DisaggregationMode
 

@@ -3,7 +3,8 @@ them; each wraps one kvfsm room facade.
 
 Every method runs on the scheduler thread and returns at once: ``poll()`` reads the value the
 room's task published; the others post an event to kvfsm's loop (law 6). What SGLang expects,
-and how it is met (contract §3):
+and how it is met (SGLang's prefill and decode schedulers, ``disaggregation/prefill.py`` and
+``disaggregation/decode.py``):
 
 * before ``init``/``send_metadata`` a room reports only Failed, Bootstrapping or WaitingForInput
   (the room's own table: it cannot move further without them);

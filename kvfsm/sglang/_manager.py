@@ -1,7 +1,9 @@
 """``KvfsmKVManager``: one per scheduler rank, as SGLang builds it; owns a kvfsm
 :class:`~kvfsm.manager.PrefillManager` or :class:`~kvfsm.manager.DecodeManager`.
 
-What the scheduler reads beyond the ABC (contract §3.5) is here with kvfsm's meaning:
+What the scheduler reads beyond the ABC (SGLang's ``disaggregation/decode.py`` reads the
+manager's ``prefill_info_table`` and calls ``try_ensure_parallel_info``) is here with kvfsm's
+meaning:
 
 * ``prefill_info_table`` / ``try_ensure_parallel_info``: decode learns a prefill instance's DP
   and TP sizes from its bootstrap server. SGLang's own backends do that with a blocking HTTP

@@ -3,10 +3,10 @@ not installed (unit tests, type checking, machines without a GPU stack).
 
 Only the interface is here: the names, parameter lists, defaults, class attributes and abstract
 methods of ``sglang/srt/disaggregation/base/conn.py`` in the 0.5.23 wheel, as recorded in
-``docs/sglang-import.md`` §6. ``tests/sglang/test_real_interface.py`` compares every class here with
-the real one whenever SGLang is importable, so a version bump that changes the contract fails
-loudly instead of drifting. When SGLang is installed, ``kvfsm.sglang`` subclasses the real
-classes and this module is not used at all (``kvfsm.sglang.BASES``).
+``docs/sglang-import.md``, section 6. ``tests/sglang/test_real_interface.py`` compares every
+class here with the real one whenever SGLang is importable, so a version bump that changes the
+interface fails loudly instead of drifting. When SGLang is installed, ``kvfsm.sglang``
+subclasses the real classes and this module is not used at all (``kvfsm.sglang.BASES``).
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ __all__ = [
     "KVTransferMetric",
 ]
 
-#: The release this snapshot was taken from (contract §0, §1.7: the signatures move between
-#: releases, so the adapter pins one).
+#: The release this snapshot was taken from (the signatures move between SGLang releases, so
+#: the adapter pins one).
 SGLANG_VERSION = "0.5.23"
 
 
 class KVPoll:
-    """Plain ints, ordered: the scheduler MIN-reduces them across ranks (contract §3.1)."""
+    """Plain ints, ordered: the scheduler MIN-reduces them across ranks (``poll_and_all_reduce``
+    in ``sglang/srt/disaggregation/utils.py``)."""
 
     Failed = 0
     Bootstrapping = 1

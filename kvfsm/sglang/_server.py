@@ -1,7 +1,7 @@
 """``KvfsmKVBootstrapServer``: the bootstrap registry of one prefill instance, as SGLang starts it
 (``host``, ``port`` from ``--host`` and ``--disaggregation-bootstrap-port``) in its main process.
 
-It is kvfsm's registry (kvfsm/registry/_server.py) on a daemon thread with its own
+It is kvfsm's registry (``kvfsm.registry.BootstrapServer``) on a daemon thread with its own
 event loop (``kvfsm.registry.RegistryThread``): SGLang constructs the server and keeps the
 object, and never calls anything on it again. A port that is taken raises from the constructor.
 """

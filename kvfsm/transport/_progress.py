@@ -1,12 +1,13 @@
 """``AgentProgress``: keeps a NIXL agent that is written into (decode) progressing.
 
-Agents run with their progress thread off (design §5). A UCX worker then advances only when it
-is polled, and a writer's completion flushes wait for the target's worker too. Prefill's pump
-progresses its own agent (:mod:`kvfsm.transport._pump`); a decode rank posts nothing and has
-no pump, so this loop does it there. It is fast (``interval_s``) only while some room's pages are
-exposed to a live link, which the control plane knows and says through ``expecting()``, and slow
-(every 50 ms at least) otherwise, so an idle decode rank, or one whose rooms all ended, costs
-about nothing. It lives here because every NIXL call does (design §3).
+Agents run with their progress thread off (it spins a core: docs/design.md, the data path). A
+UCX worker then advances only when it is polled, and a writer's completion flushes wait for the
+target's worker too. Prefill's pump progresses its own agent (:mod:`kvfsm.transport._pump`); a
+decode rank posts nothing and has no pump, so this loop does it there. It is fast
+(``interval_s``) only while some room's pages are exposed to a live link, which the control
+plane knows and says through ``expecting()``, and slow (every 50 ms at least) otherwise, so an
+idle decode rank, or one whose rooms all ended, costs about nothing. It lives here because every
+NIXL call does (docs/design.md, Architecture).
 
 ``ProgressWatch`` records each progress, so the control plane knows for how long the agent has
 been progressed without a gap (``steady_for``). A decode rank frozen (SIGSTOP, a VM stall) has

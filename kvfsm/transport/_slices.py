@@ -1,10 +1,10 @@
 """Which KV heads move between which ranks when prefill and decode use different attention TP.
 
 Pure: no NIXL, no threads, no IO. This is the plan the data path follows for heterogeneous
-tensor parallelism (issue 14): for a prefill rank and a decode rank it says which heads the one
-writes into the other, where they sit in each side's page, and it builds the NIXL descriptors
-of that slice for every page of a layout, prepared once per (peer, layout) like the whole-page
-lists of :mod:`kvfsm.transport._layout`.
+tensor parallelism (docs/heterogeneous-tp.md): for a prefill rank and a decode rank it says
+which heads the one writes into the other, where they sit in each side's page, and it builds the
+NIXL descriptors of that slice for every page of a layout, prepared once per (peer, layout) like
+the whole-page lists of :mod:`kvfsm.transport._layout`.
 
 Heads and shards
 ----------------

@@ -8,11 +8,12 @@ time, and the virtual clock (:mod:`tests.helpers.model_pair`). Every room, routi
 lease and chunk outcome is the production code's: RoomCore, PrefillRouting / DecodeRouting,
 Leases and ChunkLedger; nothing here restates their rules.
 
-After every step the laws of design section 2 hold (:func:`check_laws`); after the episode is
+After every step the laws of docs/design.md hold (:func:`check_laws`); after the episode is
 drained, nothing is left anywhere (:func:`check_drained`). The planted-bug tests below prove the
 checks are not vacuous: each plants one bug in the IO around the cores and expects the same
 machine (or, for the rarer interleavings, a spelled-out episode) to find the law it breaks. The
-production bugs this test found are at the end, as strict xfails, and listed in ``KNOWN_BUGS``.
+production bug this test found (fixed) is at the end, kept as regression tests; the checker
+tolerates nothing.
 
 ``KVFSM_PROPERTY_EXAMPLES`` scales the number of episodes (default 500, about 15 s here; CI runs
 the default, derandomized); ``KVFSM_PROPERTY_RANDOM=1`` draws new episodes on every run. A
@@ -71,11 +72,6 @@ from tests.helpers.model_pair import (
 )
 
 EXAMPLES = int(os.environ.get("KVFSM_PROPERTY_EXAMPLES", "500"))
-#: Production bugs this test found and that are not fixed yet: the checker tolerates their
-#: symptom (and only theirs), so that the property test keeps guarding everything else; each
-#: has strict xfail tests at the end of this file. Remove an entry when its bug is fixed.
-SETTLED_PAGE_LIST: Final = "settled-page-list"
-KNOWN_BUGS: Final[frozenset[str]] = frozenset()
 ROOM_IDS = 3  # reused all the time
 _BEFORE_INPUT = frozenset({KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput})
 
@@ -289,11 +285,7 @@ def check_laws(pair: Pair, checked: Checked | None = None) -> None:
     # byte lands in a page that is free (declared settled, maybe reused) or that another room
     # holds, nor from a sender whose source pages were declared free; a Success has exactly
     # the source bytes.
-    tolerated = set()
     for sender, decode_room in pair.settled_pages_given:
-        if SETTLED_PAGE_LIST in KNOWN_BUGS:
-            tolerated.add(sender)  # see _FINISHED_PAGE_LIST
-            continue
         raise AssertionError(
             f"law 4: prefill gave sender {sender} the page list of decode room {decode_room} "
             "after it told decode that room was settled"
@@ -301,8 +293,6 @@ def check_laws(pair: Pair, checked: Checked | None = None) -> None:
     for landing in pair.landings[checked.landings :]:
         # A landing across a prefill freeze is judged like any other: the stale-progress gate
         # refuses the progress that would have moved it late.
-        if landing.sender in tolerated:
-            continue
         who = f"room {landing.sender.room} gen {landing.sender.generation} chunk {landing.chunk}"
         for kind, index, owner in landing.written:
             assert owner is not None, (
