@@ -7,7 +7,7 @@ the pipe. Then it loops:
 
 * progressing its agent: ``get_new_notifs()`` in a tight loop with a short sleep. With progress
   threads off, the initiator's transfers can stay ``PROC`` forever unless the target's UCX worker
-  is progressed too (endpoint wireup and flush need an answer; research ``nixl-and-peers.md``);
+  is progressed too (endpoint wireup and flush need an answer, measured: ``docs/reliability.md``);
 * answering pipe commands, one reply each:
 
   ``("checksum", page_bytes, dst_pages)`` -> ``("ok", crc)``: :func:`checksum_pages` over the

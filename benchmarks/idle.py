@@ -1,4 +1,4 @@
-"""What an idle engine costs, before and after it served many rooms (issue 11).
+"""What an idle engine costs, before and after it served many rooms.
 
 Two OS processes, a prefill rank and a decode rank (engine, control plane, fenced NIXL data path
 over DRAM), serve ``--rooms`` rooms (default 10,000; ``--window`` in flight), of which

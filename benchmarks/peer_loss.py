@@ -1,4 +1,4 @@
-"""How long prefill rooms wait for a decode that is gone (issue 11), with production settings.
+"""How long prefill rooms wait for a decode that is gone, with production settings.
 
 A prefill rank and a decode rank, each in its own OS process (engine, control plane, fenced NIXL
 over DRAM, ``ChannelConfig()`` defaults: 1 s heartbeat, lost after 2 s of silence). Decode

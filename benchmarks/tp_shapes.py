@@ -1,5 +1,5 @@
-"""Bytes each prefill rank moves, per attention-TP shape and per pipeline shape (issue 14's
-figures).
+"""Bytes each prefill rank moves, per attention-TP shape and per pipeline shape (the figures
+of ``benchmarks/README.md``).
 
 For each shape it runs SGLang 0.5.23's scheduler sequences (the conformance replay of
 ``tests/helpers/sglang_replay.py``, which checks every head slice of every page on decode) with 12

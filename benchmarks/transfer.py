@@ -59,7 +59,7 @@ Cases (sizes are options; the defaults run everything in well under two minutes 
                    permutation over all rooms), and it is sent in 1 to 4 chunks (random cuts).
                    1, 16 or 256 rooms in flight at once. The three cases share the same rooms.
 
-* tp2to1_rooms_1/16/64, tp2to1_large - unequal attention TP, head-sliced (issue 14): MHA with
+* tp2to1_rooms_1/16/64, tp2to1_large - unequal attention TP, head-sliced: MHA with
                    8 KV heads of 256 bytes (128 dims bf16), prefill TP 2 into decode TP 1.
                    Prefill rank 1's pages hold 4 heads a row (token), 16 rows a page (16 KiB);
                    decode's hold 8 (32 KiB pages), and rank 1 writes its whole rows into the
@@ -161,7 +161,7 @@ class BenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Heads:
-    """Unequal attention TP for MHA (issue 14): prefill rank ``prefill_rank`` of ``prefill_tp``
+    """Unequal attention TP for MHA: prefill rank ``prefill_rank`` of ``prefill_tp``
     holds ``total // prefill_tp`` KV heads, decode rank ``decode_rank`` of ``decode_tp`` holds
     ``total // decode_tp``, and ``prefill_tp`` is a multiple of ``decode_tp``. Each side's KV is
     ``regions`` buffers (layers x K/V) back to back, each ``pages`` pages of ``rows`` tokens, a

@@ -1,5 +1,5 @@
 """Faults outside the old model, each reproduced with real processes, real sockets and real NIXL
-(issue 11): a prefill frozen longer than decode's grace, a decode killed while prefill rooms wait
+a prefill frozen longer than decode's grace, a decode killed while prefill rooms wait
 for it, aborts before the page list, page lists that cannot be sent, room ids reused at once,
 Error frames, overlapping destinations and two decode processes on one host."""
 

@@ -1,4 +1,4 @@
-"""Hostile peers against a prefill rank in its own OS process (issue 12, law 7): real sockets on
+"""Hostile peers against a prefill rank in its own OS process (law 7): real sockets on
 loopback, real NIXL, a real decode rank that must keep moving rooms meanwhile.
 
 * descriptors: a flood of idle connections past the process's ``RLIMIT_NOFILE`` (``accept()``

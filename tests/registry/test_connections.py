@@ -1,6 +1,5 @@
-"""The registry's connections (``kvfsm/registry/_connections.py``) under exhaustion (issue 12,
-case 4): idle and slow connections (the idle reaper), the connection cap, request timeouts (the
-limit the listener counts; the 408 is written by ``_registry_server``'s guard), and the accept
+"""The registry's connections (``kvfsm/registry/_connections.py``) under exhaustion: idle and slow connections (the idle reaper), the connection cap, request timeouts (the
+limit the listener counts; the 408 is written by ``kvfsm.registry._server``'s guard), and the accept
 loop running out of descriptors.
 
 Real sockets on loopback. The tests that exhaust descriptors run the registry in a child
