@@ -1,6 +1,7 @@
-"""The registry's connections (``kvfsm/registry/_connections.py``) under exhaustion: idle and slow connections (the idle reaper), the connection cap, request timeouts (the
-limit the listener counts; the 408 is written by ``kvfsm.registry._server``'s guard), and the accept
-loop running out of descriptors.
+"""The registry's connections (``kvfsm/registry/_connections.py``) under exhaustion: idle and
+slow connections (the idle reaper), the connection cap, request timeouts (the limit the listener
+counts; the 408 is written by ``kvfsm.registry._server``'s guard), and the accept loop running
+out of descriptors.
 
 Real sockets on loopback. The tests that exhaust descriptors run the registry in a child
 process (``tests/helpers/registry_process.py``) whose soft RLIMIT_NOFILE is 1024, so only that
