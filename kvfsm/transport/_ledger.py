@@ -8,11 +8,15 @@ to release) with ``now`` passed in, and answers with *actions* that
 ``StartQuarantine`` (call ``quarantine_over`` at ``until``), ``PostFlush`` / ``CancelFlush``
 (a flush of one peer generation, answered by ``flushed`` or ``flush_failed``) and ``Finish``
 (release what is left, then deliver the record's final event). Decide first, then do IO.
+Records and actions are defined in :mod:`kvfsm.transport._records`; the rules are here.
 
 Rules
 -----
 
-A record is one accepted chunk. It moves through four phases, and only forward:
+A record is one accepted chunk. It moves through five phases, only forward and only along an
+edge of ``PHASES`` (:mod:`kvfsm.transport._phases`, which names each edge's event): ``_move`` is
+the one place a phase changes, and it raises ``PhaseError`` on an edge the table lacks. A new
+record is accepted (QUEUED) or refused under rule 3 (FINAL); then:
 
     QUEUED --posted: in progress--> ACTIVE --polled: over--> FINAL
       |                               |
@@ -20,6 +24,8 @@ A record is one accepted chunk. It moves through four phases, and only forward:
       +--posted: over, or nothing posted--> FINAL                                          |
       +--posted: part in flight and it failed, or its peer was lost--> HELD                |
                                             quarantine over, and flushed or peer lost --> FINAL
+
+and a fenced-out agent (``abandon``) or a shutdown (``drain``) ends every record at once.
 
 1. **Exactly one final event.** Every accepted record gets exactly one ``ChunkDone`` or
    ``ChunkFailed`` (``Finish``), and then the ledger forgets it. A record refused at
@@ -85,11 +91,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias, cast
+from typing import Any, Final
 
 from kvfsm.rooms import RoomKey
-from kvfsm.states import ChunkDone, ChunkFailed, ChunkStalled, Event, PeerLost
+from kvfsm.states import ChunkDone, ChunkFailed, ChunkStalled, PeerLost
 from kvfsm.transport._fence import Leases
+from kvfsm.transport._phases import Phase, PhaseEvent, step
+from kvfsm.transport._records import (
+    Action,
+    CancelFlush,
+    Deliver,
+    Finish,
+    Member,
+    Post,
+    PostFlush,
+    Record,
+    Release,
+    StartQuarantine,
+)
 
 __all__ = [
     "ACTIVE",
@@ -97,6 +116,7 @@ __all__ = [
     "ERR_REASON",
     "FINAL",
     "HELD",
+    "NEW",
     "QUEUED",
     "Action",
     "CancelFlush",
@@ -112,14 +132,14 @@ __all__ = [
     "StartQuarantine",
 ]
 
-#: One chunk a record carries: its room, its number in that room, its bytes (rule 8).
-Member: TypeAlias = tuple[RoomKey, int, int]
+# The phases by their old names: the pump and the tests compare a record's phase with them.
+NEW: Final = Phase.NEW
+QUEUED: Final = Phase.QUEUED
+ACTIVE: Final = Phase.ACTIVE
+HELD: Final = Phase.HELD
+FINAL: Final = Phase.FINAL
 
-# Phases (plain ints: compared once per record per pump round).
-QUEUED: Final = 1  # accepted, in the poster's hands
-ACTIVE: Final = 2  # posted, in progress: the pump's
-HELD: Final = 3  # released, quarantined
-FINAL: Final = 4  # final event decided; forgotten by the ledger
+_E: Final = PhaseEvent  # (short: every phase change below names its event)
 
 _DONE: Final = "DONE"
 _PROC: Final = "PROC"
@@ -127,149 +147,6 @@ _PROC: Final = "PROC"
 ERR_REASON: Final = "NIXL reported the transfer as failed (ERR)"
 
 
-class Record:
-    """One chunk from acceptance until its final event. ``handles`` and ``states`` (one per
-    posted part) are written by the poster thread before it hands the record back; the rest
-    by the loop. The transport subclasses it with what the poster needs to post."""
-
-    __slots__ = (
-        "_asked",
-        "chunk",
-        "dropped",
-        "due",
-        "fence",
-        "flush",
-        "handles",
-        "key",
-        "members",
-        "nbytes",
-        "opened",
-        "peer",
-        "phase",
-        "quarantined",
-        "reason",
-        "states",
-        "t0",
-    )
-
-    def __init__(self, key: RoomKey, chunk: int, peer: Hashable, nbytes: int, fence: int = 0):
-        self.key = key
-        self.chunk = chunk
-        #: The peer generation it writes to (identity matters, not equality).
-        self.peer: Any = peer
-        self.nbytes = nbytes
-        self.fence = fence
-        #: Counted open by the stale-progress gate (``Leases.opened``): the poster sets it
-        #: before the first ``transfer()`` and closes it if every part is over inside the
-        #: call; otherwise the pump closes it at the final event.
-        self.opened = False
-        self.phase = 0  # not accepted yet
-        self.t0 = 0.0
-        self.due = 0.0
-        self.handles: list[Any] = []
-        self.states: list[str] = []
-        self.dropped = False
-        self.reason = ""  # why it is held
-        #: Held: the flush it waits for (the seq of the first one posted after it was held);
-        #: 0 once a flush proved it over, or when it needs none (rule 2).
-        self.flush = 0
-        self.quarantined = False  # held: its quarantine is over (it may still wait for a flush)
-        #: Rule 8: every chunk this record carries, as (room, chunk, bytes); the first is
-        #: ``key``/``chunk``. One entry for a record of one chunk.
-        self.members: tuple[Member, ...] = ((key, chunk, nbytes),)
-        self._asked: set[RoomKey] | None = None  # rooms that asked to release (rule 8)
-
-    def __repr__(self) -> str:
-        more = f" (+{len(self.members) - 1} chunks)" if len(self.members) > 1 else ""
-        return f"<Record room {self.key.room} chunk {self.chunk}{more} phase {self.phase}>"
-
-
-# -- actions ------------------------------------------------------------------------------------
-
-
-class Post:
-    """Hand ``record`` to the poster thread."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: Record) -> None:
-        self.record = record
-
-
-class Release:
-    """Release every handle ``record`` holds now (it may still move bytes; it is held)."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: Record) -> None:
-        self.record = record
-
-
-class Deliver:
-    """Deliver ``event`` to the room ``key``."""
-
-    __slots__ = ("event", "key")
-
-    def __init__(self, key: RoomKey, event: Event) -> None:
-        self.key = key
-        self.event = event
-
-
-class StartQuarantine:
-    """Call ``ChunkLedger.quarantine_over(record)`` at ``until`` (the caller's clock); keep the
-    agent progressed meanwhile, so a released WRITE's queued bytes land early in it."""
-
-    __slots__ = ("record", "until")
-
-    def __init__(self, record: Record, until: float) -> None:
-        self.record = record
-        self.until = until
-
-
-class PostFlush:
-    """Post flush number ``seq`` of ``peer`` (rule 2) and tell the ledger how it ended
-    (``flushed`` or ``flush_failed``); not before ``not_before`` (the caller's clock: a retry
-    after a refusal)."""
-
-    __slots__ = ("not_before", "peer", "seq")
-
-    def __init__(self, peer: Any, seq: int, not_before: float = 0.0) -> None:
-        self.peer = peer
-        self.seq = seq
-        self.not_before = not_before
-
-
-class CancelFlush:
-    """Release ``peer``'s flush in flight, unanswered: its generation is lost (rule 6)."""
-
-    __slots__ = ("peer",)
-
-    def __init__(self, peer: Any) -> None:
-        self.peer = peer
-
-
-class Finish:
-    """Release whatever handles ``record`` still holds, then deliver the final event of each of
-    its chunks: ``event`` (for its first chunk) made for each (``events``)."""
-
-    __slots__ = ("event", "record")
-
-    def __init__(self, record: Record, event: ChunkDone | ChunkFailed) -> None:
-        self.record = record
-        self.event = event
-
-    def events(self) -> list[tuple[RoomKey, ChunkDone | ChunkFailed]]:
-        """(room, final event) for every chunk of the record, in the record's order."""
-        event, members = self.event, self.record.members
-        if len(members) == 1:
-            return [(members[0][0], event)]
-        if type(event) is ChunkDone:
-            return [(key, ChunkDone(chunk)) for key, chunk, _ in members]
-        reason = cast("ChunkFailed", event).reason
-        return [(key, ChunkFailed(chunk, reason)) for key, chunk, _ in members]
-
-
-Action: TypeAlias = Post | Release | Deliver | StartQuarantine | PostFlush | CancelFlush | Finish
 _NOTHING: Final[list[Action]] = []  # returned, never appended to
 
 
@@ -391,7 +268,7 @@ class ChunkLedger:
             if not leases.valid(fence, now):
                 why = leases.describe(fence, now)
                 return [self._refuse(record, f"write lease of fence {fence} {why}: not posted")]
-        record.phase = QUEUED
+        _move(record, _E.ACCEPTED)
         self._records.add(record)
         return [Post(record)]
 
@@ -402,7 +279,7 @@ class ChunkLedger:
         states = record.states
         if record.handles and record.peer in self._lost:
             # Posted while its peer was being lost: its state means nothing now.
-            return self._hold(record, "peer lost while posting; released", now)
+            return self._hold(record, _E.PEER_LOST, "peer lost while posting; released", now)
         if not states:
             self.stats.chunks_dropped += len(record.members)
             return [self._finish(record, ChunkFailed(record.chunk, DROPPED))]
@@ -411,7 +288,7 @@ class ChunkLedger:
                 return [self._finish(record, ChunkFailed(record.chunk, ERR_REASON))]
             self.stats.done_at_post += len(record.members)
             return [self._finish(record, ChunkDone(record.chunk))]
-        record.phase = ACTIVE
+        _move(record, _E.POSTED)
         self._active.append(record)
         return _NOTHING
 
@@ -428,18 +305,12 @@ class ChunkLedger:
         if record.phase != QUEUED:
             return self._stray(record)
         self.stats.chunks_fenced += len(record.members)
-        return self.errored(record, reason, now)
+        return self._stopped(record, _E.FENCED, reason, now)
 
     def errored(self, record: Record, reason: str, now: float) -> list[Action]:
         """NIXL raised while posting ``record`` or checking its handles. A remote disconnect
         is the caller's to report (``peer_lost``) first."""
-        if record.phase not in (QUEUED, ACTIVE):
-            return _NOTHING  # over or held meanwhile (its peer was lost first)
-        if record.handles and (record.peer in self._lost or _PROC in record.states):
-            # A part was posted and may still move bytes (an earlier part when a later one
-            # failed to post; any, once its peer is lost): the error does not end that WRITE.
-            return self._hold(record, f"{reason}; released", now)
-        return [self._finish(record, ChunkFailed(record.chunk, reason))]
+        return self._stopped(record, _E.RAISED, reason, now)
 
     def pending(self) -> Sequence[Record]:
         """The records the next pump round will poll (a view: do not keep it)."""
@@ -455,7 +326,7 @@ class ChunkLedger:
         if record.phase != ACTIVE:
             return _NOTHING  # held or over meanwhile: its handles are released
         if record.peer in self._lost:
-            return self._hold(record, "peer lost; released", now)
+            return self._hold(record, _E.PEER_LOST, "peer lost; released", now)
         if _PROC not in states:
             # Over: done, or errored. An errored handle writes nothing more, so the chunk
             # fails settled; a chunk with a handle still in flight waits for it (or for its
@@ -466,7 +337,8 @@ class ChunkLedger:
         if now > record.due:
             self.stats.chunks_stalled += len(record.members)
             deadline = self._deadline_s(record.nbytes)
-            return self._hold(record, f"in flight past its {deadline:g}s deadline; released", now)
+            why = f"in flight past its {deadline:g}s deadline; released"
+            return self._hold(record, _E.STALLED, why, now)
         self._active.append(record)
         return _NOTHING
 
@@ -482,7 +354,8 @@ class ChunkLedger:
             if record.phase == ACTIVE and not leases.valid(record.fence, now):
                 self.stats.chunks_fenced += len(record.members)
                 why = leases.describe(record.fence, now)
-                held = self._hold(record, f"write lease of fence {record.fence} {why}", now)
+                why = f"write lease of fence {record.fence} {why}"
+                held = self._hold(record, _E.FENCED, why, now)
                 if out is None:
                     out = held
                 else:
@@ -500,7 +373,7 @@ class ChunkLedger:
             out += [Deliver(key, PeerLost(reason)) for key in _rooms(record)]
             record.dropped = True  # not posted yet: the poster skips it
             if record.phase == ACTIVE:
-                out += self._hold(record, f"peer lost ({reason}); released", now)
+                out += self._hold(record, _E.PEER_LOST, f"peer lost ({reason}); released", now)
             elif record.phase == HELD and record.flush:
                 # Its flush can never come now: the endpoint is gone (rule 6).
                 record.flush = 0
@@ -577,7 +450,9 @@ class ChunkLedger:
         (the caller must not release their handles: that would touch the agent). Records still
         with the poster fail there (no lease is valid any more)."""
         posted = [r for r in self._records if r.phase in (ACTIVE, HELD)]
-        out: list[Action] = [self._finish(r, ChunkFailed(r.chunk, reason)) for r in posted]
+        out: list[Action] = [
+            self._finish(r, ChunkFailed(r.chunk, reason), _E.ABANDONED) for r in posted
+        ]
         self._active.clear()
         self._held.clear()
         self._flushes.clear()  # (the pump keeps its flush handles, as it keeps the others)
@@ -588,7 +463,7 @@ class ChunkLedger:
         No final events: the rooms are gone."""
         records = list(self._records)
         for record in records:
-            record.phase = FINAL
+            _move(record, _E.DRAINED)
         self._records.clear()
         self._active.clear()
         self._held.clear()
@@ -602,9 +477,19 @@ class ChunkLedger:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _hold(self, record: Record, reason: str, now: float) -> list[Action]:
+    def _stopped(self, record: Record, event: PhaseEvent, reason: str, now: float) -> list[Action]:
+        """The poster or NIXL stopped ``record`` (``event``: its lease, or NIXL raising)."""
+        if record.phase not in (QUEUED, ACTIVE):
+            return _NOTHING  # over or held meanwhile (its peer was lost first)
+        if record.handles and (record.peer in self._lost or _PROC in record.states):
+            # A part was posted and may still move bytes (an earlier part when a later one
+            # failed to post; any, once its peer is lost): the error does not end that WRITE.
+            return self._hold(record, event, f"{reason}; released", now)
+        return [self._finish(record, ChunkFailed(record.chunk, reason))]
+
+    def _hold(self, record: Record, event: PhaseEvent, reason: str, now: float) -> list[Action]:
         """Release now, tell the room it stalled, settle after the quarantine (rule 2)."""
-        record.phase = HELD
+        _move(record, event)
         record.reason = reason
         self._held.add(record)
         self.stats.chunks_quarantined += len(record.members)
@@ -639,10 +524,15 @@ class ChunkLedger:
             and not any(r.peer is record.peer for r in self._held)
         ):
             del self._flushes[record.peer]
-        return self._finish(record, ChunkFailed(record.chunk, over))
+        return self._finish(record, ChunkFailed(record.chunk, over), _E.SETTLED)
 
-    def _finish(self, record: Record, event: ChunkDone | ChunkFailed) -> Finish:
-        record.phase = FINAL
+    def _finish(
+        self, record: Record, event: ChunkDone | ChunkFailed, why: PhaseEvent | None = None
+    ) -> Finish:
+        """``record`` is final with ``event``; ``why``: its phase event (default DONE | FAILED)."""
+        if why is None:
+            why = _E.DONE if type(event) is ChunkDone else _E.FAILED
+        _move(record, why)
         self._records.discard(record)
         lost = self._lost
         if lost:
@@ -661,7 +551,7 @@ class ChunkLedger:
         return Finish(record, event)
 
     def _refuse(self, record: Record, reason: str) -> Finish:
-        record.phase = FINAL
+        _move(record, _E.REFUSED)
         self.stats.chunks_fenced += len(record.members)
         self.stats.chunks_failed += len(record.members)
         return Finish(record, ChunkFailed(record.chunk, reason))
@@ -670,6 +560,12 @@ class ChunkLedger:
         # The poster handed back a record the ledger no longer tracks (drained at shutdown):
         # nothing to decide, but its handles must not leak.
         return [Release(record)] if record.handles else _NOTHING
+
+
+def _move(record: Record, event: PhaseEvent) -> None:
+    """The one place a record's phase changes: along the table's edge for ``event``, or
+    ``PhaseError`` (rule 1 of ``kvfsm.transport._phases``)."""
+    record.phase = step(record.phase, event)
 
 
 def _rooms(record: Record) -> dict[RoomKey, None]:

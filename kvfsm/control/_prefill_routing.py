@@ -1,0 +1,575 @@
+"""Prefill's routing core: which sender room a decode room's frames belong to, and what decode
+must be told. Sans-IO; the rules are in :mod:`kvfsm.control._routing`, and the lifecycle of each
+binding (a decode room ``(link, room, generation)`` and the sender serving it) is the table
+``PREFILL_BINDINGS`` of :mod:`kvfsm.control._binding`.
+
+A binding's state says which index holds it, and only ``PrefillRouting._move`` changes either:
+HELD ones are in ``_held`` (by slot, oldest first, and counted in their link's quota), CLAIMED,
+EXPOSED and ABORTED ones in ``_bound`` (by link, room, generation), orphans in ``_orphans`` (by
+peer incarnation, room, generation). A sender points at its binding until the binding is gone.
+The marks that outlive bindings (tombstones, early aborts, finished decode rooms) are TTL'd
+entries, not states: no binding is left to carry them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+from kvfsm.control._binding import BindingEvent, PrefillBinding, prefill_step
+from kvfsm.control._frames import (
+    Error,
+    LeaseRequest,
+    Reconcile,
+    RoomAbort,
+    RoomClaim,
+    RoomMetadata,
+    RoomOutcome,
+    RoomSettled,
+    clip_reason,
+    unpack_refs,
+)
+from kvfsm.control._routing_common import (
+    FAILED,
+    Action,
+    Deliver,
+    GrantLease,
+    RevokeLease,
+    RoutingConfig,
+    Send,
+    Slot,
+    expire,
+    join_stats,
+    new_stats,
+)
+from kvfsm.rooms import RoomKey
+from kvfsm.states import (
+    AbortRequested,
+    DestinationReceived,
+    EventRejected,
+    KVPoll,
+    PeerLost,
+)
+
+__all__ = ["PrefillRouting"]
+
+_E: Final = BindingEvent
+_P: Final = PrefillBinding
+
+#: The states whose bindings are in ``_bound``: bound to a sender, on a live link.
+_BOUND: Final = frozenset({_P.CLAIMED, _P.EXPOSED, _P.ABORTED})
+#: The states whose bindings are in ``_orphans``: exposed, their link lost.
+_ORPHANS: Final = frozenset({_P.ORPHANED, _P.ORPHANED_ABORTED})
+#: Decode aborted the room (then a newer generation of the id on its link may be held).
+_ABORTED: Final = frozenset({_P.ABORTED, _P.ORPHANED_ABORTED})
+
+
+class _Binding:
+    """Decode room ``(room, gen)`` on link ``link``; its sender once bound (see the module)."""
+
+    __slots__ = ("gen", "link", "metadata", "peer", "room", "sender", "since", "slot", "state")
+
+    def __init__(self, link: int, peer: str, slot: Slot, gen: int, since: float) -> None:
+        self.link = link
+        self.peer = peer  # the decode incarnation of its link: what Reconcile names it by
+        self.slot = slot  # (room id, leg of its link): what a sender takes it by
+        self.room = slot[0]
+        self.gen = gen
+        self.since = since
+        self.state = PrefillBinding.NEW  # changed only by PrefillRouting._move
+        self.sender: _Sender | None = None
+        self.metadata: RoomMetadata | None = None  # held until a sender takes it
+
+    @property
+    def key(self) -> RoomKey:
+        """The sender room it is bound to (a bound or orphaned binding)."""
+        assert self.sender is not None
+        return self.sender.key
+
+
+class _Sender:
+    __slots__ = ("binding", "ended", "key", "known", "slot")
+
+    def __init__(self, key: RoomKey, leg: int = 0) -> None:
+        self.key = key
+        #: (room id, leg): what claims name it by (see "Legs" in the routing rules).
+        self.slot: Slot = (key.room, leg)
+        self.binding: _Binding | None = None
+        self.ended = False
+        #: A decode room claimed it or aborted it early: no tombstone is needed for it.
+        self.known = False
+
+
+class _PrefillLink:
+    __slots__ = ("asked", "early", "held", "leg", "legs", "margin_s", "peer", "requests", "seq")
+
+    def __init__(self, peer: str, leg: int = 0, legs: int = 1) -> None:
+        self.peer = peer
+        #: Decode's fence margin for this link (``Hello.fence_margin_ms``); None: not told.
+        self.margin_s: float | None = None
+        #: Which of the decode ranks this prefill rank writes each room into the link's peer
+        #: is (``leg``), of how many (``legs``): 0 of 1 unless decode's attention TP is larger.
+        self.leg = leg
+        self.legs = legs
+        self.held = 0  # claims held for rooms that do not exist yet (quota: pending_max)
+        self.early = 0  # early-abort marks it set that are still kept (quota: pending_max)
+        self.seq = 0
+        self.asked = -math.inf  # when the last lease request went out
+        self.requests: dict[int, float] = {}  # lease request seq -> when it was sent
+
+
+class PrefillRouting:
+    """Prefill's routing rules (:mod:`kvfsm.control._routing`). Loop thread only."""
+
+    def __init__(
+        self, config: RoutingConfig | None = None, stats: dict[str, int] | None = None
+    ) -> None:
+        self.config = config if config is not None else RoutingConfig()
+        #: Counters, added to ``stats`` when given (the control plane shares its dict).
+        self.stats = new_stats() if stats is None else join_stats(stats)
+        self._links: dict[int, _PrefillLink] = {}
+        self._senders: dict[RoomKey, _Sender] = {}
+        self._current: dict[Slot, _Sender] = {}  # (room id, leg) -> newest sender
+        # The bindings by state (kept by ``_move`` alone): CLAIMED, EXPOSED and ABORTED ones
+        # by (link, room, gen); HELD ones by slot, oldest first (and counted on their link);
+        # orphans by (peer, room, gen).
+        self._bound: dict[tuple[int, int, int], _Binding] = {}
+        self._held: dict[Slot, list[_Binding]] = {}
+        self._orphans: dict[tuple[str, int, int], _Binding] = {}
+        self._tombstones: dict[Slot, tuple[float, str]] = {}
+        self._early: dict[Slot, tuple[float, int, int, str]] = {}  # -> (when, link, gen, why)
+        # Decode rooms this side finished with (Success, or settled): a late abort of one is
+        # answered, and must not mark the id's next sender as aborted early.
+        self._finished: dict[tuple[int, int, int], float] = {}
+
+    # -- reads (tests, operators) ---------------------------------------------------------------
+
+    def entries(self) -> dict[str, int]:
+        """How many entries of each kind are kept: all zero once every room is gone."""
+        return {
+            "senders": len(self._senders),
+            "current": len(self._current),
+            "bound": len(self._bound),
+            "held": sum(len(v) for v in self._held.values()),
+            "orphans": len(self._orphans),
+            "tombstones": len(self._tombstones),
+            "early_aborts": len(self._early),
+            "finished": len(self._finished),
+        }
+
+    def bound_to(self, link: int) -> list[RoomKey]:
+        return [b.key for b in self._bound.values() if b.link == link]
+
+    # -- links ----------------------------------------------------------------------------------
+
+    def link_opened(
+        self,
+        link: int,
+        peer: str,
+        now: float,
+        hello_sent: float,
+        lease_ms: int | None = None,
+        *,
+        leg: int = 0,
+        legs: int = 1,
+        margin_ms: int = 0,
+    ) -> list[Action]:
+        """A link after the Hello exchange. Decode's Hello answers ours, sent at ``hello_sent``,
+        and grants ``lease_ms`` (``Hello.lease_ms``; None: this side's ``lease_s``, for a peer
+        known to share the configuration): the first lease. 0: none until a ``LeaseGrant``.
+        ``margin_ms``: decode's fence margin (``Hello.fence_margin_ms``; 0: not told), passed
+        on with every lease of this link. ``leg`` of ``legs``: see "Legs" in the routing
+        rules."""
+        if lease_ms is None:
+            lease_ms = round(self.config.lease_s * 1000)
+        state = _PrefillLink(peer, leg, legs)
+        if margin_ms > 0:
+            state.margin_s = margin_ms / 1000.0
+        self._links[link] = state
+        state.requests[0] = state.asked = hello_sent
+        if lease_ms <= 0:
+            del state.requests[0]
+            return []
+        return self.lease_granted(link, 0, lease_ms, now)
+
+    def lease_due(self, link: int, now: float) -> list[Action]:
+        """Ask for the next lease if the last request is ``renew_s`` old."""
+        state = self._links.get(link)
+        if state is None:
+            return []
+        if now - state.asked < self.config.renew_s:
+            return []
+        state.seq += 1
+        state.requests[state.seq] = state.asked = now
+        # Keep a few: a grant for an older request still extends nothing newer.
+        for old in [s for s in state.requests if s < state.seq - 8]:
+            del state.requests[old]
+        return [Send(link, LeaseRequest(state.seq))]
+
+    def lease_granted(self, link: int, seq: int, lease_ms: float, now: float) -> list[Action]:
+        state = self._links.get(link)
+        if state is None:
+            return []
+        sent = state.requests.pop(seq, None)
+        if sent is None:
+            self.stats["stale_frames"] += 1
+            return []
+        self.stats["leases_granted"] += 1
+        return [GrantLease(link, sent + lease_ms / 1000.0, state.margin_s)]
+
+    def link_lost(self, link: int, reason: str, now: float) -> list[Action]:
+        state = self._links.pop(link, None)
+        out: list[Action] = [RevokeLease(link)]
+        if state is None:
+            return out
+        for binding in [b for b in self._bound.values() if b.link == link]:
+            out.append(Deliver(binding.key, PeerLost(reason)))
+            # One that had the pages may still have writes to drain: it is an orphan, which
+            # decode may ask after (Reconcile). One that never had them is gone.
+            self._move(binding, _E.LINK_LOST)
+        for binding in [b for held in self._held.values() for b in held if b.link == link]:
+            self._move(binding, _E.LINK_LOST)
+        return out
+
+    # -- the rooms' side ------------------------------------------------------------------------
+
+    def sender_spawned(self, key: RoomKey, now: float, leg: int = 0) -> list[Action]:
+        sender = _Sender(key, leg)
+        slot = sender.slot
+        self._senders[key] = sender
+        self._current[slot] = sender
+        self._tombstones.pop(slot, None)  # a new room reuses the id
+        waiting = self._held.get(slot)
+        if waiting:
+            return self._bind(sender, waiting[0])  # the oldest claim held for the id
+        early = self._drop_early(slot)
+        if early is not None:
+            sender.known = True
+            return [Deliver(key, AbortRequested(early[3], origin="peer"))]
+        return []
+
+    def sender_outcome(self, key: RoomKey, status: KVPoll, reason: str, now: float) -> list[Action]:
+        sender = self._senders.get(key)
+        if sender is None or sender.ended:
+            return []
+        sender.ended = True
+        binding = sender.binding
+        if binding is None:
+            if status is KVPoll.Failed and not sender.known:
+                # Failed before any decode claimed it: answer the claim when it comes.
+                self._mark(self._tombstones, sender.slot, (now, reason))
+            return []
+        event = _E.SUCCEEDED if status is KVPoll.Success else _E.FAILED
+        if binding.link not in self._links:  # an orphan: its link is gone, nobody to tell
+            self._end(binding, event, now)
+            return []
+        out: list[Action] = [
+            Send(
+                binding.link,
+                RoomOutcome(binding.room, binding.gen, int(status), clip_reason(reason)),
+            )
+        ]
+        if status is KVPoll.Failed and binding.state is _P.CLAIMED:
+            # It never had the pages: nothing was written.
+            out.append(Send(binding.link, RoomSettled(binding.room, binding.gen)))
+        self._end(binding, event, now)
+        return out
+
+    def sender_settled(self, key: RoomKey, now: float) -> list[Action]:
+        sender = self._senders.get(key)
+        if sender is None or sender.binding is None:
+            return []
+        binding = sender.binding
+        self._end(binding, _E.SETTLED, now)
+        if binding.link not in self._links:  # an orphan: its link is gone, nobody to tell
+            return []
+        return [Send(binding.link, RoomSettled(binding.room, binding.gen))]
+
+    def sender_reaped(self, key: RoomKey) -> list[Action]:
+        sender = self._senders.pop(key, None)
+        if sender is None:
+            return []
+        if self._current.get(sender.slot) is sender:
+            del self._current[sender.slot]
+        if sender.binding is not None:
+            # Reaped unsettled (its settle timeout gave up): the decode room is not told its
+            # pages are free; it gives up on its own settle timeout.
+            self._end(sender.binding, _E.REAPED, None)
+        return []
+
+    # -- frames from decode ---------------------------------------------------------------------
+
+    def on_claim(self, link: int, frame: RoomClaim, now: float) -> list[Action]:
+        return self._claim(link, frame.room, frame.generation, None, now)
+
+    def on_metadata(self, link: int, frame: RoomMetadata, now: float) -> list[Action]:
+        return self._claim(link, frame.room, frame.generation, frame, now)
+
+    def _claim(
+        self, link: int, room: int, gen: int, metadata: RoomMetadata | None, now: float
+    ) -> list[Action]:
+        state = self._links.get(link)
+        if state is None:
+            return []
+        self.stats["claims"] += metadata is None
+        if (link, room, gen) in self._finished:
+            # This decode room was answered already (Failed + Settled, or Success): its page
+            # list coming right behind its claim is stale. Holding it as a new claim would hand
+            # pages decode has settled and reused to the id's next sender (laws 4 and 5).
+            self.stats["stale_frames"] += 1
+            return []
+        binding = self._bound.get((link, room, gen))
+        if binding is not None:  # already bound: the page list after the claim, or a repeat
+            if metadata is None or binding.state is not _P.CLAIMED:
+                self.stats["stale_frames"] += 1
+                return []
+            return self._destination(binding, metadata)
+        slot = (room, state.leg)
+        for held in self._held.get(slot, ()):
+            if held.link == link and held.gen == gen:  # held: keep the page list with it
+                if metadata is not None and held.metadata is None:
+                    held.metadata = metadata
+                else:
+                    self.stats["stale_frames"] += 1
+                return []
+        early = self._early.get(slot)
+        if early is not None and (early[1], early[2]) != (link, gen):
+            self._drop_early(slot)  # a newer claim of the id supersedes the early abort
+        sender = self._current.get(slot)
+        if sender is not None and not sender.ended:
+            current = sender.binding
+            if current is None:
+                return self._bind(sender, self._new_binding(link, room, gen, metadata, now))
+            if not (current.link == link and current.state in _ABORTED and gen > current.gen):
+                return self._refuse(link, room, gen, "prefill already serves another receiver", now)
+        else:
+            tombstone = self._tombstones.pop(slot, None)
+            if tombstone is not None:
+                # The sender already failed; nothing was ever posted to these pages.
+                return self._answer_failed(link, room, gen, tombstone[1], now)
+        if any(held.link != link for held in self._held.get(slot, ())):
+            # Another decode already waits for this id: ids come from clients and can collide.
+            # The first keeps its claim (a newer generation on one link is a reuse: it waits).
+            return self._refuse(link, room, gen, "another receiver already waits for it", now)
+        if state.held >= self.config.pending_max:
+            self.stats["pending_dropped"] += 1
+            reason = (
+                "this decode's claims held by prefill are over their quota of "
+                f"{self.config.pending_max}"
+            )
+            return self._answer_failed(link, room, gen, reason, now)
+        self._move(self._new_binding(link, room, gen, metadata, now), _E.HOLD)
+        return []
+
+    def on_abort(self, link: int, frame: RoomAbort, now: float) -> list[Action]:
+        room, gen = frame.room, frame.generation
+        binding = self._bound.get((link, room, gen))
+        if binding is not None:
+            abort = Deliver(binding.key, AbortRequested(frame.reason, origin="peer"))
+            claimed = binding.state is _P.CLAIMED
+            # Exposed: RoomSettled once its writes are over (sender_settled). Claimed, never
+            # given the pages: nothing was or will be written, so it is gone and acknowledged
+            # now (the sender, failed on the peer's word, reports nothing back).
+            self._end(binding, _E.ABORT, now)
+            return [abort, Send(link, RoomSettled(room, gen))] if claimed else [abort]
+        if (link, room, gen) in self._finished:  # too late: that room is over and settled
+            self.stats["stale_frames"] += 1
+            return [Send(link, RoomSettled(room, gen))]
+        state = self._links.get(link)
+        if state is None:
+            return []
+        slot = (room, state.leg)
+        for held in [b for b in self._held.get(slot, ()) if b.link == link and b.gen == gen]:
+            self._move(held, _E.ABORT)
+        self._mark(self._finished, (link, room, gen), now)
+        settled = Send(link, RoomSettled(room, gen))  # no sender wrote for it
+        sender = self._current.get(slot)
+        if sender is not None and not sender.ended and sender.binding is None:
+            # A live sender no decode room is bound to: it waits for this room's claim (lost
+            # with a link, or never sent), which will not come now.
+            sender.known = True
+            return [Deliver(sender.key, AbortRequested(frame.reason, origin="peer")), settled]
+        # No sender has it: the room, if it comes, fails at once, unless a newer claim of the
+        # id comes first.
+        self._set_early(slot, (now, link, gen, frame.reason))
+        return [settled]
+
+    def rooms_named(self, link: int, room: int, gen: int | None) -> list[RoomKey]:
+        """The sender rooms bound on ``link`` to decode room ``room`` (of ``gen``, if given)."""
+        if gen is not None:
+            binding = self._bound.get((link, room, gen))
+            return [] if binding is None else [binding.key]
+        return [
+            b.key for (blink, broom, _), b in self._bound.items() if blink == link and broom == room
+        ]
+
+    def on_error(self, link: int, frame: Error) -> list[Action]:
+        """Decode rejected a frame: fail exactly the room it names."""
+        if frame.room is None:
+            return []
+        reason = f"decode rejected a frame of this room: {frame.reason}"
+        keys = self.rooms_named(link, frame.room, frame.generation)
+        self.stats["errors_for_rooms"] += len(keys)
+        return [Deliver(key, EventRejected(reason)) for key in keys]
+
+    def on_reconcile(self, link: int, frame: Reconcile, now: float) -> list[Action]:
+        state = self._links.get(link)
+        if state is None:
+            return []
+        out: list[Action] = []
+        for room, gen in unpack_refs(frame.rooms):
+            self.stats["reconciled"] += 1
+            orphan = self._orphans.get((state.peer, room, gen))
+            if orphan is not None:
+                orphan.link = link  # its RoomSettled goes out here when it settles
+                self._move(orphan, _E.RECONCILED)
+            else:
+                self._mark(self._finished, (link, room, gen), now)
+                out.append(Send(link, RoomSettled(room, gen)))
+        return out
+
+    # -- time -----------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        ttl = self.config.pending_ttl_s
+        # Marks are kept in the order they were set (``_mark`` re-inserts), so the expired ones
+        # are a prefix: a tick costs what expired, not what is kept.
+        expire(self._tombstones, now - ttl, lambda v: v[0])
+        while self._early and now - next(iter(self._early.values()))[0] > ttl:
+            self._drop_early(next(iter(self._early)))
+        expire(self._finished, now - ttl, lambda v: v)
+        out: list[Action] = []
+        expired = [b for held in self._held.values() for b in held if now - b.since > ttl]
+        for binding in expired:
+            self.stats["pending_dropped"] += 1
+            self._move(binding, _E.EXPIRED)
+            # Nothing was written into its pages: without the settle the receiver, failed by
+            # its peer, would wait for an acknowledgement that never comes.
+            room = binding.room
+            out += self._answer_failed(
+                binding.link, room, binding.gen, f"no prefill room {room} within {ttl:g}s", now
+            )
+        return out
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _new_binding(
+        self, link: int, room: int, gen: int, metadata: RoomMetadata | None, now: float
+    ) -> _Binding:
+        state = self._links[link]
+        binding = _Binding(link, state.peer, (room, state.leg), gen, now)
+        binding.metadata = metadata
+        return binding
+
+    def _bind(self, sender: _Sender, binding: _Binding) -> list[Action]:
+        sender.known = True
+        binding.sender = sender
+        sender.binding = binding
+        self._move(binding, _E.BIND)
+        metadata, binding.metadata = binding.metadata, None
+        return [] if metadata is None else self._destination(binding, metadata)
+
+    def _destination(self, binding: _Binding, frame: RoomMetadata) -> list[Action]:
+        self._move(binding, _E.PAGES)
+        peer = self._links[binding.link].peer
+        legs = self._links[binding.link].legs
+        event = DestinationReceived(
+            frame.pages,
+            frame.aux_index,
+            peer,
+            frame.state,
+            binding.link,
+            frame.part,
+            legs,
+            prefix=frame.prefix,
+        )
+        return [Deliver(binding.key, event)]
+
+    def _move(self, binding: _Binding, event: BindingEvent) -> None:
+        """The one place a binding changes state (rule 1 of :mod:`kvfsm.control._binding`):
+        along the table's edge for ``event``, and into the indexes of its new state only."""
+        old = binding.state
+        new = prefill_step(old, event)
+        if new is old:
+            return
+        binding.state = new
+        if old is _P.HELD:
+            waiting = self._held[binding.slot]
+            waiting.remove(binding)
+            if not waiting:
+                del self._held[binding.slot]
+            link = self._links.get(binding.link)
+            if link is not None:  # (a lost link's quota went with it)
+                link.held -= 1
+        elif old in _BOUND:
+            if new not in _BOUND:
+                ident = (binding.link, binding.room, binding.gen)
+                if self._bound.get(ident) is binding:
+                    del self._bound[ident]
+        elif old in _ORPHANS:
+            orphan = (binding.peer, binding.room, binding.gen)
+            if self._orphans.get(orphan) is binding:
+                del self._orphans[orphan]
+        if new is _P.HELD:
+            self._held.setdefault(binding.slot, []).append(binding)
+            self._links[binding.link].held += 1
+        elif new in _BOUND:
+            if old not in _BOUND:
+                self._bound[(binding.link, binding.room, binding.gen)] = binding
+        elif new in _ORPHANS:
+            self._orphans[(binding.peer, binding.room, binding.gen)] = binding
+        elif new is _P.GONE:
+            sender = binding.sender
+            if sender is not None and sender.binding is binding:
+                sender.binding = None
+
+    def _end(self, binding: _Binding, event: BindingEvent, now: float | None) -> None:
+        """``event`` for a bound binding; if it is gone by it, and ``now`` is given, its
+        decode room is finished with (None: given up on, as at reaping)."""
+        ident = (binding.link, binding.room, binding.gen)
+        self._move(binding, event)
+        if binding.state is _P.GONE and now is not None:
+            self._mark(self._finished, ident, now)
+
+    def _refuse(self, link: int, room: int, gen: int, why: str, now: float) -> list[Action]:
+        self.stats["duplicates_refused"] += 1
+        return self._answer_failed(link, room, gen, f"duplicate room id {room}: {why}", now)
+
+    def _answer_failed(
+        self, link: int, room: int, gen: int, reason: str, now: float
+    ) -> list[Action]:
+        """Fail decode room ``(room, gen)`` that no sender wrote to, and remember it: whatever
+        of it still arrives (its page list behind its claim) is stale."""
+        self._mark(self._finished, (link, room, gen), now)
+        return [
+            Send(link, RoomOutcome(room, gen, FAILED, reason)),
+            Send(link, RoomSettled(room, gen)),  # nothing was written
+        ]
+
+    def _set_early(self, slot: Slot, value: tuple[float, int, int, str]) -> None:
+        """Remember an early abort, within its link's quota: one peer's flood of aborts cannot
+        push out the marks of another (over quota it is acknowledged, not remembered)."""
+        state = self._links[value[1]]
+        if state.early >= self.config.pending_max:
+            self.stats["early_aborts_over_quota"] += 1
+            return
+        self._drop_early(slot)
+        if len(self._early) >= 8 * self.config.pending_max:  # every link at its quota at once
+            self._drop_early(next(iter(self._early)))
+        self._early[slot] = value
+        state.early += 1
+
+    def _drop_early(self, slot: Slot) -> tuple[float, int, int, str] | None:
+        early = self._early.pop(slot, None)
+        if early is not None:
+            state = self._links.get(early[1])
+            if state is not None:
+                state.early -= 1
+        return early
+
+    def _mark(self, marks: dict[Any, Any], ident: object, value: object) -> None:
+        """Set a bounded, TTL'd mark: the oldest goes first when ``pending_max`` are kept."""
+        marks.pop(ident, None)
+        if len(marks) >= self.config.pending_max:
+            del marks[next(iter(marks))]
+        marks[ident] = value
