@@ -44,10 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm.rooms import MACHINES, RoomCore, RoomEngine
+from kvfsm.rooms import RoomCore, RoomEngine
 from kvfsm.rooms import _registry as registry_module
 from kvfsm.rooms._deadlines import DeadlineQueue, Entry
 from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.rooms._machine import MACHINES
 from kvfsm.rooms._scheduler import RoomScheduler
 from kvfsm.states import (
     TABLES,

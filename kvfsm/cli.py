@@ -1,10 +1,20 @@
-"""The ``kvfsm`` command line: the flags of every subcommand, and the call into what runs it.
+"""The ``kvfsm`` command line: the subcommands by name, each one's flags, and the call into what
+runs it.
 
-``kvfsm run`` (:mod:`kvfsm.workload.peer_run`) and ``kvfsm demo`` (:mod:`kvfsm.demo`) take the
-workload flags of :func:`~kvfsm.workload.options.add_workload_flags`; ``kvfsm chaos``,
-``kvfsm bootstrap`` and ``kvfsm diagram`` bring their own parsers. The jobs run in
-:func:`~kvfsm.workload.command.run_command`, which gives them the same exit statuses: 2 on a bad
-flag, 130 on Ctrl-C, 1 on an error or a summary that is not clean, 0 otherwise.
+``kvfsm demo`` (:mod:`kvfsm.demo`) is the main job: a prefill process and a decode process found
+through the bootstrap registry, moving real KV over NIXL. ``kvfsm run``
+(:mod:`kvfsm.workload.peer_run`) is the data path alone, into a passive decode process; both
+take the workload flags of :func:`~kvfsm.workload.options.add_workload_flags`. ``kvfsm chaos``,
+``kvfsm bootstrap`` and ``kvfsm diagram`` bring their own parsers; ``kvfsm rooms`` reads a
+running rank's status server.
+
+Each subcommand is registered by name with its one-line help; the modules that define its flags
+and run it are imported only once it is chosen, so ``kvfsm --help`` (and a typo) costs an
+interpreter start, not NIXL, aiohttp and numpy. The workload commands (run, demo, chaos) run in
+:func:`~kvfsm.workload.command.run_command`, which gives them the same exit statuses: 2 on a
+bad flag, 130 on Ctrl-C, 1 on an error or a summary that is not clean, 0 otherwise.
+``bootstrap`` exits 2 on a bad argument and 1 if it cannot bind; ``rooms`` 1 if the status server
+cannot be read; argparse exits 2 on an unknown subcommand or flag. Also ``python -m kvfsm``.
 """
 
 from __future__ import annotations
@@ -14,38 +24,39 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
-# NIXL binds its log handler to sys.stdout when first imported, and logs there at once if
-# NIXL_LOG_LEVEL is set; stdout is the summary's (--json), so bind it to stderr instead.
-with contextlib.redirect_stdout(sys.stderr):
-    from kvfsm import demo
-    from kvfsm import diagram as diagram_cli
-    from kvfsm._child import dump_stacks_on_sigusr1
-    from kvfsm.chaos import _cli as chaos_cli
-    from kvfsm.registry import _cli as bootstrap_cli
-    from kvfsm.workload import demo_report, peer_run
-    from kvfsm.workload.command import run_command
-    from kvfsm.workload.options import (
-        DemoOptions,
-        RunOptions,
-        add_workload_flags,
-        workload_arguments,
-    )
-    from kvfsm.workload.report import describe_layout
+__all__ = ["SUBCOMMANDS", "Subcommand", "main"]
 
-__all__ = ["main"]
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+#: Adds a subcommand's parser to ``kvfsm``'s subparsers (under the subcommand's name).
+AddParser: TypeAlias = Callable[[Subparsers], argparse.ArgumentParser]
+#: Runs a parsed subcommand; returns the exit status.
+Run: TypeAlias = Callable[[argparse.Namespace], int]
 
 
-def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+@dataclass(frozen=True)
+class Subcommand:
+    """A subcommand as ``kvfsm --help`` lists it, and how to load it once chosen."""
+
+    name: str
+    #: Shown by ``kvfsm --help``; the same text the subcommand's own ``add_parser`` gives.
+    help: str
+    #: Imports what the subcommand needs; returns its parser-adder and its runner.
+    load: Callable[[], tuple[AddParser, Run]]
+
+
+# -- run and demo: the workload commands defined here -------------------------------------------
+
+
+def _add_run(sub: Subparsers) -> argparse.ArgumentParser:
+    from kvfsm.workload import peer_run  # noqa: PLC0415 - only once chosen (module doc)
+    from kvfsm.workload.options import RunOptions, add_workload_flags  # noqa: PLC0415
+
     d = RunOptions()
-    run = sub.add_parser(
-        "run",
-        help="the main job: many rooms moving real KV over NIXL (DRAM) into a decode process, "
-        "every byte checked",
-        description=peer_run.DESCRIPTION,
-    )
+    run = sub.add_parser("run", help=_RUN_HELP, description=peer_run.DESCRIPTION)
     run.add_argument("--rooms", type=int, default=d.rooms, help="rooms to run (%(default)s)")
     add_workload_flags(
         run,
@@ -59,16 +70,32 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument(
         "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging"
     )
+    return run
 
 
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    d = DemoOptions()
-    p = sub.add_parser(
-        "demo",
-        help="a prefill process and a decode process, both with rooms, moving real KV over "
-        "NIXL (DRAM), found through the bootstrap registry, every byte checked",
-        description=(demo.__doc__ or "").split("\n\n")[0],
+def _run_run(args: argparse.Namespace) -> int:
+    """``kvfsm run``: prefill rooms here, the passive decode process there."""
+    from kvfsm.workload import peer_run  # noqa: PLC0415 - only once chosen (module doc)
+    from kvfsm.workload.command import run_command  # noqa: PLC0415
+    from kvfsm.workload.options import RunOptions, workload_arguments  # noqa: PLC0415
+
+    opts = RunOptions(rooms=args.rooms, **workload_arguments(args))
+    return run_command(
+        "run",
+        opts.validate,
+        lambda: peer_run.run_job(opts),
+        peer_run.print_text,
+        peer_run.ok,
+        as_json=args.json,
     )
+
+
+def _add_demo(sub: Subparsers) -> argparse.ArgumentParser:
+    from kvfsm import demo  # noqa: PLC0415 - only once chosen (module doc)
+    from kvfsm.workload.options import DemoOptions, add_workload_flags  # noqa: PLC0415
+
+    d = DemoOptions()
+    p = sub.add_parser("demo", help=_DEMO_HELP, description=(demo.__doc__ or "").split("\n\n")[0])
     p.add_argument("--requests", type=int, default=d.requests, help="requests to run (%(default)s)")
     add_workload_flags(
         p,
@@ -88,40 +115,49 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging"
     )
+    return p
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvfsm",
-        description="kvfsm: KV-cache transfer for prefill-decode disaggregation, "
-        "one typed state machine per room, over NIXL.",
+def _run_demo(args: argparse.Namespace) -> int:
+    """``kvfsm demo``: on this machine, or across two network namespaces (``--two-hosts``)."""
+    from kvfsm import demo  # noqa: PLC0415 - only once chosen (module doc)
+    from kvfsm.workload import demo_report  # noqa: PLC0415
+    from kvfsm.workload.command import run_command  # noqa: PLC0415
+    from kvfsm.workload.options import DemoOptions, workload_arguments  # noqa: PLC0415
+    from kvfsm.workload.report import describe_layout  # noqa: PLC0415
+
+    opts = DemoOptions(
+        requests=args.requests, progress=not args.no_progress, **workload_arguments(args)
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bootstrap_cli.add_parser(sub)
-    diagram_cli.add_parser(sub)
-    rooms = sub.add_parser(
-        "rooms", help="show a running rank's live rooms (state, age, deadline, reason)"
+    try:
+        opts.validate()
+    except ValueError:
+        pass  # run_command reports it and exits 2
+    else:
+        if not args.json:
+            print(f"kvfsm demo: layout: {describe_layout(opts)}", file=sys.stderr)
+    go: Callable[[], dict[str, Any]] = lambda: demo.run_demo(opts)  # noqa: E731
+    if args.two_hosts:
+        from kvfsm.chaos import run_demo_two_hosts  # noqa: PLC0415 - only then
+
+        go = lambda: run_demo_two_hosts(opts)  # noqa: E731
+    return run_command(
+        "demo", opts.validate, go, demo_report.print_text, demo_report.ok, as_json=args.json
     )
+
+
+# -- rooms: a GET from a rank's status server ---------------------------------------------------
+
+
+def _add_rooms(sub: Subparsers) -> argparse.ArgumentParser:
+    rooms = sub.add_parser("rooms", help=_ROOMS_HELP)
     rooms.add_argument("--url", required=True, help="the rank's status server, http://host:port")
     rooms.add_argument("--json", action="store_true", help="print the rows as JSON")
-    _add_demo(sub)
-    chaos_cli.add_parser(sub)
-    _add_run(sub)
-    return parser
+    return rooms
 
 
-def _configure_logging(verbosity: int) -> None:
-    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else 10
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
-    )
-    # NIXL's Python logger prints INFO lines to stdout; keep stdout for the summary.
-    nixl = logging.getLogger("nixl")
-    nixl.setLevel(level)
-    for handler in nixl.handlers:
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sys.stderr)
+def _run_rooms(args: argparse.Namespace) -> int:
+    return _show_rooms(args.url, as_json=args.json)
 
 
 def _show_rooms(url: str, *, as_json: bool) -> int:
@@ -157,53 +193,122 @@ def _show_rooms(url: str, *, as_json: bool) -> int:
     return 0
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    """``kvfsm demo``: on this machine, or across two network namespaces (``--two-hosts``)."""
-    opts = DemoOptions(
-        requests=args.requests, progress=not args.no_progress, **workload_arguments(args)
+# -- the table -----------------------------------------------------------------------------------
+
+
+def _load_bootstrap() -> tuple[AddParser, Run]:
+    from kvfsm.registry import add_bootstrap_parser, run_bootstrap  # noqa: PLC0415
+
+    return add_bootstrap_parser, run_bootstrap
+
+
+def _load_diagram() -> tuple[AddParser, Run]:
+    from kvfsm import diagram  # noqa: PLC0415 - only once chosen (module doc)
+
+    return diagram.add_parser, diagram.run
+
+
+def _load_chaos() -> tuple[AddParser, Run]:
+    from kvfsm.chaos import add_chaos_parser, run_chaos  # noqa: PLC0415 - only once chosen
+
+    return add_chaos_parser, run_chaos
+
+
+_RUN_HELP = (
+    "the data path alone: many rooms moving real KV over NIXL (DRAM) into a passive decode "
+    "process, every byte checked"
+)
+_DEMO_HELP = (
+    "the main job: a prefill process and a decode process, both with rooms, moving real KV "
+    "over NIXL (DRAM), found through the bootstrap registry, every byte checked"
+)
+_ROOMS_HELP = "show a running rank's live rooms (state, age, deadline, reason)"
+
+#: Every subcommand, in the order ``kvfsm --help`` lists them.
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand(
+        "bootstrap",
+        "run the bootstrap registry where prefill ranks register and decode ranks look up",
+        _load_bootstrap,
+    ),
+    Subcommand(
+        "diagram",
+        "print the room state diagrams (Mermaid), generated from kvfsm.states",
+        _load_diagram,
+    ),
+    Subcommand("rooms", _ROOMS_HELP, lambda: (_add_rooms, _run_rooms)),
+    Subcommand("demo", _DEMO_HELP, lambda: (_add_demo, _run_demo)),
+    Subcommand(
+        "chaos",
+        "fault campaign: real prefill and decode processes under transfer faults, control "
+        "frame faults, hostile frames, aborts, SIGSTOP/SIGKILL (and freezes of either rank past "
+        "decode's settle bound), room id reuse, oversized calls and registry restarts",
+        _load_chaos,
+    ),
+    Subcommand("run", _RUN_HELP, lambda: (_add_run, _run_run)),
+)
+
+
+def _chosen(argv: Sequence[str]) -> Subcommand | None:
+    """The subcommand ``argv`` names: its first word that is not a flag (``kvfsm``'s own flags,
+    ``-v`` and ``-h``, take no value), if that word is a subcommand's name."""
+    for word in argv:
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return next((s for s in SUBCOMMANDS if s.name == word), None)
+    return None
+
+
+def _parser(chosen: Subcommand | None) -> tuple[argparse.ArgumentParser, Run | None]:
+    """``kvfsm``'s parser, with the full parser of ``chosen`` only (loaded here) and a stub for
+    every other subcommand (its name and help, for ``kvfsm --help`` and argparse's choices)."""
+    parser = argparse.ArgumentParser(
+        prog="kvfsm",
+        description="kvfsm: KV-cache transfer for prefill-decode disaggregation, "
+        "one typed state machine per room, over NIXL.",
     )
-    try:
-        opts.validate()
-    except ValueError:
-        pass  # run_command reports it and exits 2
-    else:
-        if not args.json:
-            print(f"kvfsm demo: layout: {describe_layout(opts)}", file=sys.stderr)
-    go: Callable[[], dict[str, Any]] = lambda: demo.run_demo(opts)  # noqa: E731
-    if args.two_hosts:
-        from kvfsm.chaos import run_demo_two_hosts  # noqa: PLC0415 - only then
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run: Run | None = None
+    for command in SUBCOMMANDS:
+        if command is chosen:
+            add, run = command.load()
+            add(sub)
+        else:
+            sub.add_parser(command.name, help=command.help)
+    return parser, run
 
-        go = lambda: run_demo_two_hosts(opts)  # noqa: E731
-    return run_command(
-        "demo", opts.validate, go, demo_report.print_text, demo_report.ok, as_json=args.json
+
+def _configure_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else 10
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
+    # NIXL's Python logger prints INFO lines to stdout; keep stdout for the summary.
+    nixl = logging.getLogger("nixl")
+    nixl.setLevel(level)
+    for handler in nixl.handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    chosen = _chosen(words)
+    # NIXL binds its log handler to sys.stdout when first imported, and logs there at once if
+    # NIXL_LOG_LEVEL is set; stdout is the summary's (--json), so bind it to stderr instead.
+    # Only the loading is redirected: argparse prints --help to stdout.
+    with contextlib.redirect_stdout(sys.stderr):
+        parser, run = _parser(chosen)
+    args = parser.parse_args(words)
+    if run is None:  # pragma: no cover - argparse refuses a missing or unknown subcommand
+        return 2
+    from kvfsm._child import dump_stacks_on_sigusr1  # noqa: PLC0415 - not for --help
+
     dump_stacks_on_sigusr1()
     _configure_logging(args.verbose)
-    if args.command == "bootstrap":
-        return bootstrap_cli.run(args)
-    if args.command == "diagram":
-        return diagram_cli.run(args)
-    if args.command == "rooms":
-        return _show_rooms(args.url, as_json=args.json)
-    if args.command == "demo":
-        return _run_demo(args)
-    if args.command == "chaos":
-        return chaos_cli.run(args)
-    if args.command != "run":  # pragma: no cover - argparse enforces the choices
-        return 2
-    opts = RunOptions(rooms=args.rooms, **workload_arguments(args))
-    return run_command(
-        "run",
-        opts.validate,
-        lambda: peer_run.run_job(opts),
-        peer_run.print_text,
-        peer_run.ok,
-        as_json=args.json,
-    )
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -4,22 +4,9 @@ raw stream, accept loop, handshake reads, heartbeats and liveness that every lis
 
 from __future__ import annotations
 
-from kvfsm.link._auth import (
-    MAX_SKEW_S,
-    MIN_SECRET_BYTES,
-    SIGNATURE_HEADER,
-    TIMESTAMP_HEADER,
-    AuthError,
-    check_request,
-    check_secret,
-    request_headers,
-    sign,
-    verify,
-)
+from kvfsm.link._auth import AuthError, check_request, check_secret, request_headers, sign
 from kvfsm.link._link import (
     PEER_ERRORS,
-    READ_BYTES,
-    RESOURCE_ERRNOS,
     AcceptErrors,
     Liveness,
     RawConnection,
@@ -32,13 +19,7 @@ from kvfsm.link._link import (
 )
 
 __all__ = [
-    "MAX_SKEW_S",
-    "MIN_SECRET_BYTES",
     "PEER_ERRORS",
-    "READ_BYTES",
-    "RESOURCE_ERRNOS",
-    "SIGNATURE_HEADER",
-    "TIMESTAMP_HEADER",
     "AcceptErrors",
     "AuthError",
     "Liveness",
@@ -53,5 +34,4 @@ __all__ = [
     "shake_hands",
     "sign",
     "tune",
-    "verify",
 ]

@@ -15,10 +15,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvfsm.sglang._args import Topology, UnsupportedError, layout_from_kv_args
+    from kvfsm.sglang._args import UnsupportedError
     from kvfsm.sglang._bases import BASES
     from kvfsm.sglang._conn import KvfsmKVReceiver, KvfsmKVSender, SGLangTransferError
-    from kvfsm.sglang._manager import KvfsmKVManager, PrefillInfo
+    from kvfsm.sglang._manager import KvfsmKVManager
     from kvfsm.sglang._plugin import ENV_SWITCH, register
     from kvfsm.sglang._server import KvfsmKVBootstrapServer
     from kvfsm.sglang._settings import configure
@@ -30,25 +30,19 @@ __all__ = [
     "KvfsmKVManager",
     "KvfsmKVReceiver",
     "KvfsmKVSender",
-    "PrefillInfo",
     "SGLangTransferError",
-    "Topology",
     "UnsupportedError",
     "configure",
-    "layout_from_kv_args",
     "register",
 ]
 
 _HOMES = {
-    "Topology": "_args",
     "UnsupportedError": "_args",
-    "layout_from_kv_args": "_args",
     "BASES": "_bases",
     "KvfsmKVReceiver": "_conn",
     "KvfsmKVSender": "_conn",
     "SGLangTransferError": "_conn",
     "KvfsmKVManager": "_manager",
-    "PrefillInfo": "_manager",
     "ENV_SWITCH": "_plugin",
     "register": "_plugin",
     "KvfsmKVBootstrapServer": "_server",
@@ -56,10 +50,18 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'kvfsm.sglang' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kvfsm.sglang.{home}"), name)
-    globals()[name] = value
-    return value
+# Hidden from the type checker, which reads the TYPE_CHECKING imports instead (a __getattr__ it
+# could see would type every misspelt name as Any).
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        home = _HOMES.get(name)
+        if home is None:
+            raise AttributeError(f"module 'kvfsm.sglang' has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"kvfsm.sglang.{home}"), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

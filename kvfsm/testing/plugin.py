@@ -15,17 +15,21 @@ load it by hand, ``-p kvfsm.testing.plugin``. Fixtures:
 The fixtures are synchronous (building a pair blocks: NIXL registration, the first
 registration with the registry) and work in ``async def`` tests; the pair's own helpers
 (``await kvfsm_pair.transfer(...)``) are async.
+
+Nothing of kvfsm is imported when the plugin loads, only when a fixture runs: the plugin loads
+into every pytest session of every project that has kvfsm installed, most of which never ask for
+a pair (and the pair brings NIXL, the managers and the chaos proxies with it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvfsm.testing._clock import VirtualClock
-from kvfsm.testing._pair import KvfsmPair, PairOptions
+if TYPE_CHECKING:
+    from kvfsm.testing import KvfsmPair, VirtualClock
 
 __all__ = ["kvfsm_clock", "kvfsm_pair", "kvfsm_pair_factory"]
 
@@ -47,6 +51,8 @@ def _checked_close(pair: KvfsmPair) -> list[str]:
 
 @pytest.fixture
 def kvfsm_pair_factory() -> Iterator[Callable[..., KvfsmPair]]:
+    from kvfsm.testing import KvfsmPair, PairOptions  # noqa: PLC0415 - see the module's doc
+
     pairs: list[KvfsmPair] = []
 
     def make(**options: Any) -> KvfsmPair:
@@ -64,6 +70,8 @@ def kvfsm_pair_factory() -> Iterator[Callable[..., KvfsmPair]]:
 
 @pytest.fixture
 def kvfsm_pair(request: pytest.FixtureRequest) -> Iterator[KvfsmPair]:
+    from kvfsm.testing import KvfsmPair, PairOptions  # noqa: PLC0415 - see the module's doc
+
     marker = request.node.get_closest_marker("kvfsm")
     options = PairOptions(**(marker.kwargs if marker is not None else {}))
     pair = KvfsmPair(options)
@@ -75,4 +83,6 @@ def kvfsm_pair(request: pytest.FixtureRequest) -> Iterator[KvfsmPair]:
 
 @pytest.fixture
 def kvfsm_clock() -> VirtualClock:
+    from kvfsm.testing import VirtualClock  # noqa: PLC0415 - see the module's doc
+
     return VirtualClock()
