@@ -9,7 +9,10 @@
 * ``_campaign``, ``_rank``, ``_options``, ``_cli``: ``kvfsm chaos``, randomized episodes against a
   real prefill process and a real decode process (freezes of either rank past decode's settle
   bound, room ids reused at once and oversized calls among the faults), with the report and its
-  checks.
+  checks. The campaign process's faults are ``_campaign_faults``, its scores and report
+  ``_campaign_scoring``, its helpers inside network namespaces ``_netns_helpers``; what a rank
+  answers over its pipe and counts is ``_rank_service``. ``add_chaos_parser`` and
+  ``run_chaos`` are the subcommand, for ``kvfsm.cli``.
 * ``_netns``, ``_two_hosts``: two network namespaces joined by a veth pair, the demo and a
   link-cut scenario across them (``kvfsm demo --two-hosts``); ``kvfsm chaos --two-hosts`` runs
   the campaign across them, with link cuts as one more fault.
@@ -17,6 +20,8 @@
 
 from __future__ import annotations
 
+from kvfsm.chaos._cli import add_parser as add_chaos_parser
+from kvfsm.chaos._cli import run as run_chaos
 from kvfsm.chaos._control_proxy import ProxyThread
 from kvfsm.chaos._plan import ControlRates, FaultPlan, FrameFault, TransferFault, TransferRates
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
@@ -30,6 +35,8 @@ __all__ = [
     "TransferFault",
     "TransferRates",
     "TransportFaults",
+    "add_chaos_parser",
     "faulty_agent_config",
+    "run_chaos",
     "run_demo_two_hosts",
 ]

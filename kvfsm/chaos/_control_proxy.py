@@ -39,7 +39,7 @@ from typing import Any, Final
 import msgspec
 
 from kvfsm.chaos._plan import FaultPlan, FrameFault
-from kvfsm.control._frames import _MAC_BYTES
+from kvfsm.control import MAC_BYTES
 
 __all__ = ["ControlProxy", "ProxyThread"]
 
@@ -65,7 +65,7 @@ def room_of(frame: bytes) -> int | None:
     if not body:
         return None
     # auth 0: no MAC; 1: a MAC (Hello); 2: a session frame, a MAC and an 8-byte sequence number.
-    offset = 1 + {0: 0, 1: _MAC_BYTES, 2: _MAC_BYTES + _SEQ_BYTES}.get(body[0], 0)
+    offset = 1 + {0: 0, 1: MAC_BYTES, 2: MAC_BYTES + _SEQ_BYTES}.get(body[0], 0)
     try:
         payload = msgspec.msgpack.decode(body[offset:])
     except msgspec.DecodeError:

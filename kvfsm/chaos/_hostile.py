@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
-from kvfsm.control._frames import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
+from kvfsm.control import PROTOCOL_VERSION, FrameCodec, FrameReader, Hello
 
 __all__ = ["HOSTILE_KINDS", "HostileResult", "send_hostile"]
 

@@ -1,23 +1,13 @@
 """A campaign rank: one OS process with a prefill or decode manager and the workload's room loop.
 
 The loop is :class:`~kvfsm.workload.loop.RoomLoop`, the one ``kvfsm run`` and ``kvfsm demo``
-run: the same admission, wedge timeout, settle grace and life of a room. The rank adds the
-loop's two chaos hooks: every call on a room goes through :meth:`_Rank.call` (timed), and the
-loop counts the time this process spent stopped (``stop_gap_s``).
-
-The campaign process drives it over a pipe: ``("episode", index, first_room)`` starts that
-episode's rooms (from :func:`~kvfsm.chaos._options.episode_plan`, the same list on both ranks),
-``("poll",)`` returns the outcomes since the last poll and whether the episode is over,
-``("exposed", wait)`` what a stop of decode would catch (prefill: its chunks in flight, answered
-as soon as there are some, or after ``wait`` seconds; decode: its rooms whose page list is out
-and that are not terminal, at once; the campaign freezes decode while there are both),
-``("waiting", before)`` the rooms created before ``before`` that are still not terminal (the
-campaign asks it some seconds after a decode freeze ended),
-``("drain", timeout)`` waits until the engine has no room left and returns what is still held,
-``("close",)`` closes the manager and returns the NIXL accounting, ``("quit",)`` ends it. Every
-answer to poll, drain and close carries ``counters``: what was counted since the previous
-answer (calls, slow calls, late writes, injected faults), so the campaign adds them up without
-counting anything twice and loses at most one poll's worth when the rank is killed.
+run: the same admission, wedge timeout, settle grace and life of a room. A prefill room takes
+the loop's sender steps (``advance_sender``); a decode room takes the receiver steps of
+:mod:`kvfsm.workload.receiver_steps`, as the demo's decode rank's do, and the campaign's faults
+come in through their hooks. The rank adds the loop's two chaos hooks: every call on a room goes
+through ``call`` (timed), and the loop counts the time this process spent stopped
+(``stop_gap_s``). What the campaign process asks of a rank over its pipe, and what the rank
+counts and reports, is :mod:`kvfsm.chaos._rank_service`.
 
 What a rank checks itself, because only it can:
 
@@ -74,18 +64,19 @@ import os
 import signal
 import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from kvfsm.chaos._control_proxy import ProxyThread
-from kvfsm.chaos._options import OVERSIZED_PAGES, CampaignOptions, RoomPlan, episode_plan
+from kvfsm.chaos._options import OVERSIZED_PAGES, CampaignOptions, RoomPlan
 from kvfsm.chaos._plan import FaultPlan
+from kvfsm.chaos._rank_service import RankService
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
 from kvfsm.control import registry_resolver
 from kvfsm.manager import DecodeManager, PrefillManager
@@ -93,13 +84,12 @@ from kvfsm.registry import BootstrapClient
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import TERMINAL, KVPoll, Role
 from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout, shape_of
-from kvfsm.workload.call_timer import CallTimer
-from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
+from kvfsm.workload.loop import Phase
+from kvfsm.workload.receiver_steps import ReceiverSteps, ReceivingRoom, Step
 
 __all__ = ["CAMPAIGN_ABORT", "ENGINE", "rank_main"]
 
 _log = logging.getLogger("kvfsm.chaos")
-T = TypeVar("T")
 ENGINE: Final = "chaos"
 #: The reason the campaign's planned aborts give (``kvfsm run``'s and the demo's is
 #: :data:`kvfsm.workload.options.ABORT_REASON`).
@@ -108,8 +98,6 @@ _CANARY: Final = 0x5A
 _POISON: Final = 0xA5
 #: A gap this long between two loop iterations means the process was stopped (or starved).
 _FROZEN_GAP_S: Final = 0.25
-#: Transport counters each prefill answer carries (as deltas).
-_XFER_COUNTERS: Final = ("chunks_fenced", "chunks_stalled", "chunks_quarantined", "chunks_posted")
 Pages = npt.NDArray[np.int32]
 
 
@@ -174,16 +162,12 @@ class _Held:
 
 
 @dataclass(slots=True, kw_only=True)
-class _Live(LiveRoom):
+class _Live(ReceivingRoom):
     plan: RoomPlan
     #: 0: the room's first generation; 1: the next room of the same id (``plan.reuse``).
     gen: int = 0
     #: Prefill: the plan's source pages, cut into its chunks.
     chunks: list[Pages] = field(default_factory=list)
-    mismatched: int = 0
-    checked: int = 0
-    dst: Pages | None = None
-    dst_aux: int = -1
     #: An oversized send_metadata: when it was called, and what was wrong with its outcome.
     oversized_at: float = 0.0
     oversized_problem: str = ""
@@ -195,28 +179,21 @@ class _Live(LiveRoom):
         return self.plan.abort_side if self.gen == 0 else ""
 
 
-class _Rank(ServedLoop[RoomPlan, _Live]):
-    """A campaign rank of either role: the served room loop and its hooks (prefill's part of a
-    room is the loop's ``advance_sender``, decode's is ``_advance_receiver``)."""
+class _Rank(RankService[_Live], ReceiverSteps[RoomPlan, _Live]):
+    """A campaign rank of either role: the served room loop and its hooks. Prefill's part of a
+    room is the loop's ``advance_sender``; decode's is the receiver steps, whose hooks here add
+    the campaign's faults: an abort before the page list goes out, oversized page lists, the
+    next room of a reused id, and pages held back after a stop of this process."""
 
     #: Only this process's own stops stretch its bounds (see the module's docstring).
     stop_gap_s = _FROZEN_GAP_S
 
     def __init__(self, conn: Connection, role: str, opts: CampaignOptions, url: str) -> None:
-        super().__init__(conn)
-        self.role, self.opts, self.url = role, opts, url
+        super().__init__(conn, role, opts)
+        self.url = url
         self.kv, self.aux = make_buffers(shape_of(opts, page_bytes=opts.page_bytes))
         self.layout = make_layout(self.kv, self.aux)
-        self.outcomes: list[dict[str, Any]] = []
-        self.slow: Counter[str] = Counter()
-        self.max_call_ms: dict[str, float] = {}
-        self.timer = CallTimer()
-        self.calls = 0
-        self.events: Counter[str] = Counter()  # what this rank did on plan (reuse, oversized)
-        self.reported: Counter[str] = Counter()  # cumulative counters as last reported
         self.broken = False
-        #: Prefill: a pending ``exposed`` request's deadline (0: none pending).
-        self.exposed_until = 0.0
         # The loop's bounds: a room must be terminal within its role's deadline sum plus slack,
         # and settle within the settle wait (both plus this process's stops).
         side = Role.SENDER if role == "prefill" else Role.RECEIVER
@@ -224,11 +201,6 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         self.settle_grace_s = opts.settle_wait_s()
         self.idle_sleep_s = opts.idle_sleep_s
         self.window = opts.concurrency * (2 if role == "prefill" else 1)
-        self.checks: DecodeChecks | None = None  # decode's bytes and canaries
-        self.manager: PrefillManager | DecodeManager
-        self.faults: TransportFaults | None = None
-        self.proxy: ProxyThread | None = None
-        self.client: BootstrapClient | None = None
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -275,90 +247,6 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         #: Freed pages of rooms that lived through a stop of this process, oldest first:
         #: watched, out of the pools, until ``after_resume_s`` after they were freed.
         self.held: deque[_Held] = deque()
-        self.holds: Counter[str] = Counter()
-
-    # -- the pipe ------------------------------------------------------------------------------
-
-    def serve(self) -> None:
-        """Iterate until told to quit or orphaned; the plan comes episode by episode, and one
-        may come while the last one's rooms still settle (the campaign gave up waiting)."""
-        while not self.stopping():
-            self.between(self.iterate())
-
-    def between(self, progressed: bool) -> None:
-        if self.exposed_until:
-            self._answer_exposed()
-        super().between(progressed)
-
-    def _answer_exposed(self) -> None:
-        """Answer a pending ``exposed`` once prefill has chunks in flight, or its wait is
-        over (the campaign waits for the answer: no other request comes meanwhile)."""
-        assert isinstance(self.manager, PrefillManager)
-        in_flight = self.manager.transport.in_flight
-        if in_flight or time.monotonic() >= self.exposed_until:
-            self.exposed_until = 0.0
-            self.conn.send(in_flight)
-
-    def nap_s(self) -> float:
-        return self.idle_sleep_s if self.busy else 0.01
-
-    def answer(self, request: Any) -> None:
-        op = request[0]
-        if op == "episode":
-            self.feed(episode_plan(self.opts, request[1], request[2]))
-            self.conn.send(True)
-        elif op == "poll":
-            outcomes, self.outcomes = self.outcomes, []
-            answer: dict[str, Any] = {
-                "done": not self.busy,
-                "outcomes": outcomes,
-                "counters": self._counters(),
-            }
-            if isinstance(self.manager, PrefillManager):
-                # The campaign freezes prefill past decode's settle bound while chunks are
-                # accepted and not final (queued for the poster, or posted).
-                answer["in_flight"] = self.manager.transport.in_flight
-            self.conn.send(answer)
-        elif op == "exposed":
-            if isinstance(self.manager, PrefillManager):
-                # Over the default transports a chunk to a running decode is in flight for
-                # moments that the campaign's own asking rarely sees: the answer waits for
-                # one, checked after every iteration (_answer_exposed).
-                self.exposed_until = time.monotonic() + float(request[1])
-                self._answer_exposed()
-            else:
-                # Phase.SENDING: the page list went out, the room is not terminal yet.
-                self.conn.send(sum(item.phase is Phase.SENDING for item in self.live))
-        elif op == "waiting":
-            self.conn.send(self._waiting(float(request[1])))
-        elif op == "port":
-            self.conn.send(self.manager.port if isinstance(self.manager, PrefillManager) else 0)
-        elif op == "drain":
-            self.conn.send(self._drain(float(request[1])))
-        elif op == "close":
-            self.conn.send(self._close())
-        elif op == "quit":
-            self.quit = True
-        else:
-            self.conn.send(None)
-
-    # -- timing the scheduler-facing calls -----------------------------------------------------
-
-    def call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
-        """Every call on a room, the loop's (poll, abort, clear) and the hooks', is timed."""
-        return self._timed_within(name, self.opts.slow_call_ms, fn, *args)
-
-    def _timed_within(self, name: str, limit_ms: float, fn: Callable[..., T], *args: Any) -> T:
-        # Judged on the call's own time: wall time less what this thread spent waiting for a
-        # CPU that other processes held (a blocked call still counts in full; call_timer).
-        result, timed = self.timer.time(fn, *args)
-        ms = timed.own_ms
-        self.calls += 1
-        if ms > self.max_call_ms.get(name, 0.0):
-            self.max_call_ms[name] = ms
-        if ms > limit_ms:
-            self.slow[name] += 1
-        return result
 
     # -- the loop's hooks ----------------------------------------------------------------------
 
@@ -376,28 +264,49 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         return self._start(plan)
 
     def advance(self, item: _Live, status: KVPoll) -> bool:
+        plan = item.plan
         if self.role == "prefill":
-            plan = item.plan
             abort_at = plan.abort_at if item.abort_side == "prefill" else None
             return self.advance_sender(item, status, item.chunks, plan.src_aux, abort_at)
-        return self._advance_receiver(item, status)
+        if (
+            item.receiver_step is Step.BOOTSTRAPPING
+            and status is KVPoll.WaitingForInput
+            and item.abort_side == "decode"
+            and plan.abort_at == -1
+        ):
+            # The plan's abort before the page list goes out, in place of sending it: the room
+            # stays in its step until it reads Failed.
+            self.call("abort", item.room.abort, CAMPAIGN_ABORT)
+            return True
+        return self.advance_receiver(item, status)
 
     def abort_planned(self, item: _Live) -> None:
         self.call("abort", item.room.abort, CAMPAIGN_ABORT)
+        if self.role == "decode" and item.plan.reuse and item.gen == 0:
+            # At once, before the aborted generation settled: the next receiver of the id,
+            # on fresh pages (the aborted room's stay held until it settles).
+            self._next_generation(item)
 
     def ended(self, item: _Live, status: KVPoll) -> None:
-        if status is KVPoll.Success and self.checks is not None:
-            self.checks.landed(item, item.plan)
         self._check_oversized(item)
+        if self.role == "decode":
+            self.receiver_ended(item, status)  # the byte check of a Success, then the clear
+            return
         self.call("clear", item.room.clear)
-        if self.role == "prefill" and item.plan.reuse and item.gen == 0:
+        if item.plan.reuse and item.gen == 0:
             # Decode reuses the id after aborting it: serve its next receiver, whatever the
             # first sender became (it may have finished before decode's abort came, or
             # served the next receiver itself when the first one's claim was withdrawn
             # before it existed; then this one waits out its Bootstrapping deadline).
             self._next_generation(item)
 
+    def wedging(self, item: _Live, status: KVPoll) -> None:
+        if self.role == "decode":
+            self.receiver_wedged(item)
+
     def retire(self, item: _Live, *, settled: bool, now: float) -> None:
+        if self.role == "decode":
+            self.receiver_retired(item, settled=settled)  # its pages back, once settled
         self._finish(item, settled=settled)
 
     def _start(self, plan: RoomPlan, gen: int = 0) -> _Live | None:
@@ -409,6 +318,24 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
             if item.abort_side == "prefill" and plan.abort_at == -1:
                 self.call("abort", sender.abort, CAMPAIGN_ABORT)
             return item
+        received = self.start_receiver(plan)
+        if received is not None:
+            received.gen = gen
+        return received
+
+    def _next_generation(self, item: _Live) -> None:
+        """The id's next room on this side (``plan.reuse``): right away, while the first one
+        may still be settling."""
+        nxt = self._start(item.plan, gen=1)
+        if nxt is None:  # decode: no free pages; the reuse is skipped, and counted
+            self.events["reuse_skipped"] += 1
+            return
+        self.events[f"reuse_{self.role}"] += 1
+        self.spawn(nxt)
+
+    # -- decode: the receiver steps' hooks -----------------------------------------------------
+
+    def pages_for(self, plan: RoomPlan) -> tuple[Pages, int] | None:
         # An oversized room names pages past the pool (see _send_oversized), none of it.
         taken = self.take_pages(0 if plan.oversized else len(plan.src))
         if taken is None:
@@ -416,12 +343,7 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
         dst, aux = taken
         assert self.checks is not None
         self.checks.check(dst, aux, hand_out=True)
-        assert isinstance(self.manager, DecodeManager)
-        receiver = self.call("create", self.manager.receiver, plan.room)
-        self.call("init", receiver.init, 0)
-        return _Live(
-            room=receiver, started=self.now, plan=plan, gen=gen, dst=dst, dst_aux=int(aux[0])
-        )
+        return dst, int(aux[0])
 
     def take_pages(self, n: int) -> tuple[Pages, Pages] | None:
         """``n`` free pages and one aux row for a new decode room; None: not now."""
@@ -439,53 +361,35 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
             return None
         return dst, aux
 
-    def _next_generation(self, item: _Live) -> None:
-        """The id's next room on this side (``plan.reuse``): right away, while the first one
-        may still be settling."""
-        nxt = self._start(item.plan, gen=1)
-        if nxt is None:  # decode: no free pages; the reuse is skipped, and counted
-            self.events["reuse_skipped"] += 1
+    def new_receiver(self, plan: RoomPlan) -> ReceiverRoom:
+        assert isinstance(self.manager, DecodeManager)
+        return self.manager.receiver(plan.room)
+
+    def receiving_item(self, plan: RoomPlan, receiver: ReceiverRoom, dst: Pages, aux: int) -> _Live:
+        return _Live(room=receiver, started=self.now, plan=plan, dst=dst, dst_aux=aux)
+
+    def abort_due(self, item: _Live) -> bool:
+        return item.abort_side == "decode" and item.plan.abort_at == item.step
+
+    def send_pages(self, item: _Live) -> None:
+        if item.plan.oversized and item.gen == 0:
+            self._send_oversized(item)
             return
-        self.events[f"reuse_{self.role}"] += 1
-        self.spawn(nxt)
-
-    def _advance_receiver(self, item: _Live, status: KVPoll) -> bool:
-        receiver, plan = item.room, item.plan
-        assert isinstance(receiver, ReceiverRoom)
         assert item.dst is not None
-        mine = item.abort_side == "decode"
-        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
-            if mine and plan.abort_at == -1:
-                self.call("abort", receiver.abort, CAMPAIGN_ABORT)
-                return True
-            if plan.oversized and item.gen == 0:
-                self._send_oversized(item, receiver)
-                item.phase = Phase.SENDING
-                return True
-            for buf in self.kv:  # a page that is never written cannot pass the check
-                buf[item.dst] = _POISON
-            self.aux[item.dst_aux] = _POISON
-            self.call("send_metadata", receiver.send_metadata, item.dst, item.dst_aux)
-            item.phase = Phase.SENDING
-            if mine and plan.abort_at == 0:
-                self._abort_receiver(item, receiver)
-            return True
-        if item.phase is Phase.SENDING:
-            item.step += 1
-            if mine and plan.abort_at == item.step:
-                self._abort_receiver(item, receiver)
-        return False
+        for buf in self.kv:  # a page that is never written cannot pass the check
+            buf[item.dst] = _POISON
+        self.aux[item.dst_aux] = _POISON
+        super().send_pages(item)
 
-    def _abort_receiver(self, item: _Live, receiver: ReceiverRoom) -> None:
-        self.call("abort", receiver.abort, CAMPAIGN_ABORT)
-        if item.plan.reuse and item.gen == 0:
-            # At once, before the aborted generation settled: the next receiver of the id,
-            # on fresh pages (the aborted room's stay held until it settles).
-            self._next_generation(item)
+    def check_bytes(self, item: _Live) -> None:
+        assert self.checks is not None
+        self.checks.landed(item, item.plan)
 
     # -- decode: oversized page lists ----------------------------------------------------------
 
-    def _send_oversized(self, item: _Live, receiver: ReceiverRoom) -> None:
+    def _send_oversized(self, item: _Live) -> None:
+        receiver = item.room
+        assert isinstance(receiver, ReceiverRoom)
         kind = item.plan.oversized
         count = OVERSIZED_PAGES[kind]
         slot = 0
@@ -527,7 +431,7 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
 
     # -- decode: bytes, canaries ---------------------------------------------------------------
 
-    def _release(self, item: _Live) -> None:
+    def release_pages(self, item: _Live) -> None:
         """The room is settled: its pages go back to the pool, holding a canary; those of a
         room that lived through a stop of this process only after ``after_resume_s``."""
         assert self.checks is not None
@@ -589,17 +493,14 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
 
     def _finish(self, item: _Live, *, settled: bool) -> None:
         disordered = False
-        if self.role == "decode":
-            if settled:
-                self._release(item)
-            if self.proxy is not None:
-                # Either way: a dropped abort or page list towards prefill leaves prefill with
-                # nothing to acknowledge (until its held metadata expires), a dropped
-                # acknowledgement towards decode is simply gone.
-                room = item.plan.room
-                disordered = self.proxy.disordered("to_decode", room) or self.proxy.disordered(
-                    "to_prefill", room
-                )
+        if self.role == "decode" and self.proxy is not None:
+            # Settled or not: a dropped abort or page list towards prefill leaves prefill with
+            # nothing to acknowledge (until its held metadata expires), a dropped
+            # acknowledgement towards decode is simply gone.
+            room = item.plan.room
+            disordered = self.proxy.disordered("to_decode", room) or self.proxy.disordered(
+                "to_prefill", room
+            )
         self.outcomes.append(
             _outcome(
                 item.plan.room,
@@ -623,105 +524,21 @@ class _Rank(ServedLoop[RoomPlan, _Live]):
             )
         )
 
-    # -- drain and close -----------------------------------------------------------------------
-
-    def _drain(self, timeout: float) -> dict[str, Any]:
-        engine = self.manager.engine
-        assert engine is not None
-        deadline = time.monotonic() + timeout
-        while engine.stats()["live"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if self.checks is not None:
-            self.checks.check_all()
-        out: dict[str, Any] = {
-            "live_rooms": len(engine.rooms()),
-            "engine": engine.stats(),
-            "control": dict(self.manager.control.stats) if self.manager.control else {},
-            "max_call_ms": {k: round(v, 3) for k, v in self.max_call_ms.items()},
-            "frozen_s": round(self.stopped_s, 3),
-            "counters": self._counters(),
-        }
-        if isinstance(self.manager, PrefillManager):
-            out["transport"] = self.manager.transport.snapshot()
-        if self.faults is not None:
-            out["transfer_faults"] = self.faults.snapshot()
-        if self.role == "decode":
-            # Not free and not held by a room still watched: a room that never settled.
-            # Not free, not held by a room still watched, not held back after a stop of this
-            # process (free, only watched a while longer): a room that never settled.
-            held = sum(i.dst.size for i in self.live if i.dst is not None)
-            held += sum(h.pages.size for h in self.held)
-            out["written_off_pages"] = self.pages.size - len(self.pages) - held
-            out["written_off_aux"] = (
+    def _written_off(self) -> dict[str, int]:
+        # Not free, not held by a room still watched, not held back after a stop of this
+        # process (free, only watched a while longer): a room that never settled.
+        held = sum(i.dst.size for i in self.live if i.dst is not None)
+        held += sum(h.pages.size for h in self.held)
+        live_slots = {i.oversized_slot for i in self.live}
+        return {
+            "written_off_pages": self.pages.size - len(self.pages) - held,
+            "written_off_aux": (
                 self.aux_pool.size - len(self.aux_pool) - len(self.live) - len(self.held)
-            )
+            ),
             # Oversized page lists of rooms that never settled: 4 M destinations each, held by
             # the engine for its life (34 MB of owner table per slot).
-            live_slots = {i.oversized_slot for i in self.live}
-            out["written_off_oversized"] = len(self.oversized_held - live_slots)
-        return out
-
-    def _counters(self) -> dict[str, Any]:
-        """What was counted since the last call: calls (total and slow, by name), late writes
-        and their notes, injected transfer faults, the frame proxy's counters."""
-        checks = self.checks
-        late = checks.late_writes if checks is not None else 0
-        now: Counter[str] = Counter({"calls": self.calls, "late_writes": late})
-        now.update({f"slow.{name}": n for name, n in self.slow.items()})
-        now.update({f"fault.{name}": n for name, n in self.events.items()})
-        if isinstance(self.manager, PrefillManager):
-            # What the fence and the deadlines did to chunks (law 4's evidence, not faults).
-            snapshot = self.manager.transport.snapshot()
-            now.update({f"xfer.{name}": snapshot[name] for name in _XFER_COUNTERS})
-        if self.faults is not None:
-            now.update(
-                {
-                    f"fault.transfer_{name[len('injected_') :]}": n
-                    for name, n in self.faults.snapshot().items()
-                    if name.startswith("injected_")
-                }
-            )
-        if self.checks is not None:
-            now.update({f"hold.{name}": n for name, n in self.holds.items()})
-        if self.proxy is not None:
-            now.update(
-                {
-                    f"fault.frame_{name.replace(':', '_')}": n
-                    for name, n in self.proxy.stats().items()
-                    if ":" in name and not name.endswith(":frames")
-                }
-            )
-        delta = {name: n - self.reported[name] for name, n in now.items()}
-        self.reported = now
-        notes: list[str] = []
-        if checks is not None:
-            notes, checks.late_notes = checks.late_notes, []
-        return {"delta": {k: v for k, v in delta.items() if v}, "late_notes": notes}
-
-    def _close(self) -> dict[str, Any]:
-        final = self._drain(self.settle_grace_s)
-        manager = self.manager
-        if self.client is not None and manager.engine is not None:
-            with contextlib.suppress(Exception):
-                manager.engine.call(self.client.close(), timeout=10)
-        manager.close()
-        counters = self._counters()  # anything counted during the close itself
-        self.timer.close()
-        if self.proxy is not None:
-            self.proxy.close()
-        agent = manager.agent
-        final["agent"] = {
-            "dlists_prepped": agent.dlists_prepped,
-            "dlists_released": agent.dlists_released,
-            "peers_added": agent.peers_added,
-            "peers_removed": agent.peers_removed,
+            "written_off_oversized": len(self.oversized_held - live_slots),
         }
-        if isinstance(manager, PrefillManager):
-            final["transport"] = manager.transport.snapshot()
-        if self.faults is not None:
-            final["transfer_faults"] = self.faults.snapshot()
-        final["counters"] = counters
-        return final
 
 
 def _outcome(room: int, status: int, reason: str, **fields: Any) -> dict[str, Any]:

@@ -6,8 +6,10 @@ prefill and a decode rank, each in its own process) and the chaos ranks
 admits new rooms up to a window, polls every live room once and never blocks on one. What
 differs is only what a role does with a room, so :class:`RoomLoop` holds the loop and the life
 of a room (admission, the wedge timeout, the settle grace, prefill's ``init`` and chunks in
-:meth:`RoomLoop.advance_sender`) and its hooks hold the rest. :class:`ServedLoop` is the loop
-of a rank process driven over a pipe (the demo's and the chaos campaign's).
+:meth:`RoomLoop.advance_sender`) and its hooks hold the rest; decode's steps, from its page list
+to giving its pages back, are the table of :mod:`kvfsm.workload.receiver_steps`, driven from
+these hooks. :class:`ServedLoop` is the loop of a rank process driven over a pipe (the demo's
+and the chaos campaign's).
 
 Two hooks are for the chaos ranks, which are timed and stopped on purpose: :meth:`RoomLoop.call`,
 through which the loop makes every call on a room (they time each one: never block), and

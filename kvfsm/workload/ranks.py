@@ -5,10 +5,11 @@
   poll until WaitingForInput, ``init(num_pages, aux)``, one ``send(chunk)`` per iteration, poll
   until terminal, ``clear()``, wait until settled;
 * **decode** runs a :class:`~kvfsm.manager.DecodeManager` (it finds prefill through the registry
-  and connects its control channel) and the same loop over receiver rooms: ``receiver(room)``,
-  ``init(0)``, poll until WaitingForInput, take destination pages and an aux row from its free
-  pools, ``send_metadata(pages, aux)``, poll until terminal, check every received byte and the
-  aux row, ``clear()``, and give the pages back only once the room is terminal *and* settled.
+  and connects its control channel) and the same loop over receiver rooms, stepped as
+  :mod:`kvfsm.workload.receiver_steps` says: take destination pages and an aux row from its free
+  pools, ``receiver(room)``, ``init(0)``, poll until WaitingForInput, ``send_metadata(pages,
+  aux)``, poll until terminal, check every received byte and the aux row, ``clear()``, and give
+  the pages back only once the room is terminal *and* settled.
 
 Each rank walks the plan (:func:`~kvfsm.workload.plan.make_plan`) in order, ``concurrency`` rooms
 in flight (prefill admits twice as many, like a bootstrap queue, so that its room exists when
@@ -38,9 +39,10 @@ from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import KVPoll
 from kvfsm.workload.buffers import DecodeChecks, make_buffers, make_layout
-from kvfsm.workload.loop import LiveRoom, Phase, ServedLoop
+from kvfsm.workload.loop import ServedLoop
 from kvfsm.workload.options import ABORT_REASON, DemoOptions
 from kvfsm.workload.plan import Request, fill_sources, make_plan
+from kvfsm.workload.receiver_steps import ReceiverSteps, ReceivingRoom
 
 __all__ = ["STARVED", "Outcome", "rank_main"]
 
@@ -70,14 +72,10 @@ class Outcome:
 
 
 @dataclass(slots=True, kw_only=True)
-class _Live(LiveRoom):
+class _Live(ReceivingRoom):
     req: Request
     chunks: list[Pages] = field(default_factory=list)
-    dst: Pages | None = None
-    dst_aux: int = -1
     ended_at: float = 0.0
-    checked: int = 0
-    mismatched: int = 0
 
 
 class _Rank(ServedLoop[Request, _Live]):
@@ -147,16 +145,14 @@ class _Rank(ServedLoop[Request, _Live]):
 
     def ended(self, item: _Live, status: KVPoll) -> None:
         item.ended_at = time.time()
-        if status is KVPoll.Success:
-            self._landed(item)
-        item.room.clear()
+        self._terminal(item, status)
 
     def wedging(self, item: _Live, status: KVPoll) -> None:
         item.ended_at = time.time()
+        self._wedged(item)
 
     def retire(self, item: _Live, *, settled: bool, now: float) -> None:
-        if settled:
-            self._release(item)
+        self._retired(item, settled=settled)
         self.reports.append(
             Outcome(
                 item.req.room,
@@ -171,10 +167,15 @@ class _Rank(ServedLoop[Request, _Live]):
             )
         )
 
-    def _landed(self, item: _Live) -> None:
+    # -- what each role does when a room ends, wedges and retires ------------------------------
+
+    def _terminal(self, item: _Live, status: KVPoll) -> None:
+        self.call("clear", item.room.clear)
+
+    def _wedged(self, item: _Live) -> None:
         pass
 
-    def _release(self, item: _Live) -> None:
+    def _retired(self, item: _Live, *, settled: bool) -> None:
         pass
 
 
@@ -204,7 +205,10 @@ class _PrefillRank(_Rank):
         item.room.abort(ABORT_REASON)
 
 
-class _DecodeRank(_Rank):
+class _DecodeRank(_Rank, ReceiverSteps[Request, _Live]):
+    """Decode's rooms follow the shared receiver steps; the hooks are this rank's pools of
+    poisoned pages, its byte checks and the plan's aborts."""
+
     manager: DecodeManager
 
     def __init__(
@@ -251,7 +255,26 @@ class _DecodeRank(_Rank):
         else:
             super().answer(request)
 
+    # -- the loop's hooks: the receiver steps ------------------------------------------------
+
     def start(self, plan: Request) -> _Live | None:
+        return self.start_receiver(plan)
+
+    def advance(self, item: _Live, status: KVPoll) -> bool:
+        return self.advance_receiver(item, status)
+
+    def _terminal(self, item: _Live, status: KVPoll) -> None:
+        self.receiver_ended(item, status)
+
+    def _wedged(self, item: _Live) -> None:
+        self.receiver_wedged(item)
+
+    def _retired(self, item: _Live, *, settled: bool) -> None:
+        self.receiver_retired(item, settled=settled)
+
+    # -- the receiver steps' hooks -------------------------------------------------------------
+
+    def pages_for(self, plan: Request) -> tuple[Pages, int] | None:
         dst = self._pick(self.free_pages, len(plan.src))
         aux = self._pick(self.free_aux, 1)
         if dst is None or aux is None:
@@ -259,33 +282,25 @@ class _DecodeRank(_Rank):
         self.checks.check(dst, aux, hand_out=True)
         self.free_pages[dst] = False
         self.free_aux[aux] = False
-        receiver = self.manager.receiver(plan.room)
-        receiver.init(0)
-        return _Live(room=receiver, started=self.clock(), req=plan, dst=dst, dst_aux=int(aux[0]))
+        return dst, int(aux[0])
 
-    def advance(self, item: _Live, status: KVPoll) -> bool:
-        receiver, req = item.room, item.req
-        assert isinstance(receiver, ReceiverRoom)
-        assert item.dst is not None
-        if item.phase is Phase.BOOTSTRAP and status is KVPoll.WaitingForInput:
-            receiver.send_metadata(item.dst, item.dst_aux)
-            item.phase = Phase.SENDING
-        elif item.phase is Phase.SENDING:
-            if req.abort_side == "decode" and req.abort_at == item.step:
-                receiver.abort(ABORT_REASON)
-            item.step += 1
-            return False
-        else:
-            return False
-        if req.abort_side == "decode" and req.abort_at == 0:
-            receiver.abort(ABORT_REASON)  # right after the page list went out
-        item.step = 1
-        return True
+    def new_receiver(self, plan: Request) -> ReceiverRoom:
+        return self.manager.receiver(plan.room)
 
-    def _landed(self, item: _Live) -> None:
+    def receiving_item(self, plan: Request, receiver: ReceiverRoom, dst: Pages, aux: int) -> _Live:
+        return _Live(room=receiver, started=self.clock(), req=plan, dst=dst, dst_aux=aux)
+
+    def abort_due(self, item: _Live) -> bool:
+        # 0: right after the page list went out; k: k iterations later.
+        return item.req.abort_side == "decode" and item.req.abort_at == item.step
+
+    def abort_planned(self, item: _Live) -> None:
+        self.call("abort", item.room.abort, ABORT_REASON)
+
+    def check_bytes(self, item: _Live) -> None:
         self.checks.landed(item, item.req)
 
-    def _release(self, item: _Live) -> None:
+    def release_pages(self, item: _Live) -> None:
         """The room settled: poison its pages and aux row, watch them and give them back."""
         self.checks.settled(item, item.req)
         assert item.dst is not None

@@ -214,9 +214,9 @@ def test_pages_of_a_room_that_lived_through_a_stop_are_held_and_checked_again() 
     plain.stopped_at_start = rank.stopped_s  # ... but the first joined after it
     rank.now = 100.0
     free = len(rank.pages)
-    rank._release(plain)
+    rank.release_pages(plain)
     assert len(rank.pages) == free + 1  # back at once
-    rank._release(lived)
+    rank.release_pages(lived)
     assert len(rank.pages) == free + 1  # held: not handed out
     assert [h.room for h in rank.held] == [2]
     assert rank.holds["rooms"] == 1
@@ -243,7 +243,7 @@ def test_held_pages_go_back_early_rather_than_starve_the_plan() -> None:
     assert everything is not None
     item = _room(rank, 3, [int(p) for p in everything[0]], int(everything[1][0]))
     rank.stopped_s += 5.0
-    rank._release(item)
+    rank.release_pages(item)
     assert len(rank.pages) == 0
     assert rank.held
     rank.live = [_room(rank, 4, [], 0)]

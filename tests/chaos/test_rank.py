@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvfsm.chaos._rank import max_pages_refusal_problem
-from kvfsm.rooms import Publication, ReceiverRoom, RoomKey
+from kvfsm.rooms import ReceiverRoom, RoomKey
+from kvfsm.rooms._ports import Publication
 from kvfsm.states import Event, KVPoll
 
 MAX_PAGES = 8
