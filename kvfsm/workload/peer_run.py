@@ -49,8 +49,8 @@ Pages = npt.NDArray[np.int32]
 _PEER_ID: Final = "decode"
 #: ``kvfsm run --help``'s description.
 DESCRIPTION: Final = """\
-``kvfsm run`` is the main job: prefill rooms in this process move real KV bytes over NIXL (UCX,
-DRAM to DRAM) into a decode rank that runs in its own OS process with its own agent and pages.
+``kvfsm run`` is the data path alone (the main job is ``kvfsm demo``): prefill rooms in this
+process move real KV bytes over NIXL (UCX, DRAM to DRAM) into a decode rank that runs in its own OS process with its own agent and pages.
 One caller thread drives many rooms the way SGLang's scheduler does: every iteration it polls
 every live room and never blocks on one. Each room takes decode pages from a free pool (live rooms
 never share one; pages come back only once the room is terminal and settled), sends random source
@@ -319,7 +319,7 @@ def _shutdown(
 
 
 def run_job(opts: RunOptions) -> dict[str, Any]:
-    """Run the main job and return its summary as a JSON-able dict.
+    """Run ``kvfsm run``'s job and return its summary as a JSON-able dict.
 
     Counts: ``succeeded`` (Success and every page digest and the aux row checked), ``failed``
     (Failed; ``failed_by_reason`` counts them by reason, numbers blanked;
