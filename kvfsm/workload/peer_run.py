@@ -50,7 +50,8 @@ _PEER_ID: Final = "decode"
 #: ``kvfsm run --help``'s description.
 DESCRIPTION: Final = """\
 ``kvfsm run`` is the data path alone (the main job is ``kvfsm demo``): prefill rooms in this
-process move real KV bytes over NIXL (UCX, DRAM to DRAM) into a decode rank that runs in its own OS process with its own agent and pages.
+process move real KV bytes over NIXL (UCX, DRAM to DRAM) into a decode rank that runs in its own
+OS process with its own agent and pages.
 One caller thread drives many rooms the way SGLang's scheduler does: every iteration it polls
 every live room and never blocks on one. Each room takes decode pages from a free pool (live rooms
 never share one; pages come back only once the room is terminal and settled), sends random source
