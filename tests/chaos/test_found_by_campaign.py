@@ -1,8 +1,8 @@
 """Minimal reproductions of what ``kvfsm chaos`` found in kvfsm itself, on a real pair.
 
-Each was an open bug when the campaign found it, marked ``xfail(strict=True)``; all three are
-fixed now (kvfsm/control/_routing.py, kvfsm/rooms/_core.py) and these are their regression
-tests. docs/reliability.md says which run found each one.
+Each reproduces a bug the campaign found, in the control channel's routing or in the room core;
+these are their regression tests, and each fails on the code that had the bug.
+``docs/reliability.md`` says which campaign found each one.
 """
 
 from __future__ import annotations
