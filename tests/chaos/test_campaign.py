@@ -60,7 +60,7 @@ def test_the_checker_reports_a_late_write() -> None:
 
 
 def test_freezes_past_the_settle_bound_reused_ids_and_oversized_calls() -> None:
-    """The faults outside the old model, each in every episode or often: prefill frozen for 1.5 to 4 times
+    """Faults outside the old model, each in every episode or often: prefill frozen 1.5 to 4 times
     decode's settle bound with chunks in flight (fencing must keep every late write out, and
     decode's rooms must fail within the silence limit, not wait for prefill), room ids reused
     right after an abort, and send_metadata calls over max_pages or over the frame limit
