@@ -81,7 +81,10 @@ case "$cmd" in
         ;;
     test)
         setup
-        exec python -m pytest "$@"
+        # Two workers (this machine and CI's have two cores); tests that must not run beside
+        # each other share an xdist_group (tests/conftest.py), which --dist loadgroup keeps on
+        # one worker. Arguments given after these win: `-n 0` runs in this process.
+        exec python -m pytest -n 2 --dist loadgroup "$@"
         ;;
     lint)
         setup

@@ -19,7 +19,7 @@ from kvfsm.testing import KvfsmPair
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.prefill_process import SHAPE
 from tests.helpers.registry import running_registry
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 CONFIG = ManagerConfig(channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5)
 
@@ -32,20 +32,20 @@ def test_a_room_through_both_managers(kvfsm_pair: KvfsmPair) -> None:
     receiver = decode.receiver(42)
     receiver.init(0)
     sender = prefill.sender(42)
-    wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
     receiver.send_metadata(np.asarray(dst, np.int32), aux_index=7)
-    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
     sender.init(len(src), aux_index=2)
     sender.send(np.asarray(src[:3], np.int32))
     sender.send(np.asarray(src[3:], np.int32))
-    wait_for(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=10)
+    wait_until_sync(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=10)
     assert receiver.poll() is KVPoll.Success, receiver.reason
     assert sender.poll() is KVPoll.Success, sender.reason
     assert kvfsm_pair.landed(src, dst, 2, 7)
     receiver.clear()
     sender.clear()
-    wait_for(lambda: prefill.stats()["rooms"]["live"] == 0, timeout=10)
-    wait_for(lambda: decode.stats()["rooms"]["live"] == 0, timeout=10)
+    wait_until_sync(lambda: prefill.stats()["rooms"]["live"] == 0, timeout=10)
+    wait_until_sync(lambda: decode.stats()["rooms"]["live"] == 0, timeout=10)
 
 
 def test_aborts_from_either_side_end_both_rooms(kvfsm_pair: KvfsmPair) -> None:
@@ -56,15 +56,15 @@ def test_aborts_from_either_side_end_both_rooms(kvfsm_pair: KvfsmPair) -> None:
         receiver.init(0)
         sender = prefill.sender(room)
         rooms.append((sender, receiver))
-    wait_for(lambda: all(r.poll() is KVPoll.WaitingForInput for _, r in rooms), timeout=10)
+    wait_until_sync(lambda: all(r.poll() is KVPoll.WaitingForInput for _, r in rooms), timeout=10)
     for room, (sender, receiver) in enumerate(rooms):
         receiver.send_metadata(np.asarray([room], np.int32), aux_index=room)
         (receiver if room % 2 else sender).abort(f"abort {room}")
-    wait_for(
+    wait_until_sync(
         lambda: all(s.poll() is KVPoll.Failed and r.poll() is KVPoll.Failed for s, r in rooms),
         timeout=10,
     )
-    wait_for(lambda: all(r.settled and s.settled for s, r in rooms), timeout=10)
+    wait_until_sync(lambda: all(r.settled and s.settled for s, r in rooms), timeout=10)
     for room, (sender, receiver) in enumerate(rooms):
         assert f"abort {room}" in (receiver.reason if room % 2 else sender.reason)
         sender.clear()
@@ -118,10 +118,10 @@ def test_prefill_fences_each_link_by_the_margin_its_decode_told() -> None:
             receiver = decode.receiver(5)
             receiver.init(0)
             sender = prefill.sender(5)
-            wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+            wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
             leases = prefill.transport.leases
             assert leases is not None
-            wait_for(lambda: leases.live == 1, timeout=10)
+            wait_until_sync(lambda: leases.live == 1, timeout=10)
             (fence,) = leases._until
             assert leases.margin(fence) == 0.3  # decode's, not prefill's 1.0
             receiver.abort("done")

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from kvfsm.manager import CONTROL_COMMANDS, TRANSPORT_COMMANDS, CommandRouter
-from kvfsm.rooms import CommandSink, Inbox, Registry, RoomConfig, RoomKey
+from kvfsm.rooms import CommandSink, Inbox, RoomConfig, RoomKey
+from kvfsm.rooms._registry import Registry
 from kvfsm.states import (
     Command,
     KVPoll,

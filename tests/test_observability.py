@@ -21,7 +21,7 @@ from kvfsm.states import TERMINAL
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.prefill_process import SHAPE, fill_sources
 from tests.helpers.registry import running_registry
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 CONFIG = ManagerConfig(
     channel=ChannelConfig(heartbeat_s=0.25), register_interval_s=0.5, status_port=0, metrics=True
@@ -61,20 +61,20 @@ def test_live_rooms_metrics_and_the_rooms_command(
     # One room completes; one is left waiting on decode's side; one fails.
     done_r, done_s = decode.receiver(1), prefill.sender(1)
     done_r.init(0)
-    wait_for(lambda: done_r.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: done_r.poll() is KVPoll.WaitingForInput, timeout=10)
     done_r.send_metadata(np.asarray([5, 6], np.int32), 0)
-    wait_for(lambda: done_s.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: done_s.poll() is KVPoll.WaitingForInput, timeout=10)
     done_s.init(2, 1)
     done_s.send([1, 2])
-    wait_for(lambda: done_r.poll() in TERMINAL, timeout=10)
+    wait_until_sync(lambda: done_r.poll() in TERMINAL, timeout=10)
     assert done_r.poll() is KVPoll.Success
     waiting = decode.receiver(2)
     waiting.init(0)
     with caplog.at_level(logging.INFO, logger="kvfsm.rooms"):
         failing = prefill.sender(3)
         failing.abort("operator test")
-        wait_for(lambda: prefill.stats()["rooms"]["failed"] >= 1, timeout=10)
-    wait_for(lambda: waiting.poll() is KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: prefill.stats()["rooms"]["failed"] >= 1, timeout=10)
+    wait_until_sync(lambda: waiting.poll() is KVPoll.WaitingForInput, timeout=10)
 
     rows = json.loads(get(decode.status.url + "/rooms"))
     live = [r for r in rows if r["room"] == 2]

@@ -8,9 +8,14 @@ import pytest
 
 from kvfsm._tasks import cancel_and_wait
 
+# Virtual time (looptime): cancel_and_wait and these tasks run on the loop only, so their
+# sleeps and timeouts move its clock and cost no real time.
+pytestmark = pytest.mark.looptime
+
 
 async def _slow_to_stop(stopping: asyncio.Event, cleanup_s: float) -> None:
-    """Runs until cancelled, then takes ``cleanup_s`` to clean up (as the pump's release)."""
+    """Runs until cancelled, then takes ``cleanup_s`` (of the loop's clock) to clean up, as
+    the pump's release does."""
     try:
         await asyncio.Event().wait()
     finally:

@@ -19,7 +19,7 @@ from kvfsm.states import TERMINAL, KVPoll
 from tests.helpers.control import Decode
 from tests.helpers.decode_process import DecodeProcess
 from tests.helpers.prefill_process import PrefillProcess
-from tests.helpers.waiting import wait_until_sync
+from tests.helpers.waiting import stays_true_sync, wait_until_sync
 
 # Short leases, so that a lost link's pages settle within a second of its last grant.
 FAST = ChannelConfig(heartbeat_s=0.2, lease_s=0.4, fence_margin_s=0.3)
@@ -61,6 +61,7 @@ def test_a_prefill_frozen_longer_than_the_grace_never_writes_into_reused_pages()
         # rest queued. (A freeze *inside* a transfer() lets the rest of that one chunk land
         # after it: the residual window docs/reliability.md measures, which no lease can close.)
         wait_until_sync(lambda: all(bool(buf[0].any()) for buf in decode.kv), timeout=20)
+        # Real time on purpose: 10 ms into the poster's 50 ms pause puts the stop inside it.
         time.sleep(0.01)
         os.kill(prefill.pid, signal.SIGSTOP)
         try:
@@ -75,7 +76,7 @@ def test_a_prefill_frozen_longer_than_the_grace_never_writes_into_reused_pages()
             for buf in decode.kv:
                 buf[: 8 * len(rooms)] = 0xA5
             decode.aux[: len(rooms)] = 0xA5
-            time.sleep(0.5)  # frozen well past the grace
+            time.sleep(0.5)  # real time on purpose: the stop lasts well past the grace
         finally:
             os.kill(prefill.pid, signal.SIGCONT)
         # Prefill wakes up: its poster meets an expired (revoked) lease for every queued chunk.
@@ -115,7 +116,9 @@ def test_a_decode_stalled_past_its_silence_limit_keeps_its_healthy_links(stall_s
         receiver = decode.receive(7, [0, 1, 2, 3], aux_row=0)
         if stall_s:
             _stall(decode, stall_s)
-            time.sleep(stall_s + 0.3)  # stall over, and a few watchdog ticks after it
+            # Real time on purpose: the stall is the loop thread held for that long; then a
+            # few watchdog ticks judge the link before prefill sends.
+            time.sleep(stall_s + 0.3)
         prefill.ask("send", 7, [10, 11, 12, 13], 2, 1)
         wait_until_sync(lambda: receiver.poll() in TERMINAL, timeout=10)
         assert receiver.poll() is KVPoll.Success, receiver.reason
@@ -178,8 +181,12 @@ def test_prefill_rooms_claimed_by_a_lost_decode_fail_within_the_liveness_bound(h
         assert took < 2 * FAST.heartbeat_s * FAST.liveness_factor + 5.0
         # A room no decode ever claimed still waits: nobody knows whom it waits for.
         prefill.ask("hold", 4)
-        time.sleep(0.5)
-        assert status(prefill, 4)[0] == KVPoll.Bootstrapping
+        stays_true_sync(  # five heartbeats past the liveness window that failed the others
+            lambda: status(prefill, 4)[0] == KVPoll.Bootstrapping,
+            duration=0.5,
+            interval=0.05,
+            message="the unclaimed room still Bootstrapping",
+        )
     finally:
         if how == "sigstop":
             os.kill(decode.pid, signal.SIGCONT)

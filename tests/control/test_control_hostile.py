@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import select
 import selectors
 import signal
 import socket
@@ -35,7 +36,7 @@ from kvfsm.rooms import ReceiverRoom
 from kvfsm.states import TERMINAL, KVPoll
 from tests.helpers.control import Decode
 from tests.helpers.prefill_process import PrefillProcess
-from tests.helpers.waiting import wait_until_sync
+from tests.helpers.waiting import stays_true_sync, wait_until_sync
 
 SECRET = b"a shared secret of 32 bytes....."
 PLAIN = ChannelConfig()
@@ -159,6 +160,8 @@ class Pressure:
         self._sent: list[int] = []
         self._gone: list[bool] = []
         self._stop = threading.Event()
+        #: Set once every connection has pushed as much as its socket takes (or is gone).
+        self.saturated = threading.Event()
         #: When the far end had closed every one of them (``time.monotonic()``).
         self.all_closed_at: float | None = None
         try:
@@ -186,6 +189,7 @@ class Pressure:
 
     def _push(self) -> None:
         while not self._stop.is_set():
+            blocked = []
             for i, sock in enumerate(self.socks):
                 if self._gone[i]:
                     continue
@@ -196,12 +200,19 @@ class Pressure:
                     while self._sent[i] < self._total:
                         self._sent[i] += sock.send(self._next(i))
                 except BlockingIOError:
-                    pass  # the socket takes no more for now
+                    blocked.append(sock)  # the socket takes no more for now
                 except OSError:
                     self._gone[i] = True
+            self.saturated.set()  # a whole round: every socket full, finished or gone
             if self.all_closed_at is None and all(self._gone):
                 self.all_closed_at = time.monotonic()
-            time.sleep(0.002)
+            live = [sock for i, sock in enumerate(self.socks) if not self._gone[i]]
+            if not live:
+                self._stop.wait()
+                return
+            # Until a socket takes more, or the far end sent something or closed it (the
+            # timeout only bounds how late close() is seen).
+            select.select(live, blocked, [], 0.05)
 
     def closed_by_peer(self) -> int:
         return sum(self._gone)
@@ -234,6 +245,19 @@ class RssSampler:
     def rss_kib(self) -> int:
         return self.field("VmRSS")
 
+    def steady(self, within_kib: int = 1024) -> Callable[[], bool]:
+        """A predicate for ``wait_until_sync``: true once two reads in a row (its interval
+        apart) differ by at most ``within_kib``: the process has settled, for a level to read."""
+        last: list[int] = []
+
+        def check() -> bool:
+            now = self.rss_kib()
+            before = last[0] if last else None
+            last[:] = [now]
+            return before is not None and abs(now - before) <= within_kib
+
+        return check
+
     def start(self) -> None:
         with contextlib.suppress(OSError), open(f"/proc/{self.pid}/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
@@ -241,9 +265,10 @@ class RssSampler:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             self.peak_kib = max(self.peak_kib, self.rss_kib())
-            time.sleep(0.002)
+            if self._stop.wait(0.002):  # the sampling period; stop() ends it at once
+                return
 
     def stop(self) -> int:
         self._stop.set()
@@ -475,8 +500,9 @@ def test_unfinished_hellos_cost_prefill_at_most_the_documented_bound(
     n: int, length: int, body: int, record_property: Callable[[str, object], None]
 ) -> None:
     """``n`` connections announce a Hello of ``length`` bytes, push as much of it as their
-    sockets take and never finish it. They arrive while prefill is busy elsewhere (stopped for
-    0.3 s), so that they all wait in its accept queue with their bytes, as behind any stall.
+    sockets take and never finish it. They arrive while prefill is busy elsewhere (stopped
+    until every connection has pushed what its socket takes), so that they all wait in its
+    accept queue with their bytes, as behind any stall.
     Prefill's resident memory stays within ``max_unauthenticated * hello_max_bytes`` (plus the
     slack above) and comes back; prefill closes the connections (at the length prefix when it
     is over ``hello_max_bytes``, by the cap and then the handshake timeout otherwise); a decode
@@ -488,14 +514,14 @@ def test_unfinished_hellos_cost_prefill_at_most_the_documented_bound(
     try:
         assert move_rooms(prefill, decode, range(1, 17)) == {}  # warm: the link and NIXL are up
         prefill.ask("trim")
-        time.sleep(0.5)
         sampler = RssSampler(prefill.pid)
+        wait_until_sync(sampler.steady(), timeout=10, interval=0.1, message="a steady RSS")
         before = sampler.rss_kib() * KIB
         sampler.start()
         os.kill(prefill.pid, signal.SIGSTOP)
         try:
             pressure = Pressure(prefill.port, n, length, body)
-            time.sleep(0.3)
+            assert pressure.saturated.wait(10), "the connections never filled their sockets"
         finally:
             os.kill(prefill.pid, signal.SIGCONT)
         resumed = time.monotonic()
@@ -519,7 +545,7 @@ def test_unfinished_hellos_cost_prefill_at_most_the_documented_bound(
         finally:
             pressure.close()
         peak = sampler.stop() * KIB
-        time.sleep(0.5)
+        wait_until_sync(sampler.steady(), timeout=10, interval=0.1, message="a steady RSS")
         resident = sampler.rss_kib() * KIB
         prefill.ask("trim")
         after = sampler.rss_kib() * KIB
@@ -584,8 +610,9 @@ def test_held_page_lists_are_capped_per_peer_not_for_everyone() -> None:
         flooder.engine.call(_flood_page_lists(flooder.control, flood))
         surplus = len(flood) - config.pending_max
         wait_until_sync(lambda: len(outcomes) >= surplus, timeout=20)
-        time.sleep(0.2)  # nothing more comes
-        assert len(outcomes) == surplus
+        stays_true_sync(
+            lambda: len(outcomes) == surplus, duration=0.2, message="no outcome past the quota"
+        )
         assert {o.room for o in outcomes} == set(flood[config.pending_max :])
         assert all(o.status == KVPoll.Failed for o in outcomes)
         reasons = {o.reason for o in outcomes}

@@ -29,7 +29,7 @@ from kvfsm.transport._slices import KvPiece, RowSlice
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.prefill_process import SHAPE, fill_sources
 from tests.helpers.registry import running_registry
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 LLAMA = Fingerprint(
     layers=32, kv_heads=8, head_bytes=256, dtype="bfloat16", page_tokens=16, attn_tp=2
@@ -329,13 +329,13 @@ def _one_room(registry: str, prefill_fp: Fingerprint, decode_fp: Fingerprint) ->
             receiver = decode.receiver(7)
             receiver.init(0)
             sender = prefill.sender(7)
-            wait_for(lambda: receiver.poll() is not KVPoll.Bootstrapping, timeout=10)
+            wait_until_sync(lambda: receiver.poll() is not KVPoll.Bootstrapping, timeout=10)
             if receiver.poll() is KVPoll.WaitingForInput:
                 receiver.send_metadata(np.asarray([1, 2], np.int32), aux_index=3)
-                wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
+                wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
                 sender.init(2, aux_index=1)
                 sender.send(np.asarray([5, 6], np.int32))
-            wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
+            wait_until_sync(lambda: receiver.poll() in TERMINAL, timeout=10)
 
             def concluded(manager: PrefillManager | DecodeManager) -> bool:
                 control = manager.stats()["control"]
@@ -343,7 +343,7 @@ def _one_room(registry: str, prefill_fp: Fingerprint, decode_fp: Fingerprint) ->
 
             # The receiver can end on decode's verdict before prefill's loop thread has
             # counted its own: read the counters once both sides are through the handshake.
-            wait_for(lambda: concluded(prefill) and concluded(decode), timeout=10)
+            wait_until_sync(lambda: concluded(prefill) and concluded(decode), timeout=10)
             out: dict[str, object] = {
                 "status": receiver.poll(),
                 "reason": receiver.reason,

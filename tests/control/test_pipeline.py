@@ -4,9 +4,7 @@ and what stage 0's consensus says, with a real registry and real status links on
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +16,7 @@ from kvfsm.control import ChannelConfig
 from kvfsm.control._pipeline import PipelineStage
 from kvfsm.registry import BootstrapClient, BootstrapServer, RankInfo
 from kvfsm.states import KVPoll
+from tests.helpers.waiting import wait_until
 
 ENGINE = "pp-test"
 CHANNEL = ChannelConfig(heartbeat_s=0.1, liveness_factor=3.0)
@@ -63,13 +62,6 @@ def row(rank: int, stage_port: int = 0) -> RankInfo:
     )
 
 
-async def until(predicate: Callable[[], bool], limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 @pytest_asyncio.fixture
 async def registry() -> AsyncIterator[BootstrapClient]:
     async with BootstrapServer("127.0.0.1", 0, expected_ranks=2, ttl_s=30.0) as server:
@@ -88,29 +80,35 @@ async def start(pipeline: PipelineStage, client: BootstrapClient) -> Any:
 
 @pytest.mark.asyncio
 async def test_a_later_stage_finds_stage_zero_and_the_consensus_follows_it(
-    registry: BootstrapClient,
+    registry: BootstrapClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     zero, one = stage(0), stage(1)
     try:
         # stage 1 starts first: it keeps looking until stage 0's row is there
-        await start(one, registry)
-        registration = await start(zero, registry)
-        assert registration.stage_port > 0  # bound before the first registration
-        await asyncio.sleep(0.1)
+        with caplog.at_level("DEBUG", logger="kvfsm.pipeline"):
+            await start(one, registry)
+            registration = await start(zero, registry)
+            assert registration.stage_port > 0  # bound before the first registration
+            await wait_until(
+                lambda: caplog.text.count("not registered yet") >= 2,
+                message="stage 1 to look for stage 0 twice in vain",
+            )
         assert not one.ready
         await registry.register(row(0, registration.stage_port))
-        await until(lambda: zero.ready and one.ready)
+        await wait_until(lambda: zero.ready and one.ready)
 
         mine, theirs = Published(KVPoll.WaitingForInput), Published()
         zero.track(5, mine)  # stage 0 does not report: it is the one that asks
         assert zero.consensus(5, KVPoll.WaitingForInput) == (KVPoll.Bootstrapping, "")
         one.track(5, theirs)
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: zero.entries() == 1, message="stage 1's report of room 5")
         assert zero.consensus(5, KVPoll.WaitingForInput) == (KVPoll.Bootstrapping, "")
         theirs.status = KVPoll.WaitingForInput
-        await until(lambda: zero.consensus(5, KVPoll.WaitingForInput)[0] is KVPoll.WaitingForInput)
+        await wait_until(
+            lambda: zero.consensus(5, KVPoll.WaitingForInput)[0] is KVPoll.WaitingForInput
+        )
         theirs.status = KVPoll.Failed
-        await until(lambda: zero.consensus(5, KVPoll.WaitingForInput)[0] is KVPoll.Failed)
+        await wait_until(lambda: zero.consensus(5, KVPoll.WaitingForInput)[0] is KVPoll.Failed)
         assert zero.consensus(5, KVPoll.WaitingForInput) == (
             KVPoll.Failed,
             "failed on PP stage 1",
@@ -122,16 +120,16 @@ async def test_a_later_stage_finds_stage_zero_and_the_consensus_follows_it(
         assert one.entries() == 1
         one.release(5, theirs)
         assert one.entries() == 0
-        await until(lambda: zero.entries() == 0)
+        await wait_until(lambda: zero.entries() == 0)
         # A newer sender of the same id is not dropped by the old one's release.
         newer = Published(KVPoll.WaitingForInput)
         one.track(6, Published())
         one.track(6, newer)
         one.release(6, Published())
         assert one.entries() == 1
-        await until(lambda: zero.entries() == 1)
+        await wait_until(lambda: zero.entries() == 1)
         zero.release(6, mine)  # stage 0's own release drops every stage's report
-        await until(lambda: zero.entries() == 0)
+        await wait_until(lambda: zero.entries() == 0)
     finally:
         await one.aclose()
         await zero.aclose()
@@ -146,11 +144,13 @@ async def test_a_lost_stage_fails_stage_zeros_consensus_naming_it(
         registration = await start(zero, registry)
         await registry.register(row(0, registration.stage_port))
         await start(one, registry)
-        await until(lambda: zero.ready)
+        await wait_until(lambda: zero.ready)
         one.track(7, Published(KVPoll.WaitingForInput))
-        await until(lambda: zero.consensus(7, KVPoll.WaitingForInput)[0] is KVPoll.WaitingForInput)
+        await wait_until(
+            lambda: zero.consensus(7, KVPoll.WaitingForInput)[0] is KVPoll.WaitingForInput
+        )
         await one.aclose()
-        await until(lambda: zero.consensus(7, KVPoll.WaitingForInput)[0] is KVPoll.Failed)
+        await wait_until(lambda: zero.consensus(7, KVPoll.WaitingForInput)[0] is KVPoll.Failed)
         _, reason = zero.consensus(7, KVPoll.WaitingForInput)
         assert reason.startswith("PP stage 1 lost"), reason
         assert not zero.ready
@@ -170,7 +170,7 @@ async def test_a_root_rank_that_is_not_a_stage_zero_is_not_linked_to(
         await registry.register(row(0, stage_port=0))
         with caplog.at_level("WARNING", logger="kvfsm.pipeline"):
             await start(one, registry)
-            await until(lambda: "is not a pipeline stage 0" in caplog.text)
+            await wait_until(lambda: "is not a pipeline stage 0" in caplog.text)
         assert not one.ready
         assert one.link is None
     finally:

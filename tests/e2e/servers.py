@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.waiting import ConditionTimeoutError, wait_until_sync
+
 #: Set on a module's node when one of its tests failed: its servers' logs are then kept.
 FAILED = pytest.StashKey[bool]()
 
@@ -223,10 +225,11 @@ class Server:
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Until ``ready_path`` answers 200; raises ``ServerStartError`` at once if the process
         exits, or when ``timeout`` passes (the server is then stopped)."""
-        assert self.proc is not None
-        deadline = self._launched + timeout
-        while True:
-            code = self.proc.poll()
+        proc = self.proc
+        assert proc is not None
+
+        def ready() -> bool:
+            code = proc.poll()
             if code is not None:
                 raise ServerStartError(
                     f"{self.name} exited with {code} before it was ready; log "
@@ -234,18 +237,21 @@ class Server:
                 )
             try:
                 with urllib.request.urlopen(self.url + self.ready_path, timeout=10) as resp:
-                    if resp.status == 200:
-                        self.startup_s.append(time.monotonic() - self._launched)
-                        return
+                    return bool(resp.status == 200)
             except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerStartError(
-                    f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n"
-                    f"{self.log_tail()}"
-                )
-            time.sleep(1.0)
+                return False
+
+        try:
+            wait_until_sync(
+                ready,
+                timeout=self._launched + timeout - time.monotonic(),
+                interval=0.2,
+                message=f"{self.name} to answer {self.ready_path}",
+            )
+        except ConditionTimeoutError as exc:
+            self.stop()
+            raise ServerStartError(f"{exc}; log {self.log_path}:\n{self.log_tail()}") from None
+        self.startup_s.append(time.monotonic() - self._launched)
 
     def kill(self) -> None:
         """SIGKILL the whole process group, as a crash would."""
@@ -264,6 +270,10 @@ class Server:
         self._signal(signal.SIGKILL)
         _LIVE.discard(self)
 
+    def terminate(self) -> None:
+        """SIGTERM the group, without waiting (:func:`stop_all` waits for several at once)."""
+        self._signal(signal.SIGTERM)
+
     def _signal(self, sig: int) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -278,10 +288,18 @@ class Server:
         return True
 
 
+def stop_all(servers: list[Server]) -> None:
+    """Stop ``servers``, in that order: every one is told (SIGTERM) first, so that they shut
+    down together, not one grace period after another."""
+    for server in servers:
+        server.terminate()
+    for server in servers:
+        server.stop()
+
+
 @atexit.register
 def _stop_all() -> None:
-    for server in list(_LIVE):
-        server.stop()
+    stop_all(list(_LIVE))
 
 
 def sglang_server(

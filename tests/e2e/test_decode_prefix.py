@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +34,10 @@ from tests.e2e.servers import (
     prefill_flags,
     router,
     sglang_server,
+    stop_all,
     write_model,
 )
+from tests.helpers.waiting import wait_until_sync
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -82,14 +83,15 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 started.append(server)
             for server in group:
                 server.wait_ready()
-        deadline = time.monotonic() + 120
-        while not _serves(front):
-            assert time.monotonic() < deadline, "the router never routed to the pair"
-            time.sleep(1.0)
+        wait_until_sync(
+            lambda: _serves(front),
+            timeout=120,
+            interval=1.0,
+            message="the router to route to the pair",
+        )
         yield Rig(reference, prefill, decode, front)
     finally:
-        for server in reversed(started):
-            server.stop()
+        stop_all(list(reversed(started)))
         if request.node.stash.get(FAILED, False):
             reporter = request.config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
@@ -123,13 +125,14 @@ def _moved_mb(rig: Rig, ids: list[int]) -> tuple[list[int], float]:
     """Send ``ids`` through the PD pair; its output, and the MB prefill sent for it."""
     mb, count = _transferred_mb(rig)
     out = _generate(rig.router.url, ids)
-    deadline = time.monotonic() + 60  # prefill records the metric when its room succeeded
-    while True:
-        mb_after, count_after = _transferred_mb(rig)
-        if count_after > count:
-            break
-        assert time.monotonic() < deadline, "prefill recorded no transfer for the request"
-        time.sleep(0.2)
+    # Prefill records the metric when its room succeeded, after the response may have come.
+    wait_until_sync(
+        lambda: _transferred_mb(rig)[1] > count,
+        timeout=60,
+        interval=0.05,
+        message="prefill to record a transfer for the request",
+    )
+    mb_after, count_after = _transferred_mb(rig)
     assert count_after == count + 1
     return list(out["output_ids"]), mb_after - mb
 

@@ -43,8 +43,10 @@ from tests.e2e.servers import (
     prefill_flags,
     router,
     sglang_server,
+    stop_all,
     write_model,
 )
+from tests.helpers.waiting import wait_until_sync
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -85,14 +87,6 @@ def session() -> aiohttp.ClientSession:
 async def generate_all(url: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[Any]:
     async with session() as s:
         return await asyncio.gather(*(generate(s, url, p, max_new) for p in prompts))
-
-
-def wait_until(what: str, predicate: Any, timeout: float, interval: float = 0.5) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def live_rooms(server: Server) -> int:
@@ -161,13 +155,17 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     try:
         rig.start_all([reference, prefill, decode])
         rig.start_all([front])
-        wait_until("the router to route to the pair", lambda: _router_serves(rig), 120, 1.0)
+        wait_until_sync(
+            lambda: _router_serves(rig),
+            timeout=120,
+            interval=1.0,
+            message="the router to route to the pair",
+        )
         FIGURES["startup_s"] = {s.name: round(s.startup_s[0], 1) for s in rig.started}
         FIGURES["rig_ready_s"] = round(time.monotonic() - began, 1)
         yield rig
     finally:
-        for server in reversed(rig.started):
-            server.stop()
+        stop_all(list(reversed(rig.started)))
         FIGURES["module_s"] = round(time.monotonic() - began, 1)
         failed = request.node.stash.get(FAILED, False)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
@@ -257,15 +255,19 @@ def test_negative_control_a_corrupted_transfer_changes_the_output(rig: Rig) -> N
     assert got_second == ref_second
 
 
-def _drained(servers: list[Server], polls: int = 3) -> bool:
-    """No live room on any server, on ``polls`` consecutive reads a second apart (requests
-    still on their way would show up as new rooms in between)."""
-    for i in range(polls):
-        if any(live_rooms(s) for s in servers):
-            return False
-        if i + 1 < polls:
-            time.sleep(1.0)
-    return True
+class _Drained:
+    """True once ``polls`` consecutive calls (``wait_until_sync``'s interval apart) read no
+    live room on any server: requests still on their way would show up as new rooms between
+    two reads."""
+
+    def __init__(self, servers: list[Server], polls: int = 3) -> None:
+        self.servers = servers
+        self.polls = polls
+        self.quiet = 0
+
+    def __call__(self) -> bool:
+        self.quiet = 0 if any(live_rooms(s) for s in self.servers) else self.quiet + 1
+        return self.quiet >= self.polls
 
 
 def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
@@ -300,6 +302,7 @@ def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
             tasks = [asyncio.ensure_future(one(rid)) for rid in rids]
             for i, rid in enumerate(rids):
                 # Aborts land at different stages: queued, bootstrapping, in transfer, decoding.
+                # Real time on purpose: the spread sends them there; real servers mark no stage.
                 await asyncio.sleep(0.03 * i)
                 for server in pair:
                     async with s.post(server.url + "/abort_request", json={"rid": rid}) as resp:
@@ -309,7 +312,7 @@ def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
 
     asyncio.run(disconnects())
     asyncio.run(aborts())
-    wait_until("both servers to drain", lambda: _drained(pair), 300, 1.0)
+    wait_until_sync(_Drained(pair), timeout=300, interval=1.0, message="both servers to drain")
     for server in pair:
         stats = kvfsm_stats(server)["rooms"]
         assert stats["live"] == 0, (server.name, stats)
@@ -319,7 +322,12 @@ def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
     FIGURES["decode_rooms_aborted"] = aborted
     assert aborted > 0
     # And the pair still serves exactly.
-    wait_until("the router to route to the pair", lambda: _router_serves(rig), 120, 1.0)
+    wait_until_sync(
+        lambda: _router_serves(rig),
+        timeout=120,
+        interval=1.0,
+        message="the router to route to the pair",
+    )
     check = [prompt(rng) for _ in range(4)]
     assert asyncio.run(generate_all(rig.router.url, check)) == rig.reference_outputs(check)
 
@@ -362,13 +370,25 @@ def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serve
                 asyncio.ensure_future(generate(s, rig.router.url, prompt(rng, 250, 300), 200))
                 for _ in range(LOAD)
             ]
-            await asyncio.to_thread(wait_until, "claimed prefill rooms", claimed_load, 120, 0.05)
+            await asyncio.to_thread(
+                wait_until_sync,
+                claimed_load,
+                timeout=120,
+                interval=0.05,
+                message="claimed prefill rooms",
+            )
             rig.decode.kill()
             killed = time.monotonic()
             # Well under every state deadline (>= 120 s): rooms that waited for a deadline
             # would time this wait out.
             idle = lambda: live_rooms(rig.prefill) == 0  # noqa: E731
-            await asyncio.to_thread(wait_until, "prefill's rooms to end", idle, 6 * LIVENESS_S, 0.1)
+            await asyncio.to_thread(
+                wait_until_sync,
+                idle,
+                timeout=6 * LIVENESS_S,
+                interval=0.1,
+                message="prefill's rooms to end",
+            )
             ended = time.monotonic() - killed
             results = await asyncio.gather(*tasks, return_exceptions=True)
         return results, ended
@@ -386,7 +406,12 @@ def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serve
     rig.decode.start()
     rig.decode.wait_ready()
     FIGURES["decode_restart_s"] = round(rig.decode.startup_s[-1], 1)
-    wait_until("the router to route to the restarted decode", lambda: _router_serves(rig), 180, 1)
+    wait_until_sync(
+        lambda: _router_serves(rig),
+        timeout=180,
+        interval=1,
+        message="the router to route to the restarted decode",
+    )
     check = [prompt(rng) for _ in range(20)]
     assert asyncio.run(generate_all(rig.router.url, check)) == rig.reference_outputs(check)
     assert get_json(rig.decode.status_url + "/stats")["rooms"]["succeeded"] >= len(check)

@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.helpers.waiting import wait_until_sync
+
 __all__ = ["REPO", "group_members", "interrupt_and_check"]
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -68,12 +70,17 @@ def interrupt_and_check(
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + timeout
-        while sum("spawn_main" in cmd for cmd in group_members(proc.pid).values()) < children:
+
+        def started() -> bool:
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the child processes did not start"
-            time.sleep(0.05)
-        time.sleep(moving_s)  # rooms are moving now
+            return sum("spawn_main" in cmd for cmd in group_members(proc.pid).values()) >= children
+
+        wait_until_sync(
+            started, timeout=timeout, interval=0.05, message=f"{children} child processes"
+        )
+        # Real time on purpose: the command prints nothing while it runs, so nothing marks the
+        # moment its rooms move; the Ctrl-C must come after that.
+        time.sleep(moving_s)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
@@ -85,6 +92,7 @@ def interrupt_and_check(
             for pid, _ in members:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
+                # Real time on purpose (a failure's diagnosis only): one dump at a time.
                 time.sleep(0.5)
             os.killpg(proc.pid, signal.SIGKILL)
             _, stderr = proc.communicate()
@@ -101,7 +109,9 @@ def interrupt_and_check(
     assert f"kvfsm {name}: interrupted" in stderr
     assert "Traceback" not in stderr, stderr
     assert stdout == ""
-    deadline = time.monotonic() + timeout / 3
-    while group_members(proc.pid):
-        assert time.monotonic() < deadline, f"left running: {group_members(proc.pid)}"
-        time.sleep(0.05)
+    wait_until_sync(
+        lambda: not group_members(proc.pid),
+        timeout=timeout / 3,
+        interval=0.05,
+        message="every process of the group to exit",
+    )

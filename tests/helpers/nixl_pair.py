@@ -14,7 +14,8 @@ import numpy as np
 
 from kvfsm.rooms import RoomKey
 from kvfsm.states import PostChunk
-from kvfsm.transport import Agent, AgentConfig, Leases, Peer
+from kvfsm.transport import Agent, AgentConfig, Leases
+from kvfsm.transport._agent import Peer
 from kvfsm.transport._chunks import Xfer, post_xfer, prepare
 from kvfsm.transport._config import TransferConfig, TransportStats
 from kvfsm.transport._ledger import ChunkLedger, Post

@@ -71,7 +71,7 @@ def _drive(
                     for part in cuts:
                         sender.send(part)
                     rooms[room] = (sender, src, chunks, src_aux, True)
-        time.sleep(0.0005)
+        stop.wait(0.0005)  # the scheduler's polling period; a stop ends it at once
 
 
 def _register(control: ControlPlane, url: str) -> Any:
@@ -105,7 +105,7 @@ class _SlowPosts:
         self._delay_s = delay_s
 
     def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(self._delay_s)
+        time.sleep(self._delay_s)  # real time on purpose: a slow post is what it emulates
         return self._nixl.make_prepped_xfer(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 
 def _listening(port: int) -> bool:
@@ -27,7 +27,7 @@ def running_registry(ttl_s: float, expected_ranks: int = 1) -> Iterator[str]:
     command += ["--expected-ranks", str(expected_ranks), "--ttl", str(ttl_s)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: _listening(port), timeout=20)
+        wait_until_sync(lambda: _listening(port), timeout=20)
         yield f"http://127.0.0.1:{port}"
     finally:
         process.send_signal(signal.SIGINT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 import numpy as np
 
@@ -27,6 +28,12 @@ def pages(*indices: int) -> bytes:
 
 
 DST = pages(10, 11, 12, 13, 14, 15, 16, 17)  # the receiver reserved 8 pages, aux row 5
+
+#: Shutdown's grace (``RoomConfig.shutdown_timeout_s``) for an engine over a
+#: :class:`ScriptedSink`: the sink answers nothing, so a room whose pages wait for its peer's
+#: word never settles and a longer grace would only be waited out at every teardown; a room
+#: that can settle on the shutdown's abort does so on the loop at once.
+SCRIPTED_GRACE_S: Final = 0.5
 
 
 def sender_at(context: str, stats: RoomStats | None = None, *, strict: bool = True) -> RoomCore:
@@ -112,14 +119,3 @@ async def drain(rounds: int = 10) -> None:
 
     for _ in range(rounds):
         await asyncio.sleep(0)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Spin (from a test thread) until ``predicate()``; fail the test after ``timeout``."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.0005)

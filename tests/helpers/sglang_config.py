@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvfsm.control import ChannelConfig
 from kvfsm.manager import ManagerConfig
 from kvfsm.rooms import RoomConfig
@@ -24,4 +26,19 @@ CONFIG = ManagerConfig(
     channel=ChannelConfig(heartbeat_s=0.25, liveness_factor=6.0),
     register_interval_s=0.5,
     register_wait_s=10.0,
+)
+
+#: For a pair that is refused (at the handshake, or by decode before it asks prefill anything):
+#: decode's requests fail at once, and prefill's rooms, which no decode will ever ask for, can
+#: only end by their Bootstrapping deadline. Nothing else in such a scenario can meet that
+#: deadline by accident, so it is short: the test waits for it, and only for it.
+REFUSED_PAIR = dataclasses.replace(
+    CONFIG,
+    rooms=dataclasses.replace(
+        CONFIG.rooms,
+        deadlines={
+            **DEADLINES,
+            Role.SENDER: {**DEADLINES[Role.SENDER], KVPoll.Bootstrapping: 2.0},
+        },
+    ),
 )

@@ -28,7 +28,7 @@ the stages registered), so a layer written into the wrong decode buffer, or not 
 
 from __future__ import annotations
 
-import time
+import contextlib
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -49,6 +49,7 @@ from tests.helpers.sglang_replay import (
     rank_heads,
     server_args,
 )
+from tests.helpers.waiting import ConditionTimeoutError, wait_until_sync
 
 
 def spans(layers: int, stages: int) -> list[tuple[int, int]]:
@@ -138,9 +139,13 @@ class Pipeline:
     def leaks(self, timeout: float = 5.0) -> list[str]:
         # A later stage's last report and its forget travel on its status link after its
         # rooms are reaped: give them time to arrive before counting stage 0's entries.
-        deadline = time.monotonic() + timeout
-        while any(m.stage_entries() for m in self.managers) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # What is still held after the timeout is reported below, not raised.
+        with contextlib.suppress(ConditionTimeoutError):
+            wait_until_sync(
+                lambda: not any(m.stage_entries() for m in self.managers),
+                timeout=timeout,
+                interval=0.005,
+            )
         found = []
         for s, stage in enumerate(self.stages):
             found += [f"stage {s}: {leak}" for leak in stage.leaks()]
@@ -318,8 +323,9 @@ class PipelinePair(Pair):
 
     def wait_for_stages(self, timeout: float = 20.0) -> None:
         """Until every later stage's status link reached stage 0 (start-up)."""
-        deadline = time.monotonic() + timeout
-        while not all(m.stage_ready() for m in self.pipeline.managers):
-            if time.monotonic() > deadline:
-                raise AssertionError("the pipeline stages never connected to stage 0")
-            time.sleep(0.01)
+        wait_until_sync(
+            lambda: all(m.stage_ready() for m in self.pipeline.managers),
+            timeout=timeout,
+            interval=0.005,
+            message="the pipeline stages to connect to stage 0",
+        )

@@ -33,8 +33,10 @@ prefix's page on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import inspect
 import random
 import time
 from collections import Counter
@@ -47,6 +49,7 @@ import numpy as np
 
 from kvfsm.sglang import KvfsmKVManager, KvfsmKVReceiver, KvfsmKVSender
 from kvfsm.sglang._bases import DisaggregationMode, KVArgs, KVPoll
+from tests.helpers.waiting import ConditionTimeoutError, wait_until_sync
 
 # Shape of every rank's pools: small, so a scenario moves real bytes quickly on 2 vCPUs.
 LAYERS, PAGES, PAGE_BYTES, PAGE_TOKENS = 2, 96, 1024, 16
@@ -1047,6 +1050,33 @@ def prefix_requests(rng: random.Random, *, first_room: int = 1) -> list[Request]
     return out
 
 
+def step_until(
+    step: Callable[[], object],
+    done: Callable[[], bool],
+    *,
+    timeout: float = 60.0,
+    message: str | None = None,
+) -> None:
+    """Run ``step`` (a scheduler's iteration) until ``done()``: a scheduler's event loop polls
+    its queues over and over, here once a millisecond (``wait_until_sync``'s interval is that
+    pace). :class:`ConditionTimeoutError` after ``timeout`` seconds."""
+
+    def stepped() -> bool:
+        if done():
+            return True
+        step()
+        return False
+
+    wait_until_sync(stepped, timeout=timeout, interval=0.001, message=message or _source(done))
+
+
+def _source(done: Callable[[], bool]) -> str:
+    try:
+        return inspect.getsource(done).strip()
+    except (OSError, TypeError):
+        return repr(done)
+
+
 @dataclass
 class Outcome:
     requests: list[Request]
@@ -1093,16 +1123,21 @@ class Pair:
         self.p.step()
         self.d.step()
 
+    def step_until(
+        self, done: Callable[[], bool], *, timeout: float = 60.0, message: str | None = None
+    ) -> None:
+        """Both schedulers' iterations until ``done()`` (see :func:`step_until`)."""
+        step_until(self.step, done, timeout=timeout, message=message)
+
     def drive(self, requests: Sequence[Request], timeout: float = 60.0) -> Outcome:
         """Step both schedulers until every request ended on both sides, then drain."""
-        deadline = time.monotonic() + timeout
-        while not all(r.done for r in requests) or self.d.busy:
-            if time.monotonic() > deadline:
-                stuck = [r.room for r in requests if not r.done]
-                self.check.violations.append(f"requests never finished: {stuck}")
-                break
-            self.step()
-            time.sleep(0.001)
+        try:
+            self.step_until(
+                lambda: all(r.done for r in requests) and not self.d.busy, timeout=timeout
+            )
+        except ConditionTimeoutError:
+            stuck = [r.room for r in requests if not r.done]
+            self.check.violations.append(f"requests never finished: {stuck}")
         return self.finish(requests)
 
     def finish(self, requests: Sequence[Request]) -> Outcome:
@@ -1129,9 +1164,11 @@ class Pair:
 
     def drain(self, timeout: float = 30.0) -> list[str]:
         """Wait until every room on both sides is settled and reaped; report what is left."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.prefill.live_rooms() and not self.decode.live_rooms():
-                break
-            time.sleep(0.02)
+        # What is still live after the timeout is reported as a leak, not raised.
+        with contextlib.suppress(ConditionTimeoutError):
+            wait_until_sync(
+                lambda: not self.prefill.live_rooms() and not self.decode.live_rooms(),
+                timeout=timeout,
+                interval=0.005,
+            )
         return self.prefill.leaks() + self.decode.leaks()

@@ -18,7 +18,7 @@ from kvfsm.states import Command, DestinationReceived, KVPoll, ReportOutcome
 from kvfsm.transport import Agent, NixlTransport, TransferConfig
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, make_state
 from kvfsm.workload.peer import PeerProcess
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 __all__ = ["SHAPE", "Prefill", "RecordingControl"]
 
@@ -78,7 +78,7 @@ class Prefill:
         sender = self.engine.sender(room)
         packed = np.asarray(dst, np.int32).tobytes()
         self.engine.post(sender.key, DestinationReceived(packed, aux[1], peer=peer_id))
-        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping)
         sender.init(len(src), aux[0])
         bounds = sorted(
             {0, len(src), *random.sample(range(len(src) + 1), min(chunks - 1, len(src)))}

@@ -4,42 +4,39 @@ not, until SIGINT, and reports bad arguments."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from kvfsm.registry import BootstrapClient, UnreachableError
+from kvfsm.registry import BootstrapClient
 from tests.helpers.rank_info import ENGINE, SECRET, info
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-async def _wait_healthy(client: BootstrapClient, proc: asyncio.subprocess.Process) -> None:
-    deadline = time.monotonic() + 30.0
-    while True:
-        try:
-            await client.health()
-            return
-        except UnreachableError:
-            if proc.returncode is not None or time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+async def _listening(proc: asyncio.subprocess.Process) -> tuple[int, bytes]:
+    """Read the server's log up to its "listening on" line (logged once it serves): its port,
+    and what it logged so far."""
+    assert proc.stderr is not None
+    head = b""
+    async with asyncio.timeout(30.0):
+        while True:
+            line = await proc.stderr.readline()
+            head += line
+            if not line:
+                raise AssertionError(f"the registry exited before it listened:\n{head.decode()}")
+            found = re.search(rb"listening on http://127\.0\.0\.1:(\d+)", line)
+            if found:
+                return int(found.group(1)), head
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("signed", [False, True], ids=["open", "secret-file"])
 async def test_cli_serves_until_sigint(tmp_path: Path, signed: bool) -> None:
-    port = _free_port()
-    args = ["-m", "kvfsm.registry._cli", "--port", str(port), "--expected-ranks", "1"]
+    # Port 0: the server binds a free port and logs it (no port picked here to race for).
+    args = ["-m", "kvfsm.registry._cli", "--port", "0", "--expected-ranks", "1"]
     args += ["--max-connections", "64", "--idle-timeout", "3", "--request-timeout", "4"]
     secret: bytes | None = None
     if signed:
@@ -53,8 +50,8 @@ async def test_cli_serves_until_sigint(tmp_path: Path, signed: bool) -> None:
         stderr=asyncio.subprocess.PIPE,
     )
     try:
+        port, head = await _listening(proc)
         async with BootstrapClient(f"http://127.0.0.1:{port}", secret=secret) as client:
-            await _wait_healthy(client, proc)
             await client.register(info(0, tp_size=1))
             assert await client.ranks(ENGINE) == [info(0, tp_size=1)]
             assert (await client.health()).ready
@@ -64,7 +61,7 @@ async def test_cli_serves_until_sigint(tmp_path: Path, signed: bool) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    log = err.decode()
+    log = (head + err).decode()
     assert proc.returncode == 0, log
     assert f"listening on http://127.0.0.1:{port}" in log
     assert "at most 64 connections, idle timeout 3 s, request timeout 4 s" in log

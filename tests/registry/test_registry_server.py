@@ -34,6 +34,7 @@ from kvfsm.registry import (
 )
 from kvfsm.registry._server import MAX_BODY_BYTES
 from tests.helpers.rank_info import ENGINE, SECRET, as_json, info
+from tests.helpers.waiting import wait_until
 
 
 @pytest_asyncio.fixture
@@ -116,10 +117,12 @@ async def test_the_server_expires_entries_on_its_own_clock() -> None:
         await client.register(info(0))
         assert (await client.rank(ENGINE, 0)).rank == 0
         # Nobody reads now: the sweep task alone empties the table.
-        deadline = time.monotonic() + 30.0
-        while len(server.table) != 0:
-            assert time.monotonic() < deadline, "the sweep never expired the entry"
-            await asyncio.sleep(0.02)
+        await wait_until(
+            lambda: len(server.table) == 0,
+            timeout=30.0,
+            interval=0.02,
+            message="the sweep to expire the entry",
+        )
         with pytest.raises(NotFoundError):
             await client.rank(ENGINE, 0)
         # An expired rank registers afresh.

@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
-from kvfsm.rooms import Publication, Registry, RoomConfig, RoomKey
+from kvfsm.rooms import RoomConfig, RoomKey
+from kvfsm.rooms._ports import Publication
+from kvfsm.rooms._registry import Registry
 from kvfsm.states import (
     DEFAULT_DEADLINES,
     AbortRequested,
@@ -27,6 +29,7 @@ from kvfsm.states import (
     TransferConfirmed,
 )
 from tests.helpers.rooms import DST, ScriptedSink, drain, pages
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -101,8 +104,8 @@ async def test_each_state_gets_its_own_deadline_and_the_sum_bounds_the_room() ->
     registry.deliver(key, ChunkSubmitted(pages(1)))  # enters Transferring at t=28
     await drain()
     assert pub.status is KVPoll.Transferring
-    while pub.status is KVPoll.Transferring:
-        await asyncio.sleep(0.5)
+    # Checked every virtual half second: the failure is placed to within that.
+    await wait_until(lambda: pub.status is not KVPoll.Transferring, timeout=60.0, interval=0.5)
     assert pub.status is KVPoll.Failed
     assert loop.time() - start == pytest.approx(28.0 + 30.0, abs=0.6)
     assert loop.time() - start <= sum(deadlines[Role.SENDER].values())
@@ -189,7 +192,7 @@ async def test_mailbox_overflow_fails_the_room_but_keeps_settlement_events() -> 
 
 
 async def test_duplicate_live_room_is_refused_and_old_generation_events_are_dropped() -> None:
-    from kvfsm.rooms import DuplicateRoomError
+    from kvfsm.rooms._registry import DuplicateRoomError
 
     registry, _ = make_registry()
     first = RoomKey(9, 1)
@@ -260,7 +263,7 @@ async def test_internal_error_fails_only_that_room() -> None:
 
 @pytest.mark.parametrize("role", [Role.RECEIVER, Role.SENDER])
 async def test_legs_of_one_room_id_coexist_and_duplicates_are_refused_per_leg(role: Role) -> None:
-    from kvfsm.rooms import DuplicateRoomError
+    from kvfsm.rooms._registry import DuplicateRoomError
 
     registry, _ = make_registry()
     legs = [RoomKey(40, 1), RoomKey(40, 2), RoomKey(40, 3)]
@@ -280,7 +283,7 @@ async def test_legs_of_one_room_id_coexist_and_duplicates_are_refused_per_leg(ro
 
 
 async def test_reaping_a_leg_frees_only_its_own_entry() -> None:
-    from kvfsm.rooms import DuplicateRoomError
+    from kvfsm.rooms._registry import DuplicateRoomError
 
     registry, _ = make_registry()
     pubs = [Publication() for _ in range(3)]

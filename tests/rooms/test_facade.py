@@ -8,14 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfsm.rooms import (
-    KVTransferError,
-    Publication,
-    ReceiverRoom,
-    RoomKey,
-    SenderRoom,
-    pack_pages,
-)
+from kvfsm.rooms import KVTransferError, ReceiverRoom, RoomKey, SenderRoom
+from kvfsm.rooms._facade import pack_pages
+from kvfsm.rooms._ports import Publication
 from kvfsm.states import (
     AbortRequested,
     ChunkSubmitted,

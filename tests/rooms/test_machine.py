@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transitions import MachineError
 
-from kvfsm.rooms import MACHINES, IllegalEventError, RoomCore, build_machine, machine_edges
-from kvfsm.rooms._machine import DISPATCH, compile_dispatch
+from kvfsm.rooms import IllegalEventError, RoomCore
+from kvfsm.rooms._machine import DISPATCH, MACHINES, build_machine, compile_dispatch, machine_edges
 from kvfsm.states import EVENT_TYPES, TABLES, TERMINAL, AbortRequested, KVPoll, Role
 
 

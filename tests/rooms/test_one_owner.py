@@ -8,8 +8,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvfsm.rooms import Publication, Registry, RoomConfig, RoomEngine, RoomKey
+from kvfsm.rooms import RoomConfig, RoomEngine, RoomKey
 from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.rooms._ports import Publication
+from kvfsm.rooms._registry import Registry
 from kvfsm.states import (
     AbortRequested,
     Initialized,
@@ -21,7 +23,8 @@ from kvfsm.states import (
     SendMetadata,
     TransferConfirmed,
 )
-from tests.helpers.rooms import ScriptedSink, drain, pages, wait_until
+from tests.helpers.rooms import ScriptedSink, drain, pages
+from tests.helpers.waiting import wait_until_sync
 
 FIRST, SECOND, THIRD = RoomKey(17, 2), RoomKey(18, 3), RoomKey(19, 4)
 
@@ -133,17 +136,17 @@ def test_through_the_engine_the_first_pair_succeeds_and_the_second_fails() -> No
         s2, r2 = engine.sender(2), engine.receiver(2)
         r1.init(0)
         r2.init(0)
-        wait_until(lambda: r1.poll() is r2.poll() is KVPoll.WaitingForInput)
+        wait_until_sync(lambda: r1.poll() is r2.poll() is KVPoll.WaitingForInput)
         r1.send_metadata(np.arange(0, 8), aux_index=1)
         r2.send_metadata(np.arange(4, 12), aux_index=2)
-        wait_until(lambda: r2.poll() is KVPoll.Failed)
+        wait_until_sync(lambda: r2.poll() is KVPoll.Failed)
         assert "pages [4, 5, 6, 7] (4 pages) already held by room 1" in r2.reason
-        wait_until(lambda: s2.poll() is KVPoll.Failed)  # its sender heard the abort
-        wait_until(lambda: s1.poll() is KVPoll.WaitingForInput)
+        wait_until_sync(lambda: s2.poll() is KVPoll.Failed)  # its sender heard the abort
+        wait_until_sync(lambda: s1.poll() is KVPoll.WaitingForInput)
         s1.init(8, aux_index=0)
         s1.send(np.arange(8))
-        wait_until(lambda: r1.poll() is KVPoll.Success and s1.poll() is KVPoll.Success)
-        wait_until(lambda: engine.stats()["live"] == 0)
+        wait_until_sync(lambda: r1.poll() is KVPoll.Success and s1.poll() is KVPoll.Success)
+        wait_until_sync(lambda: engine.stats()["live"] == 0)
         assert engine.stats()["destinations_refused"] == 1
         assert engine.stats()["held_pages"] == 0  # the first room's were released at reap
         assert engine.registry_on_loop().errors == []

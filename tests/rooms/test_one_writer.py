@@ -11,11 +11,12 @@ import threading
 
 import numpy as np
 
-from kvfsm.rooms import Publication, RoomEngine
+from kvfsm.rooms import RoomEngine
 from kvfsm.rooms import _engine as engine_module
 from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.rooms._ports import Publication
 from kvfsm.states import TERMINAL, KVPoll
-from tests.helpers.rooms import wait_until
+from tests.helpers.waiting import wait_until_sync
 
 #: (thread, the running room task's own publication? None outside any room task, value)
 WRITES: list[tuple[str, bool | None, object]] = []
@@ -48,18 +49,20 @@ def test_only_the_room_task_writes_its_status(monkeypatch: object) -> None:
             receiver.init(0)
             pairs.append((sender, receiver))
         engine.receiver(0)  # a duplicate: refused by the registry, not by a room task
-        wait_until(lambda: all(r.poll() is not KVPoll.Bootstrapping for _, r in pairs))
+        wait_until_sync(lambda: all(r.poll() is not KVPoll.Bootstrapping for _, r in pairs))
         for room, (sender, receiver) in enumerate(pairs):
             if rng.random() < 0.3:
                 (sender if rng.random() < 0.5 else receiver).abort()
             # Each room its own pages and aux row: one owner per destination.
             receiver.send_metadata(np.arange(4 * room, 4 * room + 4), room)
-        wait_until(lambda: all(s.poll() is not KVPoll.Bootstrapping for s, _ in pairs))
+        wait_until_sync(lambda: all(s.poll() is not KVPoll.Bootstrapping for s, _ in pairs))
         for sender, _ in pairs:
             sender.init(4, 0)
             sender.send(np.arange(4))
-        wait_until(lambda: all(s.poll() in TERMINAL and r.poll() in TERMINAL for s, r in pairs))
-        wait_until(lambda: engine.stats()["live"] == 0)
+        wait_until_sync(
+            lambda: all(s.poll() in TERMINAL and r.poll() in TERMINAL for s, r in pairs)
+        )
+        wait_until_sync(lambda: engine.stats()["live"] == 0)
 
     assert len(WRITES) > 200
     threads = {thread for thread, _, _ in WRITES}

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvfsm.rooms import IllegalEventError, Publication, Registry, RoomConfig, RoomCore, RoomKey
+from kvfsm.rooms import IllegalEventError, RoomConfig, RoomCore, RoomKey
 from kvfsm.rooms._engine import RoomEngine
 from kvfsm.rooms._loopback import LoopbackSink
+from kvfsm.rooms._ports import Publication
+from kvfsm.rooms._registry import Registry
 from kvfsm.states import (
     ChunkSubmitted,
     DestinationReceived,
@@ -22,7 +24,8 @@ from kvfsm.states import (
     Role,
     SendMetadata,
 )
-from tests.helpers.rooms import DST, ScriptedSink, drain, pages, wait_until
+from tests.helpers.rooms import DST, ScriptedSink, drain, pages
+from tests.helpers.waiting import wait_until_sync
 
 # -- the cores ---------------------------------------------------------------------------------
 
@@ -135,15 +138,15 @@ def test_facades_carry_the_prefix_from_send_metadata_to_the_sender() -> None:
     with RoomEngine(LoopbackSink(), RoomConfig(strict=True)) as engine:
         receiver, sender = engine.receiver(9), engine.sender(9)
         receiver.init(0)
-        wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+        wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput)
         assert sender.decode_prefix == 0
         receiver.send_metadata([3, 4], 2, prefix=32)
-        wait_until(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping)
         assert sender.poll() is KVPoll.WaitingForInput
         assert sender.decode_prefix == 32
         sender.init(2, 1)
         sender.send([5, 6])
-        wait_until(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
+        wait_until_sync(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
         assert receiver.poll() is KVPoll.Success, receiver.reason
 
 
@@ -151,7 +154,7 @@ def test_a_negative_prefix_fails_the_receiver_in_the_callers_thread() -> None:
     with RoomEngine(LoopbackSink(), RoomConfig(strict=True)) as engine:
         receiver = engine.receiver(9)
         receiver.init(0)
-        wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)
+        wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput)
         receiver.send_metadata([3], 2, prefix=-1)
         assert receiver.poll() is KVPoll.Failed
         assert "decode prefix of -1 tokens is negative" in receiver.reason

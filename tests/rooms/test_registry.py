@@ -5,11 +5,11 @@ destinations released only when settled, shutdown aborting what is left."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from kvfsm.rooms import DuplicateRoomError, Publication, Registry, RoomConfig, RoomKey
+from kvfsm.rooms import RoomConfig, RoomKey
+from kvfsm.rooms._ports import Publication
+from kvfsm.rooms._registry import DuplicateRoomError, Registry
 from kvfsm.states import (
     TERMINAL,
     AbortRequested,
@@ -20,6 +20,7 @@ from kvfsm.states import (
     Role,
 )
 from tests.helpers.rooms import ScriptedSink, drain, pages
+from tests.helpers.waiting import wait_until
 
 
 class HookedSink(ScriptedSink):
@@ -37,11 +38,9 @@ class HookedSink(ScriptedSink):
 
 async def ended(registry: Registry, key: RoomKey) -> None:
     """Until room ``key`` is reaped (its settle timeout is real time: short in these tests)."""
-    for _ in range(500):
-        if registry.get(key) is None:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"room {key} was never reaped")
+    await wait_until(
+        lambda: registry.get(key) is None, timeout=2.5, message=f"room {key} to be reaped"
+    )
 
 
 @pytest.mark.asyncio

@@ -7,8 +7,10 @@ from collections.abc import Generator
 
 import pytest
 
-from kvfsm.rooms import Publication, Registry, RoomConfig, RoomKey
+from kvfsm.rooms import RoomConfig, RoomKey
 from kvfsm.rooms._actor import Room
+from kvfsm.rooms._ports import Publication
+from kvfsm.rooms._registry import Registry
 from kvfsm.states import (
     AbortRequested,
     ChunkDone,

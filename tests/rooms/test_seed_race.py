@@ -27,7 +27,8 @@ from kvfsm.states import (
     ReportOutcome,
     ReportSettled,
 )
-from tests.helpers.rooms import DST, ScriptedSink, wait_until
+from tests.helpers.rooms import DST, SCRIPTED_GRACE_S, ScriptedSink
+from tests.helpers.waiting import wait_until_sync
 
 
 class Poller:
@@ -57,7 +58,9 @@ class Poller:
 
 @pytest.fixture
 def engine() -> Iterator[RoomEngine]:
-    eng = RoomEngine(ScriptedSink(), RoomConfig(strict=True)).start()
+    eng = RoomEngine(
+        ScriptedSink(), RoomConfig(strict=True, shutdown_timeout_s=SCRIPTED_GRACE_S)
+    ).start()
     yield eng
     eng.close()
     assert eng.registry_on_loop().errors == []
@@ -75,10 +78,10 @@ def test_abort_during_non_last_chunk_then_late_completion_then_last_chunk(
     sink = sink_of(engine)
     sender = engine.sender(4242)
     engine.post(sender.key, DestinationReceived(DST, 5))  # decode's page list arrives
-    wait_until(lambda: sender.poll() is KVPoll.WaitingForInput)
+    wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput)
     sender.init(8, aux_index=1)
     sender.send(np.arange(4))  # chunk 0: not the last
-    wait_until(lambda: len(sink.of(sender.key, PostChunk)) == 1)
+    wait_until_sync(lambda: len(sink.of(sender.key, PostChunk)) == 1)
     (chunk0,) = sink.of(sender.key, PostChunk)
     assert isinstance(chunk0, PostChunk)
     assert not chunk0.is_last
@@ -86,13 +89,13 @@ def test_abort_during_non_last_chunk_then_late_completion_then_last_chunk(
 
     # 1. decode aborts while chunk 0 is in flight (it arrives over the control channel)
     engine.post(sender.key, AbortRequested("decode aborted the request", origin="peer"))
-    wait_until(lambda: sender.poll() is KVPoll.Failed)
+    wait_until_sync(lambda: sender.poll() is KVPoll.Failed)
     # 2. chunk 0's completion arrives afterwards (the write that resurrected the room)
     engine.post(sender.key, ChunkDone(0))
     # 3. the scheduler sends the real last chunk
     sender.send(np.arange(4, 8))
 
-    wait_until(lambda: sender.settled)
+    wait_until_sync(lambda: sender.settled)
     seen = poller.stop()
     assert sender.poll() is KVPoll.Failed
     assert seen == [KVPoll.Transferring, KVPoll.Failed], seen  # never back to Transferring
@@ -108,7 +111,7 @@ def test_abort_during_non_last_chunk_then_late_completion_then_last_chunk(
     assert stats["late_events"] + stats["stale_events"] == 2
     assert stats["rejected_events"] == 0
     assert "aborted (peer): decode aborted the request" in sender.reason
-    wait_until(lambda: engine.stats()["live"] == 0)
+    wait_until_sync(lambda: engine.stats()["live"] == 0)
     for _ in range(1000):
         assert sender.poll() is KVPoll.Failed
 
@@ -117,16 +120,16 @@ def test_abort_after_success_is_a_noop(engine: RoomEngine) -> None:
     sink = sink_of(engine)
     sender = engine.sender(1)
     engine.post(sender.key, DestinationReceived(DST, 5))
-    wait_until(lambda: sender.poll() is KVPoll.WaitingForInput)
+    wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput)
     sender.init(2, aux_index=0)
     sender.send([3, 4])
-    wait_until(lambda: len(sink.of(sender.key, PostChunk)) == 1)
+    wait_until_sync(lambda: len(sink.of(sender.key, PostChunk)) == 1)
     engine.post(sender.key, ChunkDone(0))
-    wait_until(lambda: sender.poll() is KVPoll.Success)
+    wait_until_sync(lambda: sender.poll() is KVPoll.Success)
     sender.abort()
     assert sender.poll() is KVPoll.Success
     assert sender.reason == ""
-    wait_until(lambda: engine.stats()["live"] == 0)
+    wait_until_sync(lambda: engine.stats()["live"] == 0)
     assert engine.stats()["failed"] == 0
     assert not [c for c in sink.of(sender.key) if isinstance(c, ReportOutcome) and c.status == 0]
 
@@ -139,10 +142,10 @@ def test_abort_racing_the_last_chunk_never_moves_a_terminal_status(
     sink = sink_of(engine)
     sender = engine.sender(seed)
     engine.post(sender.key, DestinationReceived(DST, 5))
-    wait_until(lambda: sender.poll() is KVPoll.WaitingForInput)
+    wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput)
     sender.init(4, aux_index=2)
     sender.send([0, 1, 2, 3])  # the only, hence last, chunk
-    wait_until(lambda: len(sink.of(sender.key, PostChunk)) == 1)
+    wait_until_sync(lambda: len(sink.of(sender.key, PostChunk)) == 1)
     poller = Poller(sender)
     spin = rng.randrange(0, 3000)
 
@@ -157,7 +160,7 @@ def test_abort_racing_the_last_chunk_never_moves_a_terminal_status(
         pass
     sender.abort()
     racer.join()
-    wait_until(lambda: sender.settled)
+    wait_until_sync(lambda: sender.settled)
     seen = poller.stop()
     final = sender.poll()
     assert final in TERMINAL

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvfsm.sglang import KvfsmKVBootstrapServer, configure
-from tests.helpers.sglang_config import CONFIG
+from tests.helpers.sglang_config import CONFIG, REFUSED_PAIR
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +16,15 @@ def short_deadlines() -> Iterator[None]:
     configure(CONFIG)
     yield
     configure(None)
+
+
+@pytest.fixture
+def refused_pair() -> Iterator[None]:
+    """The managers built in the test have prefill's short Bootstrapping deadline of
+    ``REFUSED_PAIR`` (a scenario that can only end by it)."""
+    configure(REFUSED_PAIR)
+    yield
+    configure(CONFIG)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from tests.helpers.sglang_replay import (
     Request,
     prefix_requests,
     random_requests,
+    step_until,
 )
 
 TP = 2
@@ -241,17 +242,15 @@ def test_prefill_restarted_behind_the_same_address(bootstrap: KvfsmKVBootstrapSe
         for req in before:
             req.chunks = [[p] for p in req.src_pages] or [[]]
         pair.submit(before)
-        deadline = time.monotonic() + 30
-        while not any(r.chunks_sent for r in before) and time.monotonic() < deadline:
-            pair.step()
-            time.sleep(0.001)
+        pair.step_until(lambda: any(r.chunks_sent for r in before), timeout=30)
         prefill.close()  # the prefill instance dies with requests in flight
         # Its scheduler is gone too: only decode's goes on, and must end every request.
-        deadline = time.monotonic() + 40
-        while any(r.decode_outcome is None for r in before) or pair.d.busy:
-            assert time.monotonic() < deadline, [r.room for r in before if not r.decode_outcome]
-            pair.d.step()
-            time.sleep(0.001)
+        step_until(
+            pair.d.step,
+            lambda: all(r.decode_outcome is not None for r in before) and not pair.d.busy,
+            timeout=40,
+            message="decode to end every request",
+        )
         assert any(r.decode_outcome == "Failed" for r in before)
         assert pair.check.violations == []
 

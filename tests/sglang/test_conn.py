@@ -14,11 +14,9 @@ adapter's own doing.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
@@ -34,11 +32,11 @@ from kvfsm.sglang import (
     KvfsmKVManager,
     KvfsmKVReceiver,
     KvfsmKVSender,
-    PrefillInfo,
     SGLangTransferError,
 )
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
 from kvfsm.sglang._conn import prefix_problem
+from kvfsm.sglang._manager import PrefillInfo
 from kvfsm.testing import VirtualClock
 from tests.helpers.http_json import get_json
 from tests.helpers.sglang_replay import (
@@ -49,6 +47,7 @@ from tests.helpers.sglang_replay import (
     RankBuffers,
     server_args,
 )
+from tests.helpers.waiting import wait_until, wait_until_sync
 
 PRE_INIT = {KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput}
 #: Generous: every wait here is for something that takes milliseconds on an idle machine.
@@ -56,16 +55,10 @@ WAIT_S = 20.0
 _rooms = count(1000)
 
 
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 def wait_poll(conn: Any, *values: int) -> int:
-    wait_for(f"{conn!r} to reach {values}", lambda: conn.poll() in values)
+    wait_until_sync(
+        lambda: conn.poll() in values, timeout=WAIT_S, message=f"{conn!r} to reach {values}"
+    )
     return int(conn.poll())
 
 
@@ -119,7 +112,11 @@ class Pair:
 
     def known(self) -> None:
         """Decode learned the prefill instance's sizes (``try_ensure_parallel_info``)."""
-        wait_for("parallel info", lambda: self.dm.try_ensure_parallel_info(self.addr))
+        wait_until_sync(
+            lambda: self.dm.try_ensure_parallel_info(self.addr),
+            timeout=WAIT_S,
+            message="parallel info",
+        )
 
     def sender(self, room: int) -> KvfsmKVSender:
         return KvfsmKVSender(self.pm, self.addr, room)
@@ -415,7 +412,9 @@ def test_state_indices_for_a_rank_without_state_buffers(bootstrap: KvfsmKVBootst
         assert pm.state_type is None
         assert pm.layout.state == ()
         addr = f"127.0.0.1:{bootstrap.port}"
-        wait_for("parallel info", lambda: dm.try_ensure_parallel_info(addr))
+        wait_until_sync(
+            lambda: dm.try_ensure_parallel_info(addr), timeout=WAIT_S, message="parallel info"
+        )
         # Entries that name no rows are fine: the whole transfer succeeds.
         room = next(_rooms)
         sender, receiver = KvfsmKVSender(pm, addr, room), KvfsmKVReceiver(dm, addr, room)
@@ -569,7 +568,7 @@ def test_abort_notified_and_bootstrap_infos(pair: Pair) -> None:
     assert receiver.abort_notified is True
     receiver.ensure_abort_notified(force_arm=True)  # again: no-op
     assert "deferred release" in raised(receiver).failure_reason
-    wait_for("the room to settle", receiver.is_abort_release_safe)
+    wait_until_sync(receiver.is_abort_release_safe, timeout=WAIT_S, message="the room to settle")
     assert pair.dm.is_abort_release_safe(receiver.bootstrap_room, 1)
     wait_poll(sender, KVPoll.Failed)
 
@@ -585,7 +584,11 @@ def test_is_abort_release_safe_only_once_prefill_can_no_longer_write(pair: Pair)
         assert not pair.dm.is_abort_release_safe(room, 1)
         assert not receiver.is_abort_release_safe()
         assert pair.dm.tracked_rooms() == 1
-    wait_for("the release to be safe", lambda: pair.dm.is_abort_release_safe(room, 1))
+    wait_until_sync(
+        lambda: pair.dm.is_abort_release_safe(room, 1),
+        timeout=WAIT_S,
+        message="the release to be safe",
+    )
     assert receiver.is_abort_release_safe()
     pair.dm.clear_deferred_abort_state(room)
     assert pair.dm.tracked_rooms() == 0
@@ -608,7 +611,9 @@ def test_tracked_rooms_return_to_zero_once_cleared_and_settled(pair: Pair) -> No
         receiver.clear()
     done_sender.clear()
     aborted_sender.clear()
-    wait_for("tracked rooms to drain", lambda: dm.tracked_rooms() == 0)
+    wait_until_sync(
+        lambda: dm.tracked_rooms() == 0, timeout=WAIT_S, message="tracked rooms to drain"
+    )
     for receiver in receivers:
         assert dm.is_abort_release_safe(receiver.bootstrap_room, 1)
 
@@ -626,8 +631,8 @@ def test_try_ensure_parallel_info_never_blocks(pair: Pair) -> None:
     answer = threading.Event()
 
     async def held_back(engine: str, rank: int) -> Any:
-        while not answer.is_set():  # an answer that has not come (polled: another thread)
-            await asyncio.sleep(0.001)
+        # An answer that has not come: the test's thread lets it through.
+        await wait_until(answer.is_set, timeout=WAIT_S, message="the test to release the answer")
         return await real_rank(engine, rank)
 
     client.rank = held_back  # type: ignore[method-assign]
@@ -635,7 +640,11 @@ def test_try_ensure_parallel_info_never_blocks(pair: Pair) -> None:
         assert [dm.try_ensure_parallel_info(pair.addr) for _ in range(5)] == [False] * 5
         assert pair.addr in dm._fetching  # one lookup in flight, not five
         answer.set()
-        wait_for("the parallel info", lambda: dm.try_ensure_parallel_info(pair.addr))
+        wait_until_sync(
+            lambda: dm.try_ensure_parallel_info(pair.addr),
+            timeout=WAIT_S,
+            message="the parallel info",
+        )
     finally:
         client.rank = real_rank  # type: ignore[method-assign]
     assert dm.prefill_info_table[pair.addr] == PrefillInfo(dp_size=1, tp_size=1)
@@ -649,7 +658,9 @@ def test_try_ensure_parallel_info_for_an_unreachable_instance_stays_false(pair: 
         addr = f"127.0.0.1:{probe.getsockname()[1]}"
     dm = pair.dm
     assert dm.try_ensure_parallel_info(addr) is False
-    wait_for("the lookup to give up", lambda: addr not in dm._fetching)
+    wait_until_sync(
+        lambda: addr not in dm._fetching, timeout=WAIT_S, message="the lookup to give up"
+    )
     assert dm.try_ensure_parallel_info(addr) is False  # and a new lookup starts
     assert addr not in dm.prefill_info_table
     assert isinstance(dm.peer_for(addr, 0), str)

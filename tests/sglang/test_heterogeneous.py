@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +59,7 @@ from tests.helpers.sglang_replay import (
     random_requests,
     rank_heads,
     row_sources,
+    step_until,
     stray_writes,
     verify_success,
 )
@@ -399,6 +399,7 @@ def test_decode_prefix_caching_on_unequal_tp(
 
 
 @pytest.mark.parametrize(("shape", "reason"), REFUSED, ids=[str(s) for s, _ in REFUSED])
+@pytest.mark.usefixtures("refused_pair")
 def test_unsupported_shapes_are_refused_with_a_reason(
     bootstrap: KvfsmKVBootstrapServer, shape: Shape, reason: str
 ) -> None:
@@ -439,10 +440,7 @@ def test_unequal_tp_without_head_counts_is_refused_at_the_handshake(
         req.prefill_ignores = True
         p.add(req)
         d.add(req)
-        deadline = time.monotonic() + 30
-        while req.decode_outcome is None and time.monotonic() < deadline:
-            d.step()
-            time.sleep(0.001)
+        step_until(d.step, lambda: req.decode_outcome is not None, timeout=30)
         assert req.decode_outcome == "Failed"
         assert (
             "fingerprint mismatch: unequal attention TP (prefill 2, decode 1) needs prefill "

@@ -24,7 +24,8 @@ from kvfsm.states import (
     SendMetadata,
     TransferConfirmed,
 )
-from tests.helpers.rooms import ScriptedSink, pages, wait_until
+from tests.helpers.rooms import SCRIPTED_GRACE_S, ScriptedSink, pages
+from tests.helpers.waiting import wait_until_sync
 
 #: The prefill attention-TP rank each leg of the request hears from (leg order).
 RANKS = [2, 3, 6]
@@ -32,7 +33,9 @@ RANKS = [2, 3, 6]
 
 @pytest.fixture
 def engine() -> Iterator[RoomEngine]:
-    eng = RoomEngine(ScriptedSink(), RoomConfig(strict=True)).start()
+    eng = RoomEngine(
+        ScriptedSink(), RoomConfig(strict=True, shutdown_timeout_s=SCRIPTED_GRACE_S)
+    ).start()
     yield eng
     eng.close()
     assert eng.registry_on_loop().errors == []
@@ -55,9 +58,9 @@ def request(engine: RoomEngine, room: int, n: int = 3) -> Legs[ReceiverRoom]:
 
 def resolve(engine: RoomEngine, room: ReceiverRoom, rank: int) -> None:
     room.init(rank)
-    wait_until(lambda: ResolvePeer(rank) in sink_of(engine).of(room.key))
+    wait_until_sync(lambda: ResolvePeer(rank) in sink_of(engine).of(room.key))
     engine.post(room.key, PeerResolved(rank))
-    wait_until(lambda: room.poll() is KVPoll.WaitingForInput)
+    wait_until_sync(lambda: room.poll() is KVPoll.WaitingForInput)
 
 
 def send_metadata(legs: Legs[ReceiverRoom], dst: list[int], aux: int) -> None:
@@ -81,19 +84,19 @@ def test_poll_is_the_min_over_the_legs_and_success_needs_every_leg(engine: RoomE
     resolve(engine, third, RANKS[2])
     assert legs.poll() is KVPoll.WaitingForInput
     send_metadata(legs, [4, 5, 6], 2)
-    wait_until(lambda: all(r.poll() is KVPoll.Transferring for r in legs.rooms))
+    wait_until_sync(lambda: all(r.poll() is KVPoll.Transferring for r in legs.rooms))
     sent = [c for r in legs.rooms for c in sink_of(engine).of(r.key, SendMetadata)]
     assert [c.part for c in sent] == [Part.WHOLE, Part.KV, Part.NONE]  # type: ignore[attr-defined]
     assert legs.poll() is KVPoll.Transferring
     for i, room in enumerate(legs.rooms):
         engine.post(room.key, TransferConfirmed(RANKS[i]))
-        wait_until(lambda room=room: room.poll() is KVPoll.Success)  # type: ignore[misc]
+        wait_until_sync(lambda room=room: room.poll() is KVPoll.Success)  # type: ignore[misc]
         if i < 2:
             assert legs.poll() is KVPoll.Transferring
     assert legs.poll() is KVPoll.Success
-    wait_until(lambda: legs.settled)
+    wait_until_sync(lambda: legs.settled)
     assert legs.reason == ""
-    wait_until(lambda: engine.stats()["live"] == 0)
+    wait_until_sync(lambda: engine.stats()["live"] == 0)
     assert engine.stats()["held_pages"] == 0
 
 
@@ -102,10 +105,10 @@ def test_the_first_failure_aborts_the_running_legs_and_is_the_reason(engine: Roo
     for room, rank in zip(legs.rooms, RANKS, strict=True):
         resolve(engine, room, rank)
     send_metadata(legs, [7, 8], 1)
-    wait_until(lambda: all(r.poll() is KVPoll.Transferring for r in legs.rooms))
+    wait_until_sync(lambda: all(r.poll() is KVPoll.Transferring for r in legs.rooms))
     first, second, third = legs.rooms
     engine.post(third.key, PeerFailed("prefill rank 6 went away"))
-    wait_until(lambda: third.poll() is KVPoll.Failed)
+    wait_until_sync(lambda: third.poll() is KVPoll.Failed)
     assert first.poll() is second.poll() is KVPoll.Transferring  # nobody polled the request yet
     assert legs.poll() is KVPoll.Failed
     # The poll that saw the failure ended the others (their facades are Failed at once) ...
@@ -117,12 +120,12 @@ def test_the_first_failure_aborts_the_running_legs_and_is_the_reason(engine: Roo
     # aborts it caused in legs 0 and 1.
     want = "peer failed: prefill rank 6 went away (leg from prefill attention-TP rank 6)"
     assert legs.reason == want
-    wait_until(lambda: all(r.reason.startswith("aborted") for r in (first, second)))
+    wait_until_sync(lambda: all(r.reason.startswith("aborted") for r in (first, second)))
     assert legs.reason == want
     # The aborted legs tell their prefill ranks; the failed one heard it from its peer.
     sink = sink_of(engine)
     for room in (first, second):
-        wait_until(lambda room=room: bool(sink.of(room.key, ReportOutcome)))  # type: ignore[misc]
+        wait_until_sync(lambda room=room: bool(sink.of(room.key, ReportOutcome)))  # type: ignore[misc]
     assert sink.of(third.key, ReportOutcome) == []
 
 
@@ -131,20 +134,20 @@ def test_settled_only_once_every_leg_settled(engine: RoomEngine) -> None:
     for room, rank in zip(legs.rooms, RANKS, strict=True):
         resolve(engine, room, rank)
     send_metadata(legs, [9, 10], 3)
-    wait_until(lambda: all(r.poll() is KVPoll.Transferring for r in legs.rooms))
+    wait_until_sync(lambda: all(r.poll() is KVPoll.Transferring for r in legs.rooms))
     first, second, third = legs.rooms
     engine.post(second.key, PeerFailed("prefill rank 3 died"))
-    wait_until(lambda: legs.poll() is KVPoll.Failed)
+    wait_until_sync(lambda: legs.poll() is KVPoll.Failed)
     # Every leg exposed its destination: each settles when its own prefill rank says so.
     engine.post(second.key, PeerSettled(RANKS[1]))
     engine.post(third.key, PeerSettled(RANKS[2]))
-    wait_until(lambda: second.settled and third.settled)
+    wait_until_sync(lambda: second.settled and third.settled)
     assert not first.settled
     assert not legs.settled  # prefill rank 2 may still write into the shared pages
     assert engine.stats()["held_pages"] == 2
     engine.post(first.key, PeerSettled(RANKS[0]))
-    wait_until(lambda: legs.settled)
-    wait_until(lambda: engine.stats()["live"] == 0)
+    wait_until_sync(lambda: legs.settled)
+    wait_until_sync(lambda: engine.stats()["live"] == 0)
     assert engine.stats()["held_pages"] == 0
 
 
@@ -158,7 +161,7 @@ def test_a_failure_before_any_leg_is_known_ends_the_others_too(engine: RoomEngin
     assert legs.reason == (
         "rejected: no prefill rank 3 registered (leg from prefill attention-TP rank 3)"
     )
-    wait_until(lambda: legs.settled)  # nothing was exposed: settled at once
+    wait_until_sync(lambda: legs.settled)  # nothing was exposed: settled at once
 
 
 def test_a_single_leg_reads_through(engine: RoomEngine) -> None:
@@ -167,7 +170,7 @@ def test_a_single_leg_reads_through(engine: RoomEngine) -> None:
     legs.abort("client gone")
     assert legs.poll() is KVPoll.Failed
     assert legs.reason == "aborted (local): client gone"  # no leg suffix for a lone room
-    wait_until(lambda: legs.settled)
+    wait_until_sync(lambda: legs.settled)
 
 
 @pytest.mark.parametrize("end", ["abort", "reject"])
@@ -180,7 +183,7 @@ def test_abort_and_reject_end_every_leg(engine: RoomEngine, end: str) -> None:
     assert all("scheduler gave up" in r.reason for r in legs.rooms)
     assert legs.poll() is KVPoll.Failed
     assert "scheduler gave up" in legs.reason
-    wait_until(lambda: legs.settled)
+    wait_until_sync(lambda: legs.settled)
     assert all(r.poll() in TERMINAL for r in legs.rooms)
 
 
@@ -194,12 +197,12 @@ def test_sender_legs_poll_the_min_and_the_first_failure_ends_the_others(
     first, second, third = legs.rooms
     for i, room in enumerate(legs.rooms[:2]):
         engine.post(room.key, DestinationReceived(pages(10 + i), 5))
-    wait_until(lambda: first.poll() is second.poll() is KVPoll.WaitingForInput)
+    wait_until_sync(lambda: first.poll() is second.poll() is KVPoll.WaitingForInput)
     assert legs.poll() is KVPoll.Bootstrapping  # leg 2 has not heard from its decode rank
     engine.post(third.key, PeerFailed("decode rank 2 went away"))
-    wait_until(lambda: third.poll() is KVPoll.Failed)
+    wait_until_sync(lambda: third.poll() is KVPoll.Failed)
     assert legs.poll() is KVPoll.Failed
     assert first.poll() is second.poll() is KVPoll.Failed
     assert "decode rank 2 went away" in legs.reason
     assert "another leg" not in legs.reason
-    wait_until(lambda: legs.settled)
+    wait_until_sync(lambda: legs.settled)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -38,6 +37,7 @@ from tests.helpers.sglang_replay import (
     server_args,
     stray_writes,
 )
+from tests.helpers.waiting import stays_true_sync, wait_until_sync
 
 
 @contextlib.contextmanager
@@ -131,24 +131,23 @@ def test_the_consensus_waits_for_a_stage_that_has_not_reported(
         decode = pair.decode.managers[0]
         receiver = KvfsmKVReceiver(decode, addr, 77)
         first = KvfsmKVSender(m0, addr, 77)
-        deadline = time.monotonic() + 10
-        while not decode.try_ensure_parallel_info(addr):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until_sync(lambda: decode.try_ensure_parallel_info(addr), timeout=10)
         receiver.init(0)
-        while receiver.poll() != KVPoll.WaitingForInput:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until_sync(lambda: receiver.poll() == KVPoll.WaitingForInput, timeout=10)
         receiver.send_metadata(np.asarray([3, 4], np.int32), 1)
-        while first.poll() != KVPoll.WaitingForInput:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.2)  # long enough for any report stage 1 would have sent
-        assert first.poll_pp_consensus() == KVPoll.Bootstrapping
+        wait_until_sync(lambda: first.poll() == KVPoll.WaitingForInput, timeout=10)
+        # Long enough for any report stage 1 would have sent (it has no sender to report on).
+        stays_true_sync(
+            lambda: first.poll_pp_consensus() == KVPoll.Bootstrapping,
+            duration=0.2,
+            message="stage 0's consensus still Bootstrapping",
+        )
         second = KvfsmKVSender(m1, addr, 77)
-        while first.poll_pp_consensus() != KVPoll.WaitingForInput:
-            assert time.monotonic() < deadline, second.poll()
-            time.sleep(0.005)
+        wait_until_sync(
+            lambda: first.poll_pp_consensus() == KVPoll.WaitingForInput,
+            timeout=10,
+            message="the consensus to follow stage 1's new sender",
+        )
         assert second.poll() == KVPoll.WaitingForInput
         for conn in (first, second, receiver):
             conn.abort()
@@ -195,24 +194,27 @@ def test_a_lost_stage_fails_the_requests_it_had_not_joined(
         for req in requests:
             req.decode_waits_for_prefill = True  # decode holds its page lists back
         pair.submit(requests)
-        for _ in range(50):
-            pair.step()
-            time.sleep(0.002)
+        stage_zero = pair.pipeline.managers[0]
+        pair.step_until(
+            lambda: stage_zero.stage_entries() == len(requests),
+            timeout=10,
+            message="stage 0 to hold stage 1's report of every request",
+        )
         pair.pipeline.stages[1].close()
-        started_at = time.monotonic()
-        deadline = started_at + 15
-        while not all(r.prefill_outcome for r in requests):
-            assert time.monotonic() < deadline, [r.prefill_outcome for r in requests]
-            pair.step()
-            time.sleep(0.002)
+        pair.step_until(
+            lambda: all(r.prefill_outcome for r in requests),
+            timeout=15,
+            message="a prefill outcome for every request",
+        )
         for req in requests:
             assert req.prefill_outcome == "Failed"
             assert any("PP stage 1 lost" in r for r in req.prefill_reasons), req.prefill_reasons
         # then decode's requests end too (their prefill legs were told), and nothing leaks
-        while not all(r.done for r in requests) or pair.d.busy:
-            assert time.monotonic() < deadline + 30
-            pair.step()
-            time.sleep(0.002)
+        pair.step_until(
+            lambda: all(r.done for r in requests) and not pair.d.busy,
+            timeout=30,
+            message="decode to end every request",
+        )
         assert all(r.decode_outcome == "Failed" for r in requests)
 
 
@@ -226,6 +228,7 @@ def test_pipeline_parallelism_on_decode_is_refused_by_name(
         KvfsmKVManager(args, DisaggregationMode("decode"), sargs, False)
 
 
+@pytest.mark.usefixtures("refused_pair")
 def test_a_pipeline_with_unequal_attention_tp_is_refused_with_a_reason(
     bootstrap: KvfsmKVBootstrapServer,
 ) -> None:

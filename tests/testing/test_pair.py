@@ -3,7 +3,6 @@ fixtures (the way a user's tests use them), each check also shown to fail when i
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 
 from kvfsm.states import TERMINAL, KVPoll
 from kvfsm.testing import CANARY, AbortAt, Faults, KvfsmPair
+from tests.helpers.waiting import stays_true
 
 
 @pytest.mark.asyncio
@@ -33,8 +33,12 @@ async def test_an_abort_at_each_point_fails_both_sides_and_nothing_writes_later(
     assert where.value in out.prefill_reason + out.decode_reason
     # both settled (transfer() waited for it): the pages go back to the pool, canaried
     kvfsm_pair.release(dst)
-    await asyncio.sleep(0.2)  # a late write would land now (the teardown checks again)
-    assert kvfsm_pair.canary_violations() == []
+    # A late write would land in these 0.2 s (the teardown checks again).
+    await stays_true(
+        lambda: kvfsm_pair.canary_violations() == [],
+        duration=0.2,
+        message="no write into the released pages",
+    )
 
 
 @pytest.mark.asyncio

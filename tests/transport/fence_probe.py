@@ -45,11 +45,12 @@ import numpy as np
 from kvfsm._child import ChildProcess
 from kvfsm.rooms import RoomConfig, RoomEngine
 from kvfsm.states import TERMINAL, DestinationReceived
-from kvfsm.transport import Agent, AgentConfig, LayoutSummary, Leases, NixlTransport, Peer
+from kvfsm.transport import Agent, AgentConfig, LayoutSummary, Leases, NixlTransport
+from kvfsm.transport._agent import Peer
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.interpose import Interposer
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 FENCE = 1
 
@@ -130,11 +131,11 @@ def window(rooms: int = 1500) -> dict[str, Any]:
                 )
                 senders.append((sender, page))
             for sender, page in senders:
-                wait_for(lambda s=sender: s.poll().value >= 2)
+                wait_until_sync(lambda s=sender: s.poll().value >= 2)
                 sender.init(1)
                 sender.send(page)
             rooms_now = [s for s, _ in senders]
-            wait_for(lambda r=rooms_now: all(s.poll() in TERMINAL for s in r), timeout=120)
+            wait_until_sync(lambda r=rooms_now: all(s.poll() in TERMINAL for s in r), timeout=120)
             stop.set()
             for t in threads:
                 t.join()
@@ -293,7 +294,7 @@ def _target_probes(decode: Target, agent: Agent, remote: Peer, want: int) -> dic
     decode.ask("fill", 0)
     decode.ask("deregister")
     out["write after decode deregistered"] = write(3)
-    time.sleep(0.2)
+    time.sleep(0.2)  # the measurement: what landed a moment after a refused-or-not WRITE
     out["landed after deregister"] = decode.ask("crc", 3)[0] == want
     return out
 
@@ -381,7 +382,7 @@ def flush(pages: int = 256, stopped_s: float = 2.0) -> dict[str, Any]:
         nixl.release_xfer_handle(marker)
         for _ in range(1000):
             nixl.get_new_notifs()
-        time.sleep(1.0)
+        time.sleep(1.0)  # the measurement: "a second later"
         out["pages landed a second later"] = landed()
         return out
 

@@ -9,7 +9,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digest
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.interpose import Interposer
 from tests.helpers.transport import RecordingControl
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import stays_true_sync, wait_until_sync
 
 SHAPE = Shape(layers=2, num_pages=64, page_bytes=1024, aux_rows=8, aux_row_bytes=64)
 CANARY = 0xAB
@@ -378,7 +378,7 @@ class FencedPrefill:
         sender = self.engine.sender(room)
         packed = np.asarray(dst, np.int32).tobytes()
         self.engine.post(sender.key, DestinationReceived(packed, 2, "decode", fence=fence))
-        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping)
         sender.init(len(src), 1 if aux else -1)
         sender.send(np.asarray(src, np.int32))
         return sender
@@ -428,7 +428,7 @@ def test_a_valid_lease_lets_the_chunk_through(make: list[FencedPrefill], peer: P
     make.append(prefill)
     prefill.grant(FENCE, 30.0)
     sender = prefill.room(1, [3, 4], [10, 11], aux=True)
-    wait_for(lambda: sender.poll() in TERMINAL)
+    wait_until_sync(lambda: sender.poll() in TERMINAL)
     assert sender.poll() is KVPoll.Success, sender.reason
     assert landed(prefill, peer, [3, 4], [10, 11])
     assert peer.ask("aux", 2) == prefill.aux[1].tobytes()
@@ -452,13 +452,17 @@ def test_a_chunk_whose_lease_goes_while_it_is_queued_is_never_written(
     if how == "revoked":
         prefill.revoke(FENCE)
     else:
-        time.sleep(max(0.0, prefill.leases.until(FENCE) - time.monotonic()) + 0.05)
+        wait_until_sync(  # the lease is over on the real clock: the leases' own time
+            lambda: not prefill.leases.valid(FENCE, time.monotonic()),
+            timeout=5,
+            message=f"the lease of fence {FENCE} to expire",
+        )
     prefill.gate.release()
-    wait_for(lambda: sender.poll() in TERMINAL)
+    wait_until_sync(lambda: sender.poll() in TERMINAL)
     assert sender.poll() is KVPoll.Failed
     assert f"write lease of fence {FENCE} {how}" in sender.reason, sender.reason
     assert "not posted" in sender.reason
-    wait_for(lambda: sender.settled)  # nothing was written: settled at once, no quarantine
+    wait_until_sync(lambda: sender.settled)  # nothing was written: settled at once, no quarantine
     assert prefill.gate.transfers == 0
     assert untouched(peer, [20, 21, 22])
     stats = prefill.transport.stats
@@ -476,10 +480,10 @@ def test_a_chunk_without_a_valid_lease_is_refused_before_the_poster(
     prefill.revoke(FENCE)
     sender = prefill.room(3, [1], [30])
     unfenced = prefill.room(4, [2], [31], fence=0)
-    wait_for(lambda: sender.poll() in TERMINAL and unfenced.poll() in TERMINAL)
+    wait_until_sync(lambda: sender.poll() in TERMINAL and unfenced.poll() in TERMINAL)
     assert "write lease of fence 7 revoked: not posted" in sender.reason
     assert "unfenced chunk on a fenced transport" in unfenced.reason
-    wait_for(lambda: sender.settled and unfenced.settled)
+    wait_until_sync(lambda: sender.settled and unfenced.settled)
     assert prefill.gate.made == 0  # not even a handle
     assert untouched(peer, [30, 31])
 
@@ -501,12 +505,12 @@ def test_a_lease_gone_after_one_part_is_posted_holds_the_chunk(
     assert prefill.gate.holding.wait(10)
     prefill.revoke(FENCE)
     prefill.gate.release()
-    wait_for(lambda: sender.poll() in TERMINAL)
+    wait_until_sync(lambda: sender.poll() in TERMINAL)
     assert sender.poll() is KVPoll.Failed
     assert "stalled" in sender.reason, sender.reason
     assert f"write lease of fence {FENCE} revoked before part 2 of 2" in sender.reason
     assert not sender.settled  # quarantined: the kv part may still be moving
-    wait_for(lambda: sender.settled, timeout=10)
+    wait_until_sync(lambda: sender.settled, timeout=10)
     assert prefill.gate.transfers == 1
     assert peer.ask("aux", 2) == bytes([CANARY]) * SHAPE.aux_row_bytes  # never posted
     assert prefill.transport.stats.chunks_quarantined == 1
@@ -521,16 +525,16 @@ def test_an_in_flight_chunk_whose_lease_goes_is_released_before_its_deadline(
     prefill.grant(FENCE, 30.0)
     prefill.gate.stuck = True  # posted, and in flight for as long as the proxy says so
     sender = prefill.room(6, [9], [41])
-    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    wait_until_sync(lambda: prefill.transport.stats.pump_rounds > 3)
     assert sender.poll() is KVPoll.Transferring
     prefill.revoke(FENCE)
-    wait_for(lambda: sender.poll() in TERMINAL)
+    wait_until_sync(lambda: sender.poll() in TERMINAL)
     # Ended by the pump's lease check (the reason, and no stall counted below), not by the
     # chunk's 30 s deadline.
     assert f"write lease of fence {FENCE} revoked" in sender.reason, sender.reason
     assert "stalled" in sender.reason
     assert not sender.settled
-    wait_for(lambda: sender.settled, timeout=10)
+    wait_until_sync(lambda: sender.settled, timeout=10)
     stats = prefill.transport.stats
     assert stats.chunks_fenced == 1
     assert stats.chunks_stalled == 0  # not a deadline
@@ -552,22 +556,42 @@ def test_after_a_hold_an_idle_pump_keeps_progressing_the_agent_then_parks(
     gate, stats = prefill.gate, prefill.transport.stats
     prefill.grant(FENCE, 30.0)
     quiet = gate.progresses
-    time.sleep(0.3)
-    assert gate.progresses == quiet  # nothing ever held: an idle pump does not progress
+    # Nothing ever held: an idle pump does not progress (30 linger intervals to show it).
+    stays_true_sync(lambda: gate.progresses == quiet, duration=0.3, message="no progress")
     gate.stuck = True
     sender = prefill.room(7, [10], [42])
-    wait_for(lambda: stats.pump_rounds > 3)
+    wait_until_sync(lambda: stats.pump_rounds > 3)
     prefill.revoke(FENCE)
-    wait_for(lambda: sender.settled, timeout=10)  # quarantine over: nothing in flight or held
+    wait_until_sync(
+        lambda: sender.settled, timeout=10
+    )  # quarantine over: nothing in flight or held
     assert prefill.transport.snapshot()["in_flight"] == 0
     lingering = gate.progresses
-    time.sleep(0.3)
-    assert gate.progresses >= lingering + 2  # idle, and still progressing
+    wait_until_sync(  # idle, and still progressing
+        lambda: gate.progresses >= lingering + 2, timeout=0.3, interval=0.005
+    )
     assert stats.linger_progresses > 0
-    time.sleep(config.linger_s)  # the linger is over
-    parked = gate.progresses
-    time.sleep(0.3)
-    assert gate.progresses == parked
+    # Then it parks: no progress for 30 linger intervals, once the linger is over.
+    wait_until_sync(
+        unchanged_for(lambda: gate.progresses, 0.3),
+        timeout=config.linger_s + 10,
+        interval=0.01,
+        message="the pump to park after its linger",
+    )
+
+
+def unchanged_for(read: Callable[[], object], seconds: float) -> Callable[[], bool]:
+    """A predicate for ``wait_until_sync``: true once ``read()`` has given the same value for
+    ``seconds`` (a change starts the count again)."""
+    last: list[object] = [read(), time.monotonic()]
+
+    def check() -> bool:
+        value, now = read(), time.monotonic()
+        if value != last[0]:
+            last[:] = [value, now]
+        return now - float(last[1]) >= seconds  # type: ignore[arg-type]
+
+    return check
 
 
 def in_flight_for_good(
@@ -580,7 +604,7 @@ def in_flight_for_good(
     prefill.grant(FENCE, 30.0)
     prefill.gate.stuck = True
     sender = prefill.room(8, [11], [43])
-    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    wait_until_sync(lambda: prefill.transport.stats.pump_rounds > 3)
     return prefill, sender
 
 
@@ -600,7 +624,7 @@ def test_a_reconnect_of_the_same_process_keeps_its_generation_and_the_write_in_f
     assert "remove_remote_agent" not in gate.calls
     assert sender.poll() is KVPoll.Transferring
     gate.unstick()
-    wait_for(lambda: sender.poll() in TERMINAL, timeout=10)
+    wait_until_sync(lambda: sender.poll() in TERMINAL, timeout=10)
     assert sender.poll() is KVPoll.Success
 
 
@@ -620,12 +644,12 @@ def test_a_restarted_peer_holds_the_old_generations_writes_before_its_agent_goes
         prefill.engine.call(
             prefill.transport.connect_peer("decode", restarted.metadata, restarted.summary)
         )
-        wait_for(lambda: sender.poll() in TERMINAL, timeout=5)  # at once, not at 30 s
+        wait_until_sync(lambda: sender.poll() in TERMINAL, timeout=5)  # at once, not at 30 s
         assert "reconnected" in sender.reason, sender.reason
         assert not sender.settled  # held: the old WRITE may still be moving
         assert gate.calls.index("release_xfer_handle") < gate.calls.index("remove_remote_agent")
         gate.unstick()
-        wait_for(lambda: sender.settled, timeout=10)
+        wait_until_sync(lambda: sender.settled, timeout=10)
         assert prefill.transport.stats.chunks_quarantined == 1
     finally:
         prefill.close()
@@ -661,10 +685,10 @@ def test_a_writer_frozen_with_a_write_in_flight_past_its_lease_is_fenced_out(
     prefill.grant(FENCE, 0.6)
     prefill.gate.stuck = True  # in flight for as long as the proxy says so
     sender = prefill.room(8, [11], [43])
-    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    wait_until_sync(lambda: prefill.transport.stats.pump_rounds > 3)
     assert sender.poll() is KVPoll.Transferring
     before = freeze(prefill, 1.5)  # the lease ends 0.6 s in, decode's bound 0.4 s later
-    wait_for(lambda: sender.poll() in TERMINAL)
+    wait_until_sync(lambda: sender.poll() in TERMINAL)
     reason = prefill.transport.fenced_out
     assert reason is not None
     assert reason in sender.reason, sender.reason
@@ -674,7 +698,7 @@ def test_a_writer_frozen_with_a_write_in_flight_past_its_lease_is_fenced_out(
     # A new room fails at once: no lease is valid on a fenced-out agent.
     prefill.grant(FENCE, 30.0)
     later = prefill.room(9, [12], [44])
-    wait_for(lambda: later.poll() in TERMINAL)
+    wait_until_sync(lambda: later.poll() in TERMINAL)
     assert later.poll() is KVPoll.Failed
     assert "void: NIXL agent fenced out" in later.reason
     prefill.close()
@@ -693,14 +717,14 @@ def test_a_short_freeze_past_the_lease_end_only_holds_the_chunk(
     prefill.grant(FENCE, 0.5)
     prefill.gate.stuck = True
     sender = prefill.room(10, [13], [45])
-    wait_for(lambda: prefill.transport.stats.pump_rounds > 3)
+    wait_until_sync(lambda: prefill.transport.stats.pump_rounds > 3)
     freeze(prefill, 1.0)  # lease end + 0.5 s < + margin/2 = 2 s
-    wait_for(lambda: sender.settled, timeout=10)
+    wait_until_sync(lambda: sender.settled, timeout=10)
     assert sender.poll() is KVPoll.Failed
     assert "expired" in sender.reason, sender.reason
     assert prefill.transport.fenced_out is None
     prefill.gate.unstick()
     prefill.grant(FENCE, 30.0)
     again = prefill.room(11, [14], [46])
-    wait_for(lambda: again.poll() in TERMINAL)
+    wait_until_sync(lambda: again.poll() in TERMINAL)
     assert again.poll() is KVPoll.Success, again.reason

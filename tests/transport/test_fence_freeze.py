@@ -39,7 +39,7 @@ from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digest
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.interpose import Interposer
 from tests.helpers.transport import RecordingControl
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import stays_true_sync, wait_until_sync
 
 SHAPE = Shape(layers=2, num_pages=64, page_bytes=64 * 1024, aux_rows=8, aux_row_bytes=64)
 FENCE = 3
@@ -99,16 +99,16 @@ def _writer(
         engine.call(grant())
         sender = engine.sender(1)
         engine.post(sender.key, DestinationReceived(src.tobytes(), 2, "decode", fence=FENCE))
-        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping)
         stop.armed = True
         sender.init(len(PAGES), -1)
         sender.send(src)
         conn.send(True)
-        # "result", after SIGCONT: let whatever still moves land, then report.
+        # "result", after SIGCONT: report once the room settled (the parent then watches what
+        # still lands).
         assert conn.recv() == ("result",)
-        wait_for(lambda: sender.poll() in TERMINAL, timeout=20)
-        wait_for(lambda: sender.settled, timeout=20)
-        time.sleep(1.0)
+        wait_until_sync(lambda: sender.poll() in TERMINAL, timeout=20)
+        wait_until_sync(lambda: sender.settled, timeout=20)
         conn.send(
             {
                 "stopped_after": stop.stopped_after,
@@ -145,22 +145,44 @@ def _freeze_once(mode: str) -> tuple[int, int, list[int], dict[str, Any]]:
         peer.ask("fill", CANARY)
         pid = writer.greeting
         assert writer.ask("run") is True
-        wait_for(lambda: _stopped(pid), timeout=20)
-        # Inside the lease still (it began a few ms ago): whatever the writer pushed into its
-        # socket before the stop has landed by now (decode progresses all the time).
+        wait_until_sync(lambda: _stopped(pid), timeout=20)
+        # Real time on purpose, inside the lease still (it began a few ms ago): whatever the
+        # writer pushed into its socket before the stop lands within this (decode progresses
+        # all the time), and nothing marks that it did.
         time.sleep(0.2)
         early = peer.ask("digests", np.asarray(PAGES, np.int32).tobytes())
-        # Decode would settle the pages at its last grant + lease + margin; stay stopped well
-        # past that.
+        # Real time on purpose: decode would settle the pages at its last grant + lease +
+        # margin on the real clock; the SIGSTOP must last well past that.
         time.sleep(LEASE_S + MARGIN_S + 1.0)
         os.kill(pid, signal.SIGCONT)
         if exits:
             writer.process.join(30)
-            time.sleep(1.0)  # (anything its death let go of would land now)
             result: dict[str, Any] = {"exitcode": writer.process.exitcode}
         else:
             result = writer.ask("result", timeout=60)
-        got = peer.ask("digests", np.asarray(PAGES, np.int32).tobytes())
+
+        def digests() -> list[Any]:
+            got: list[Any] = peer.ask("digests", np.asarray(PAGES, np.int32).tobytes())
+            return got
+
+        if mode == "no-gate":
+            # What the gate prevents: the chunk lands after the freeze (the test checks it).
+            sources = result["digests"]
+            wait_until_sync(
+                lambda: sum(a == b for a, b in zip(digests(), sources, strict=True)) == len(PAGES),
+                timeout=20,
+                interval=0.05,
+                message="the whole chunk to land after the freeze",
+            )
+        got = digests()
+        if mode != "no-gate":
+            # Anything the writer (or its death) let go of would land within a second.
+            stays_true_sync(
+                lambda: digests() == got,
+                duration=1.0,
+                interval=0.05,
+                message="decode's pages unchanged after the writer settled",
+            )
     finally:
         writer.close()
         peer.close()

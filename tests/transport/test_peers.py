@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvfsm.transport import Peer
+from kvfsm.transport._agent import Peer
 from kvfsm.transport._peers import PeerSet
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout
+from tests.helpers.waiting import wait_until
 
 SUMMARY = make_layout(*make_buffers(Shape(layers=1, num_pages=4))).summary()
 
@@ -27,10 +28,13 @@ class FakeAgent:
         self.disconnected: Counter[int] = Counter()
         self.gate = threading.Event()
         self.gate.set()
+        #: Set once the worker is inside a connect (held there while ``gate`` is cleared).
+        self.entered = threading.Event()
         self.fail: set[bytes] = set()
         self._generation = 0
 
     def connect(self, peer_id: str, metadata: bytes, summary: Any, piece: Any = None) -> Peer:
+        self.entered.set()
         self.gate.wait(10)
         self.connects.append((peer_id, metadata))
         if metadata in self.fail:
@@ -62,7 +66,9 @@ async def test_concurrent_connects_with_the_same_metadata_share_one_attempt() ->
     try:
         agent.gate.clear()
         tasks = [asyncio.ensure_future(peers.connect("d", b"m1", SUMMARY)) for _ in range(5)]
-        await asyncio.sleep(0.05)
+        # Every task has asked (they all ran before this one checks again) and the one
+        # attempt is held in the agent.
+        await wait_until(agent.entered.is_set, message="the worker inside connect")
         agent.gate.set()
         got = await asyncio.gather(*tasks)
         assert len({id(p) for p in got}) == 1
@@ -97,7 +103,7 @@ async def test_a_failed_connect_is_raised_to_every_waiter_and_leaves_nothing() -
     try:
         agent.gate.clear()
         tasks = [asyncio.ensure_future(peers.connect("d", b"bad", SUMMARY)) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await wait_until(agent.entered.is_set, message="the worker inside connect")
         agent.gate.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, ValueError) for r in results)
@@ -119,10 +125,8 @@ async def test_a_lost_peer_is_dropped_disconnected_and_reloaded_from_its_metadat
         assert peers.get("d") is None
         assert dropped == [(first.generation, "NIXL remote disconnect from d")]
         assert counts["peers_lost"] == 1
-        for _ in range(200):  # the reload comes after reconnect_interval_s
-            if peers.get("d") is not None:
-                break
-            await asyncio.sleep(0.005)
+        # The reload comes after reconnect_interval_s.
+        await wait_until(lambda: peers.get("d") is not None, message="peer d reloaded")
         reloaded = peers.get("d")
         assert reloaded is not None
         assert reloaded.generation == first.generation + 1
@@ -141,7 +145,7 @@ async def test_close_disconnects_a_generation_the_worker_connected_but_nobody_ad
     peers, _dropped, _counts = make(agent)
     agent.gate.clear()
     task = asyncio.ensure_future(peers.connect("d", b"m1", SUMMARY))
-    await asyncio.sleep(0.05)
+    await wait_until(agent.entered.is_set, message="the worker inside connect")
     task.cancel()  # the engine stops while the worker is connecting
     agent.gate.set()
     with pytest.raises(asyncio.CancelledError):

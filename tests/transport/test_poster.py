@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 from kvfsm.transport._poster import Poster
+from tests.helpers.waiting import wait_until, wait_until_sync
 
 
 class Recorder:
@@ -23,10 +23,13 @@ class Recorder:
         self.done_on_loop = True
         self.gate = threading.Event()
         self.gate.set()
+        #: Set once the poster thread is inside a post (held there while ``gate`` is cleared).
+        self.entered = threading.Event()
         self.all_in = asyncio.Event()
         self.expected = 0
 
     def post(self, item: int) -> None:
+        self.entered.set()
         self.gate.wait(10)
         self.posting_threads.add(threading.current_thread().name)
         if item < 0:
@@ -73,13 +76,11 @@ async def test_results_that_pile_up_before_the_loop_drains_come_back_in_one_batc
         rec.expected = 200
         for i in range(200):
             poster.submit(i)
-        await asyncio.sleep(0.05)
+        await wait_until(rec.entered.is_set, message="the poster inside its first post")
         rec.gate.set()
-        # The loop is busy (blocked here) while all 200 are posted: one wake-up was scheduled,
-        # for the first result, and every later one joins its batch.
-        deadline = time.monotonic() + 10
-        while len(rec.posted) < 200 and time.monotonic() < deadline:
-            time.sleep(0.01)  # noqa: ASYNC251 - the loop is blocked on purpose
+        # The loop is busy (blocked here, on purpose) while all 200 are posted: one wake-up
+        # was scheduled, for the first result, and every later one joins its batch.
+        wait_until_sync(lambda: len(rec.posted) == 200, message="all 200 items posted")
         await asyncio.wait_for(rec.all_in.wait(), 10)
         assert [len(b) for b in rec.batches] == [200]
         assert rec.posted == list(range(200))

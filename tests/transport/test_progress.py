@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvfsm.transport import AgentProgress, ProgressWatch
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -82,7 +83,7 @@ async def test_the_progress_loop_tells_its_watch() -> None:
     watch = ProgressWatch(max_gap_s=0.5)
     progress = AgentProgress(agent, lambda: True, 0.001, watch)  # type: ignore[arg-type]
     progress.start()
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: agent.nixl.progressed > 2, message="three progress calls")
     await progress.aclose()
     assert agent.nixl.progressed > 1
     assert watch.steady_for(time.monotonic()) > 0.0

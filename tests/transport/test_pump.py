@@ -15,12 +15,14 @@ import pytest_asyncio
 
 from kvfsm.rooms import RoomKey
 from kvfsm.states import ChunkDone, ChunkFailed, ChunkStalled, Event, PeerLost
-from kvfsm.transport import AgentConfig, Leases, Peer, TransferConfig
+from kvfsm.transport import AgentConfig, Leases, TransferConfig
+from kvfsm.transport._agent import Peer
 from kvfsm.transport._chunks import Xfer, post_xfer
 from kvfsm.transport._pump import Pump
 from kvfsm.transport._slices import NO_KV
 from tests.helpers.interpose import Interposer
 from tests.helpers.nixl_pair import OWN_PEER, SHAPE, Pair, chunk
+from tests.helpers.waiting import stays_true, wait_until
 
 FENCE = 7
 
@@ -148,12 +150,6 @@ class World:
         self.pair.close()  # asserts every handle made was released
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(10.0):
-        while not condition():
-            await asyncio.sleep(0.002)
-
-
 QUICK = TransferConfig(
     deadline_base_s=0.05,
     floor_bandwidth_bps=1e12,
@@ -185,11 +181,11 @@ async def test_a_write_in_flight_is_polled_until_done_then_released_and_delivere
     world = make()
     world.proxy.stuck = True
     record = world.send([1, 2], [3, 4])
-    await until(lambda: world.pair.stats.pump_rounds > 2)
+    await wait_until(lambda: world.pair.stats.pump_rounds > 2)
     assert world.inbox.got == []  # in flight: the pump polls it, nothing is over
     assert len(record.handles) == 1
     world.proxy.stuck = False
-    await until(lambda: bool(world.inbox.got))
+    await wait_until(lambda: bool(world.inbox.got))
     assert world.inbox.got == [(ChunkDone(0), 1)]  # its handle released before the delivery
     assert world.observer.seen == [(record.nbytes, True)]
     assert world.pair.theirs.pages([3, 4]) == world.pair.mine.pages([1, 2])
@@ -203,7 +199,7 @@ async def test_a_write_past_its_deadline_is_released_at_once_and_fails_after_qua
     world = make(QUICK)
     world.proxy.stuck = True  # never completes
     world.send([5], [6])
-    await until(lambda: len(world.inbox.got) == 2)
+    await wait_until(lambda: len(world.inbox.got) == 2)
     (stalled, released_then), (failed, _) = world.inbox.got
     assert type(stalled) is ChunkStalled
     assert "deadline; released" in stalled.reason
@@ -214,7 +210,7 @@ async def test_a_write_past_its_deadline_is_released_at_once_and_fails_after_qua
     # Idle now, the pump keeps progressing the agent for linger_s (a released WRITE's queued
     # bytes move only when it is progressed), then parks.
     progressed = world.proxy.progresses
-    await until(lambda: world.proxy.progresses > progressed + 2)
+    await wait_until(lambda: world.proxy.progresses > progressed + 2)
     assert world.pair.stats.linger_progresses > 0
 
 
@@ -225,11 +221,16 @@ async def test_an_idle_pump_that_never_held_anything_does_not_progress(
     # Lingering would be on (linger_s > 0) had anything been held; the deadline is far.
     world = make(TransferConfig(deadline_base_s=60.0, linger_s=0.3, linger_interval_s=0.01))
     world.send([1], [1])
-    await until(lambda: bool(world.inbox.got))
+    await wait_until(lambda: bool(world.inbox.got))
     assert world.inbox.events() == [ChunkDone]
     progressed = world.proxy.progresses
-    await asyncio.sleep(0.05)  # several linger intervals
-    assert world.proxy.progresses == progressed
+    # Five linger intervals: a pump that lingered would have progressed in them.
+    await stays_true(
+        lambda: world.proxy.progresses == progressed,
+        duration=0.05,
+        interval=0.002,
+        message="no progress from an idle pump that never held anything",
+    )
 
 
 @pytest.mark.asyncio
@@ -241,9 +242,9 @@ async def test_an_in_flight_write_whose_lease_goes_is_held_before_the_next_progr
     world = make(SLOW, leases)
     world.proxy.stuck = True
     world.send([2], [2], fence=FENCE)
-    await until(lambda: world.pair.stats.pump_rounds > 2)
+    await wait_until(lambda: world.pair.stats.pump_rounds > 2)
     leases.revoke(FENCE)
-    await until(lambda: bool(world.inbox.got))
+    await wait_until(lambda: bool(world.inbox.got))
     ((stalled, released_then),) = world.inbox.got
     assert type(stalled) is ChunkStalled
     assert f"write lease of fence {FENCE} revoked" in stalled.reason
@@ -259,9 +260,9 @@ async def test_a_remote_disconnect_reports_the_peer_before_the_chunk_fails(
     world = make()
     world.proxy.stuck = True
     world.send([3], [3])
-    await until(lambda: world.pair.stats.pump_rounds > 0)
+    await wait_until(lambda: world.pair.stats.pump_rounds > 0)
     world.proxy.disconnect = True
-    await until(lambda: bool(world.inbox.got))
+    await wait_until(lambda: bool(world.inbox.got))
     assert [peer for peer, _ in world.lost] == [world.pair.peer]
     assert "NIXL remote disconnect from decode" in world.lost[0][1]
     # Its peer is lost with a part in flight: the room hears PeerLost, the chunk is held.
@@ -276,10 +277,10 @@ async def test_a_handle_nixl_refuses_to_release_is_released_at_close(
     world = make()
     world.proxy.stuck = True
     world.send([4], [4])
-    await until(lambda: world.pair.stats.pump_rounds > 0)
+    await wait_until(lambda: world.pair.stats.pump_rounds > 0)
     world.proxy.refuse_release = True
     world.proxy.stuck = False
-    await until(lambda: bool(world.inbox.got))
+    await wait_until(lambda: bool(world.inbox.got))
     assert world.inbox.got == [(ChunkDone(0), 0)]  # over, but its handle is not released yet
     stats = world.pair.stats
     assert stats.handles_created == 1
@@ -294,7 +295,7 @@ async def test_close_releases_the_handles_of_chunks_still_in_flight(
     world = make()
     world.proxy.stuck = True
     records = [world.send([i], [i]) for i in range(3)]
-    await until(lambda: world.pair.stats.pump_rounds > 0)
+    await wait_until(lambda: world.pair.stats.pump_rounds > 0)
     await world.pump.aclose()
     assert all(len(r.handles) == 1 for r in records)
     world.pump.close()
@@ -315,7 +316,7 @@ async def test_bad_input_found_by_the_poster_fails_the_chunk_settled(
     )
     try:
         world.send([1], [1], peer=dummy)
-        await until(lambda: len(world.inbox.got) == 2)
+        await wait_until(lambda: len(world.inbox.got) == 2)
     finally:
         world.pair.mine.agent.disconnect(dummy)
     reasons = [event.reason for event, _ in world.inbox.got if isinstance(event, ChunkFailed)]
@@ -333,7 +334,7 @@ async def test_an_event_for_a_room_that_is_gone_is_counted_stale(
     world = make()
     world.inbox.accepting = False
     world.send([1], [1])
-    await until(lambda: bool(world.inbox.got))
+    await wait_until(lambda: bool(world.inbox.got))
     assert world.pair.stats.stale_deliveries == 1
 
 
@@ -350,9 +351,9 @@ async def test_the_rooms_a_batch_of_completions_woke_are_asked_to_run_in_the_sam
     assert world.inbox.runs == before + 1
     world.proxy.stuck = True
     world.send([3], [4])
-    await until(lambda: world.pair.stats.pump_rounds > 1)
+    await wait_until(lambda: world.pair.stats.pump_rounds > 1)
     world.proxy.stuck = False
-    await until(lambda: len(world.inbox.got) == 1)
+    await wait_until(lambda: len(world.inbox.got) == 1)
     delivered_at = world.inbox.runs_at[0]
     await asyncio.sleep(0)  # let the round that delivered finish
     # Only the pump's rounds ask from here on (posted() is not called again): the round that

@@ -21,7 +21,7 @@ from kvfsm.transport._slices import NO_KV, KvPiece, RowSlice, link_piece
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.transport import Prefill
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 HEAD_BYTES, ROWS = 64, 4  # a page is ROWS token rows of (heads x HEAD_BYTES) bytes
 CANARY = 0xAB
@@ -54,7 +54,7 @@ def sliced_room(
         sender.key,
         DestinationReceived(np.asarray(dst, np.int32).tobytes(), aux, peer=peer_id, part=part),
     )
-    wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+    wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping)
     sender.init(len(src), 1 if part is Part.WHOLE else -1)
     cut = 1 if len(src) > 1 else len(src)  # two chunks where there are pages for two
     sender.send(np.asarray(src[:cut], np.int32))
@@ -100,7 +100,7 @@ def test_a_sliced_peer_gets_exactly_the_slice_of_each_row(
         assert peer.ask("fill", CANARY)
         src, dst = [3, 1, 7], [5, 12, 0]
         sender = sliced_room(prefill, 1, src, dst, peer_id="decode", part=Part.WHOLE)
-        wait_for(lambda: sender.poll() in TERMINAL)
+        wait_until_sync(lambda: sender.poll() in TERMINAL)
         assert sender.poll() is KVPoll.Success, sender.reason
         assert prefill.control.outcomes(sender.key) == [ReportOutcome(KVPoll.Success)]
         want = expected_pages(prefill, piece, src, dst, decode_shape)
@@ -112,10 +112,10 @@ def test_a_sliced_peer_gets_exactly_the_slice_of_each_row(
         # Pages out of range on either side fail the room before NIXL sees the sliced chunk.
         n = decode_shape.num_pages
         beyond = sliced_room(prefill, 2, [2], [n], peer_id="decode", part=Part.WHOLE)
-        wait_for(lambda: beyond.poll() in TERMINAL)
+        wait_until_sync(lambda: beyond.poll() in TERMINAL)
         assert f"destination page index {n} out of range" in beyond.reason, beyond.reason
         assert peer.ask("digests", everything.tobytes()) == got  # nothing else landed
-        wait_for(lambda: prefill.engine.stats()["live"] == 0)
+        wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
     finally:
         prefill.close()
         peer.close()
@@ -132,16 +132,16 @@ def test_a_dummy_link_refuses_pages_and_completes_an_empty_last_chunk() -> None:
         assert peer.ask("fill", CANARY)
         # A room that names pages over a link that carries no KV fails instead of writing.
         writer = sliced_room(prefill, 1, [2, 3], [4, 5], peer_id="dummy", part=Part.KV)
-        wait_for(lambda: writer.poll() in TERMINAL)
+        wait_until_sync(lambda: writer.poll() in TERMINAL)
         assert writer.poll() is KVPoll.Failed
         assert "which this rank writes no KV into" in writer.reason, writer.reason
         assert "a dummy link" in writer.reason
         # The dummy leg proper: no pages, no aux row, one empty last chunk, Success.
         dummy = sliced_room(prefill, 2, [], [], peer_id="dummy", part=Part.NONE)
         assert dummy.part is Part.NONE
-        wait_for(lambda: dummy.poll() in TERMINAL)
+        wait_until_sync(lambda: dummy.poll() in TERMINAL)
         assert dummy.poll() is KVPoll.Success, dummy.reason
-        wait_for(lambda: prefill.engine.stats()["live"] == 0)
+        wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
         everything = np.arange(shape.num_pages, dtype=np.int32)
         canary = [np.full((shape.num_pages, shape.page_bytes), CANARY, np.uint8)] * 4
         assert peer.ask("digests", everything.tobytes()) == page_digests(canary, everything)
@@ -290,7 +290,7 @@ def test_two_prefill_ranks_fill_the_two_halves_of_the_same_decode_pages() -> Non
             sliced_room(rank, 7, src, dst, peer_id="decode", part=part)
             for rank, part in zip(ranks, (Part.WHOLE, Part.KV), strict=True)
         ]
-        wait_for(lambda: all(s.poll() in TERMINAL for s in senders))
+        wait_until_sync(lambda: all(s.poll() in TERMINAL for s in senders))
         assert [s.poll() for s in senders] == [KVPoll.Success] * 2, [s.reason for s in senders]
         want = [
             np.full((decode_shape.num_pages, decode_shape.page_bytes), CANARY, np.uint8)
@@ -308,7 +308,7 @@ def test_two_prefill_ranks_fill_the_two_halves_of_the_same_decode_pages() -> Non
         assert peer.ask("digests", everything.tobytes()) == page_digests(want, everything)
         assert peer.ask("aux", 4) == ranks[0].aux[1].tobytes()
         for rank in ranks:
-            wait_for(lambda rank=rank: rank.engine.stats()["live"] == 0)  # type: ignore[misc]
+            wait_until_sync(lambda rank=rank: rank.engine.stats()["live"] == 0)  # type: ignore[misc]
     finally:
         for rank in ranks:
             rank.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from kvfsm.transport._transport import TransferConfig
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.transport import SHAPE, Prefill
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import stays_true_sync, wait_until_sync
 
 
 @pytest.fixture
@@ -61,13 +60,13 @@ def test_many_concurrent_rooms_land_every_byte(prefill: Prefill, peer: PeerProce
         src = rng.sample(range(SHAPE.num_pages), n)
         aux = (rng.randrange(SHAPE.aux_rows), room)  # decode aux row = room id: all distinct
         rooms.append((prefill.room(room, src, dst, rng.randint(1, 4), aux), src, dst, aux))
-    wait_for(lambda: all(s.poll() in TERMINAL for s, *_ in rooms))
+    wait_until_sync(lambda: all(s.poll() in TERMINAL for s, *_ in rooms))
     for sender, src, dst, (src_aux, dst_aux) in rooms:
         assert sender.poll() is KVPoll.Success, sender.reason
         assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(prefill, src)
         assert peer.ask("aux", dst_aux) == prefill.aux[src_aux].tobytes()
         assert prefill.control.outcomes(sender.key) == [ReportOutcome(KVPoll.Success)]
-    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+    wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
     stats = prefill.transport.snapshot()
     assert stats["chunks_failed"] == 0
     assert stats["in_flight"] == 0
@@ -78,7 +77,7 @@ def test_out_of_range_page_fails_that_room_only(prefill: Prefill, peer: PeerProc
     bad = prefill.room(2, [4, 5], [13, SHAPE.num_pages + 7])
     bad_src = prefill.room(3, [SHAPE.num_pages], [20])
     also_good = prefill.room(4, [6], [21], aux=(2, 4))
-    wait_for(lambda: all(s.poll() in TERMINAL for s in (good, bad, bad_src, also_good)))
+    wait_until_sync(lambda: all(s.poll() in TERMINAL for s in (good, bad, bad_src, also_good)))
     assert good.poll() is KVPoll.Success
     assert also_good.poll() is KVPoll.Success
     assert bad.poll() is KVPoll.Failed
@@ -102,7 +101,7 @@ def ready_senders(prefill: Prefill, rooms: dict[int, tuple[list[int], list[int]]
         packed = np.asarray(dst, np.int32).tobytes()
         prefill.engine.post(sender.key, DestinationReceived(packed, room, peer="decode"))
         senders[room] = sender
-    wait_for(lambda: all(s.poll() is KVPoll.WaitingForInput for s in senders.values()))
+    wait_until_sync(lambda: all(s.poll() is KVPoll.WaitingForInput for s in senders.values()))
     return senders
 
 
@@ -119,7 +118,7 @@ def burst(prefill: Prefill, senders: dict, rooms: dict[int, tuple[list[int], lis
             sender.send(np.asarray(src[half:], np.int32))
 
     prefill.engine.call(post_all())
-    wait_for(lambda: all(s.poll() in TERMINAL for s in senders.values()))
+    wait_until_sync(lambda: all(s.poll() in TERMINAL for s in senders.values()))
 
 
 def test_chunks_of_one_batch_go_out_as_one_request_and_a_bad_page_fails_only_its_room(
@@ -147,7 +146,7 @@ def test_chunks_of_one_batch_go_out_as_one_request_and_a_bad_page_fails_only_its
     assert stats["chunks_done"] == 11  # room 2's first chunk landed too (its pages are fine)
     # Eleven chunks, five aux rows, one kv and one aux request: merged (rule 8).
     assert stats["handles_created"] == 2
-    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+    wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
 
 
 def test_a_room_that_fails_in_the_batch_that_sent_its_chunk_never_posts_it(
@@ -163,8 +162,8 @@ def test_a_room_that_fails_in_the_batch_that_sent_its_chunk_never_posts_it(
         senders[1].abort("changed its mind")  # same batch: its chunk is still staged
 
     prefill.engine.call(send_then_abort_one())
-    wait_for(lambda: all(s.poll() in TERMINAL for s in senders.values()))
-    wait_for(lambda: senders[1].settled)
+    wait_until_sync(lambda: all(s.poll() in TERMINAL for s in senders.values()))
+    wait_until_sync(lambda: senders[1].settled)
     assert senders[1].poll() is KVPoll.Failed
     assert [s.poll() for r, s in senders.items() if r != 1] == [KVPoll.Success] * 2
     stats = prefill.transport.snapshot()
@@ -192,7 +191,7 @@ def test_a_merge_that_raises_posts_each_chunk_alone(
     stats = prefill.transport.snapshot()
     assert stats["merge_errors"] == 1
     assert stats["handles_created"] == 9  # as with merging off: 6 kv, 3 aux
-    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+    wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
 
 
 def test_a_hand_over_that_raises_fails_its_chunks_at_once_and_they_settle(
@@ -217,7 +216,7 @@ def test_a_hand_over_that_raises_fails_its_chunks_at_once_and_they_settle(
         assert sender.poll() is KVPoll.Failed
         assert "could not post the chunk: RuntimeError: a bug in the hand-over" in sender.reason
     # Nothing was posted, so each room settles at once, and nothing is left in the ledger.
-    wait_for(lambda: all(s.settled for s in senders.values()), timeout=5)
+    wait_until_sync(lambda: all(s.settled for s in senders.values()), timeout=5)
     stats = transport.snapshot()
     assert stats["hand_over_errors"] == 1
     assert stats["handles_created"] == 0
@@ -226,7 +225,7 @@ def test_a_hand_over_that_raises_fails_its_chunks_at_once_and_they_settle(
     later = {r: ([2 * r], [80 + r]) for r in range(3, 5)}
     burst(prefill, ready_senders(prefill, later), later)
     assert transport.snapshot()["chunks_done"] == 4  # two chunks each
-    wait_for(lambda: prefill.engine.stats()["live"] == 0)
+    wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
 
 
 def test_chunks_whose_peer_was_lost_before_the_batch_ended_fail_unposted(
@@ -253,7 +252,7 @@ def test_chunks_whose_peer_was_lost_before_the_batch_ended_fail_unposted(
     for sender in senders.values():
         assert sender.poll() is KVPoll.Failed
         assert "peer decode lost before posting" in sender.reason, sender.reason
-    wait_for(lambda: all(s.settled for s in senders.values()), timeout=5)
+    wait_until_sync(lambda: all(s.settled for s in senders.values()), timeout=5)
     assert lost == [4]
     assert transport.snapshot()["handles_created"] == 0
 
@@ -315,7 +314,7 @@ def test_a_full_request_goes_to_the_poster_before_the_rest_of_the_batch_runs(
                     senders[room].send(np.asarray([page_id], np.int32))
 
         prefill.engine.call(post_all())
-        wait_for(lambda: all(s.poll() in TERMINAL for s in senders.values()))
+        wait_until_sync(lambda: all(s.poll() in TERMINAL for s in senders.values()))
         for room, (src, dst) in rooms.items():
             assert senders[room].poll() is KVPoll.Success, senders[room].reason
             assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(
@@ -344,28 +343,28 @@ def test_peer_killed_fails_its_rooms_and_a_restarted_peer_serves_new_ones(
     try:
         assert prefill.connect(peer) == 1
         warm = prefill.room(1, [1], [1])
-        wait_for(lambda: warm.poll() is KVPoll.Success)
+        wait_until_sync(lambda: warm.poll() is KVPoll.Success)
         peer.kill()
         doomed = [prefill.room(10 + i, [i, i + 1], [30 + 2 * i, 31 + 2 * i], 2) for i in range(8)]
-        wait_for(lambda: all(s.poll() in TERMINAL for s in doomed), timeout=10)
+        wait_until_sync(lambda: all(s.poll() in TERMINAL for s in doomed), timeout=10)
         assert all(s.poll() is KVPoll.Failed for s in doomed)
         reasons = {s.reason for s in doomed}
         # the disconnect failed them (not their deadlines, which are minutes away)
         assert any("peer lost: NIXL remote disconnect" in r for r in reasons), reasons
-        wait_for(lambda: all(s.settled for s in doomed))
+        wait_until_sync(lambda: all(s.settled for s in doomed))
         assert prefill.transport.stats.peers_lost >= 1
 
         restarted = PeerProcess(SHAPE)
         try:
             assert prefill.connect(restarted) >= 2  # a new generation of the same peer id
             fresh = prefill.room(100, [5, 6, 7], [40, 41, 42], 2, aux=(1, 9))
-            wait_for(lambda: fresh.poll() in TERMINAL)
+            wait_until_sync(lambda: fresh.poll() in TERMINAL)
             assert fresh.poll() is KVPoll.Success, fresh.reason
             digests = restarted.ask("digests", np.asarray([40, 41, 42], np.int32).tobytes())
             assert digests == expected(prefill, [5, 6, 7])
             assert restarted.ask("aux", 9) == prefill.aux[1].tobytes()
         finally:
-            wait_for(lambda: prefill.engine.stats()["live"] == 0)
+            wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
             prefill.close()
             restarted.close()
     except BaseException:
@@ -409,20 +408,29 @@ def test_a_stopped_peer_fails_the_rooms_at_their_deadline_and_settles_them_only_
         os.kill(peer.pid, signal.SIGSTOP)
         try:
             senders = [prefill.room(i, [i + 8], [i]) for i in pages]
-            wait_for(lambda: all(s.poll() in TERMINAL for s in senders), timeout=10)
+            wait_until_sync(lambda: all(s.poll() in TERMINAL for s in senders), timeout=10)
             for sender in senders:
                 assert sender.poll() is KVPoll.Failed
                 assert "stalled" in sender.reason, sender.reason
-            time.sleep(4 * config.quarantine_s)  # well past every quarantine
-            assert not any(s.settled for s in senders)  # held: the peer took nothing yet
+            # Held while the peer is stopped, however long past the quarantine (four here).
+            stays_true_sync(
+                lambda: not any(s.settled for s in senders),
+                duration=4 * config.quarantine_s,
+                message="no room settled while the peer is stopped",
+            )
             snapshot = prefill.transport.snapshot()
             assert snapshot["awaiting_flush"] >= 1, snapshot
         finally:
             os.kill(peer.pid, signal.SIGCONT)
-        wait_for(lambda: all(s.settled for s in senders), timeout=10)
+        wait_until_sync(lambda: all(s.settled for s in senders), timeout=10)
         at_settle = read_remote_pages(peer.pid, peer, pages)
-        time.sleep(0.5)  # anything still buffered for the peer would land now
-        assert read_remote_pages(peer.pid, peer, pages) == at_settle, "late write after settle"
+        # Anything still buffered for the peer would land in this half second.
+        stays_true_sync(
+            lambda: read_remote_pages(peer.pid, peer, pages) == at_settle,
+            duration=0.5,
+            interval=0.02,
+            message="no late write after settle",
+        )
         # Released, not cancelled: the WRITEs landed whole, before the flush that settled them.
         sources = b"".join(bytes(buf[page + 8]) for buf in prefill.kv for page in pages)
         assert at_settle == sources
@@ -430,7 +438,7 @@ def test_a_stopped_peer_fails_the_rooms_at_their_deadline_and_settles_them_only_
         assert stats.chunks_stalled == len(pages)
         assert stats.flushes_done >= 1
     finally:
-        wait_for(lambda: prefill.engine.stats()["live"] == 0)
+        wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
         prefill.close()
         peer.close()
 
@@ -487,10 +495,10 @@ def test_state_rows_travel_with_the_last_chunk() -> None:
             sender.key,
             DestinationReceived(np.asarray([5, 6], np.int32).tobytes(), 2, "decode", dst_state),
         )
-        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+        wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput)
         sender.init(2, 1)
         sender.send([1], state_indices=[7])  # not the last chunk: refused, the room fails
-        wait_for(lambda: sender.poll() is KVPoll.Failed)
+        wait_until_sync(lambda: sender.poll() is KVPoll.Failed)
         assert "state rows sent with a chunk that is not the last" in sender.reason
 
         good = prefill.engine.sender(2)
@@ -498,17 +506,17 @@ def test_state_rows_travel_with_the_last_chunk() -> None:
             good.key,
             DestinationReceived(np.asarray([5, 6], np.int32).tobytes(), 2, "decode", dst_state),
         )
-        wait_for(lambda: good.poll() is KVPoll.WaitingForInput)
+        wait_until_sync(lambda: good.poll() is KVPoll.WaitingForInput)
         good.init(2, 1)
         good.send([1])
         good.send([2], state_indices=[7, 0])
-        wait_for(lambda: good.poll() in TERMINAL)
+        wait_until_sync(lambda: good.poll() in TERMINAL)
         assert good.poll() is KVPoll.Success, good.reason
         assert prefill.state is not None
         assert peer.ask("state", 3) == prefill.state[7].tobytes()
         assert peer.ask("state", 9) == prefill.state[0].tobytes()
         assert peer.ask("aux", 2) == prefill.aux[1].tobytes()
-        wait_for(lambda: prefill.engine.stats()["live"] == 0)
+        wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
     finally:
         prefill.close()
         peer.close()
