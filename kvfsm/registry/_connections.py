@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections.abc import Callable
 from typing import Any, Final, cast
 
@@ -62,6 +61,12 @@ _CONNECT_TIMEOUT_S: Final = 5.0
 # Connections a burst may queue in the kernel (no descriptor of ours) while the accept loop
 # drains them; the kernel caps it at net.core.somaxconn.
 _BACKLOG: Final = 1024
+
+
+def _now() -> float:
+    """The running loop's clock: the reaper sleeps on it, so the times it compares are on the
+    same clock as its sleeps (and a virtual loop clock runs the whole tracker)."""
+    return asyncio.get_running_loop().time()
 
 
 class Connection(asyncio.Protocol):
@@ -118,7 +123,7 @@ class Listener:
         self._factory: Callable[[], asyncio.Protocol] | None = None
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
-        #: Idle connections -> when they became idle (monotonic), oldest first; and the busy
+        #: Idle connections -> when they became idle (:func:`_now`), oldest first; and the busy
         #: ones -> when their request began, oldest first.
         self._idle: dict[Connection, float] = {}
         self._busy: dict[Connection, float] = {}
@@ -171,7 +176,7 @@ class Listener:
         assert conn.transport is not None
         self.accepted += 1
         self._by_transport[conn.transport] = conn
-        self._idle[conn] = time.monotonic()
+        self._idle[conn] = _now()
 
     def lost(self, conn: Connection) -> None:
         if conn.transport is not None:
@@ -185,13 +190,13 @@ class Listener:
     def request_started(self, conn: Connection) -> None:
         conn.requests += 1
         if self._idle.pop(conn, None) is not None:
-            self._busy[conn] = time.monotonic()
+            self._busy[conn] = _now()
 
     def request_done(self, conn: Connection) -> None:
         conn.requests -= 1
         # Not back in the table if it was closed meanwhile (shed, or lost).
         if conn.requests == 0 and self._busy.pop(conn, None) is not None:
-            self._idle[conn] = time.monotonic()  # last in the dict: the newest idle
+            self._idle[conn] = _now()  # last in the dict: the newest idle
 
     # -- closing ------------------------------------------------------------------------------
 
@@ -232,7 +237,7 @@ class Listener:
     async def _reap(self) -> None:
         """Close idle connections ``idle_timeout_s`` after they became idle, oldest first."""
         while True:
-            now = time.monotonic()
+            now = _now()
             deadline = now - self.idle_timeout_s
             while self._idle:
                 conn, since = next(iter(self._idle.items()))
@@ -242,7 +247,7 @@ class Listener:
                 self.idle_closed += 1
             # The first idle connection times out first; any that become idle later, later.
             first = next(iter(self._idle.values()), now)
-            await asyncio.sleep(max(first + self.idle_timeout_s - time.monotonic(), 0.001))
+            await asyncio.sleep(max(first + self.idle_timeout_s - _now(), 0.001))
 
     # -- accepting ----------------------------------------------------------------------------
 

@@ -8,8 +8,7 @@ import contextlib
 import socket
 import struct
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -28,6 +27,7 @@ from kvfsm.control._stages import (
     _Codec,
 )
 from kvfsm.states import KVPoll
+from tests.helpers.waiting import wait_until
 
 B, W, T, S, F = (
     KVPoll.Bootstrapping,
@@ -128,9 +128,8 @@ def test_consensus_from_another_thread_while_the_loop_mutates() -> None:
 
     thread = threading.Thread(target=reader)
     thread.start()
-    deadline = time.monotonic() + 0.3
-    i = 0
-    while time.monotonic() < deadline:
+    # A count, not a stretch of time: the same work on any machine, many GIL switches long.
+    for i in range(30_000):
         book.report(1, i % 128, T)
         book.report(2, i % 128, S)
         if i % 500 == 0:
@@ -138,7 +137,6 @@ def test_consensus_from_another_thread_while_the_loop_mutates() -> None:
             book.joined(2)
         if i % 333 == 0:
             book.drop(i % 128)
-        i += 1
     stop.set()
     thread.join()
     assert not errors
@@ -236,13 +234,18 @@ def test_track_from_another_thread_while_scanning() -> None:
     feed = StageFeed()
     n = 5000
 
+    # Every 50 rooms the scheduler waits for one scan, so that scans and tracks interleave
+    # however the two threads are scheduled.
+    scanned = threading.Event()
+
     def scheduler() -> None:
         for room in range(n):
             feed.track(room, Cell(4 if room % 2 else 2))
             if room % 3 == 0:
                 feed.untrack(room)
             if room % 50 == 0:
-                time.sleep(0.0005)  # let the loop thread scan in between
+                scanned.clear()
+                assert scanned.wait(10), "the loop thread stopped scanning"
 
     hub: dict[int, int] = {}
 
@@ -260,6 +263,7 @@ def test_track_from_another_thread_while_scanning() -> None:
     while thread.is_alive():
         apply(feed.scan())  # type: ignore[arg-type]
         scans += 1
+        scanned.set()
     thread.join()
     apply(feed.scan())  # type: ignore[arg-type]
     live = {room for room in range(n) if room % 3}
@@ -269,14 +273,6 @@ def test_track_from_another_thread_while_scanning() -> None:
 
 
 # --------------------------------------------------------------------------- IO
-
-
-async def until(cond: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
 
 
 class Rig:
@@ -329,19 +325,19 @@ async def test_statuses_flow_and_consensus_converges(secret: bytes | None) -> No
         cells = {(stage, room): Cell(1) for stage in (1, 2) for room in range(20)}
         for (stage, room), cell in cells.items():
             (f1 if stage == 1 else f2).track(room, cell)
-        await until(lambda: r.hub.feeds == {1, 2})
-        await until(lambda: r.book.rooms(1) == r.book.rooms(2) == 20)
+        await wait_until(lambda: r.hub.feeds == {1, 2})
+        await wait_until(lambda: r.book.rooms(1) == r.book.rooms(2) == 20)
         assert r.book.consensus(3, S) == (B, "")
         for room in range(20):
             cells[1, room].status = 3
             cells[2, room].status = 4
-        await until(lambda: all(r.book.consensus(room, S) == (T, "") for room in range(20)))
+        await wait_until(lambda: all(r.book.consensus(room, S) == (T, "") for room in range(20)))
         cells[2, 5].status = 0  # terminal Success is final in the feed; this is a new sender
         f2.untrack(5)
         f2.track(5, cells[2, 5])
-        await until(lambda: r.book.consensus(5, S) == (F, "failed on PP stage 2"))
+        await wait_until(lambda: r.book.consensus(5, S) == (F, "failed on PP stage 2"))
         f1.untrack(0)
-        await until(lambda: r.book.rooms(1) == 19)
+        await wait_until(lambda: r.book.rooms(1) == 19)
         assert r.hub.stats["refused"] == 0
 
 
@@ -352,16 +348,16 @@ async def test_a_killed_link_fails_consensus_and_a_restart_restores_it() -> None
         f2, _, _ = r.link(2)
         f1.track(1, Cell(3))
         f2.track(1, Cell(3))
-        await until(lambda: r.book.consensus(1, S) == (T, ""))
+        await wait_until(lambda: r.book.consensus(1, S) == (T, ""))
         t1.cancel()  # the stage's task dies: its socket closes
-        await until(lambda: r.book.consensus(1, S)[0] == F)
+        await wait_until(lambda: r.book.consensus(1, S)[0] == F)
         _, reason = r.book.consensus(1, S)
         assert reason.startswith("PP stage 1 lost: connection closed")
         # A restarted stage 1 with a new sender: its snapshot restores consensus.
         g1, _, _ = r.link(1)
         g1.track(2, Cell(4))
         f2.track(2, Cell(4))
-        await until(lambda: r.book.consensus(2, S) == (S, ""))
+        await wait_until(lambda: r.book.consensus(2, S) == (S, ""))
         assert r.book.consensus(1, S) == (B, "")  # the old room's report is gone
 
 
@@ -375,10 +371,10 @@ async def test_a_silent_feed_is_lost_and_its_link_reconnects_with_a_snapshot(
         r.link(2)
         f1.track(9, Cell(4))
         with caplog.at_level("WARNING", logger="kvfsm.stages"):
-            await until(lambda: r.book.rooms(1) == 1 and r.hub.feeds == {1, 2})
-            await until(lambda: link.stats["losses"] >= 1 and link.stats["connects"] >= 2)
+            await wait_until(lambda: r.book.rooms(1) == 1 and r.hub.feeds == {1, 2})
+            await wait_until(lambda: link.stats["losses"] >= 1 and link.stats["connects"] >= 2)
             # The hub closed it; it reconnected and its snapshot restored room 9.
-            await until(lambda: r.book.rooms(1) == 1)
+            await wait_until(lambda: r.book.rooms(1) == 1)
         assert "PP stage 1 lost: silent for 0.15s" in caplog.text
         assert r.book.consensus(9, S) == (B, "")  # stage 2 (up) has not reported room 9
         assert r.hub.stats["lost"] >= 1
@@ -430,7 +426,7 @@ async def test_hostile_connections_leave_a_good_link_alone() -> None:
             cell = Cell(2)
             f1.track(1, cell)
             f2.track(1, Cell(3))
-            await until(lambda: r.book.consensus(1, S) == (W, ""))
+            await wait_until(lambda: r.book.consensus(1, S) == (W, ""))
             socks += [
                 await raw(r.port, b"\x00\x00\x00\x05garbage-garbage"),
                 await raw(r.port, struct.pack(">I", 2**31) + b"x" * 100),  # oversized length
@@ -441,12 +437,12 @@ async def test_hostile_connections_leave_a_good_link_alone() -> None:
                 await raw(r.port, hello_bytes(1, secret=SECRET)),  # signed, hub has no secret
             ]
             socks += [await raw(r.port) for _ in range(100)]  # never say hello
-            await until(
+            await wait_until(
                 lambda: r.hub.stats["shed"] + r.hub.stats["refused"] >= 107,
-                within=SILENT_HELLO_S + 5,
+                timeout=SILENT_HELLO_S + 5,
             )
             cell.status = 3
-            await until(lambda: r.book.consensus(1, S) == (T, ""))
+            await wait_until(lambda: r.book.consensus(1, S) == (T, ""))
             assert link.stats["losses"] == 0
             assert r.hub.feeds == {1, 2}
             assert r.hub.stats["shed"] >= 100 - 64
@@ -460,20 +456,20 @@ async def test_a_duplicate_stage_replaces_the_older_connection() -> None:
     async with rig() as r:
         f1, old, old_task = r.link(1)
         f1.track(1, Cell(3))
-        await until(lambda: r.book.rooms(1) == 1)
+        await wait_until(lambda: r.book.rooms(1) == 1)
         first = r.hub._feeds[1]
         f2, _, _ = r.link(2)
         f2.track(2, Cell(4))
         g1, _, _ = r.link(1)  # a second process claiming stage 1
         g1.track(2, Cell(4))
-        await until(lambda: r.hub.stats["replaced"] >= 1)
+        await wait_until(lambda: r.hub.stats["replaced"] >= 1)
         assert r.hub._feeds[1] is not first
-        await until(lambda: old.stats["losses"] >= 1)  # the hub closed the older connection
+        await wait_until(lambda: old.stats["losses"] >= 1)  # the hub closed the older connection
         # Replacement is a rejoin, never a loss: stage 1 never read Failed meanwhile.
         assert r.book.stats["lost"] == 0
         old_task.cancel()
         # The newer connection's reports alone remain (once the old one's last retry is gone).
-        await until(lambda: r.book.consensus(2, S) == (S, "") and r.book.rooms(1) == 1)
+        await wait_until(lambda: r.book.consensus(2, S) == (S, "") and r.book.rooms(1) == 1)
         assert r.book.consensus(1, S) == (B, "")
 
 
@@ -482,7 +478,7 @@ async def test_with_a_secret_wrong_secrets_and_bad_macs_are_refused() -> None:
     async with rig(SECRET, hello_timeout_s=0.3, liveness_factor=PATIENT) as r:
         f1, good, _ = r.link(1, liveness_factor=PATIENT)
         f1.track(1, Cell(3))
-        await until(lambda: r.book.rooms(1) == 1)
+        await wait_until(lambda: r.book.rooms(1) == 1)
         _, wrong, _ = r.link(2, secret=b"another secret of 32 bytes......")
         unsigned = await raw(r.port, hello_bytes(2))
         forged = bytearray(hello_bytes(2, secret=SECRET))
@@ -490,7 +486,7 @@ async def test_with_a_secret_wrong_secrets_and_bad_macs_are_refused() -> None:
         bad_mac = await raw(r.port, bytes(forged))
         # A genuine hello replayed by a stranger: it verifies, but no key confirmation follows.
         replay = await raw(r.port, hello_bytes(2, secret=SECRET))
-        await until(lambda: r.hub.stats["refused"] >= 4 and wrong.stats["losses"] >= 1)
+        await wait_until(lambda: r.hub.stats["refused"] >= 4 and wrong.stats["losses"] >= 1)
         assert r.hub.feeds == {1}
         assert wrong.stats["connects"] == 0  # its handshakes never completed
         assert r.book.consensus(1, S) == (B, "")  # stage 2 never joined

@@ -30,6 +30,7 @@ import msgspec
 import pytest
 
 from kvfsm.registry import BootstrapClient, BootstrapServer, ConnectionStats, RankInfo
+from tests.helpers.waiting import wait_until
 
 ENGINE = "prefill-a"
 HELPER = Path(__file__).resolve().parent.parent / "helpers" / "registry_process.py"
@@ -202,19 +203,13 @@ def still_open(sock: socket.socket) -> bool:
         return False
 
 
-async def until(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def until_quiet(child: Child) -> None:
     """Until the child holds no connection (the descriptors of those just closed too)."""
-    deadline = time.monotonic() + 10.0
-    while (await child.stats()).open > 0:
-        assert time.monotonic() < deadline, "the registry still holds connections"
-        await asyncio.sleep(0.05)
+
+    async def quiet() -> bool:
+        return (await child.stats()).open == 0
+
+    await wait_until(quiet, timeout=10, message="the registry to hold no connection")
 
 
 async def raw_connection(port: int) -> socket.socket:
@@ -284,10 +279,13 @@ async def test_accept_errors_are_counted_and_the_listener_serves_on(loop: list[s
             await until_quiet(child)
             assert (await child.command("hog"))["hogged"] > 0
             pending = asyncio.ensure_future(timed_get(child.url + "/health", timeout_s=30.0))
-            await asyncio.sleep(0.5)
-            assert not pending.done()  # it cannot be accepted: no descriptor is left
-            errors_while_hogged = (await child.stats()).accept_errors - stats.accept_errors
-            assert errors_while_hogged > 0
+
+            async def refused_while_hogged() -> bool:
+                return (await child.stats()).accept_errors > stats.accept_errors
+
+            # The listener tried to accept it and could not: no descriptor is left.
+            await wait_until(refused_while_hogged, timeout=10)
+            assert not pending.done()
             await child.command("release")
             status, ms = await pending
             print(f"/health queued while out of descriptors answered {ms:.0f} ms after sending")
@@ -304,6 +302,7 @@ async def test_accept_errors_are_counted_and_the_listener_serves_on(loop: list[s
 
 
 @pytest.mark.asyncio
+@pytest.mark.looptime  # the idle timeout, the trickle and the client's pace on the loop's clock
 async def test_idle_and_slow_connections_are_closed_after_the_idle_timeout() -> None:
     async with (
         BootstrapServer(expected_ranks=1, idle_timeout_s=1.0) as server,
@@ -385,7 +384,7 @@ async def test_a_client_that_does_not_read_its_answer_is_cut_off() -> None:
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         reader.connect(("127.0.0.1", server.port))
         reader.sendall(f"GET /v1/ranks?engine={ENGINE} HTTP/1.1\r\nHost: registry\r\n\r\n".encode())
-        await until(lambda: server.stats.request_timeouts == 1)
+        await wait_until(lambda: server.stats.request_timeouts == 1)
         assert server.stats.busy == 0
         # Reading now drains what the kernel held, then the connection ends, short of the answer.
         reader.setblocking(False)
@@ -407,7 +406,7 @@ async def test_beyond_the_cap_the_connection_idle_longest_is_shed() -> None:
         BootstrapClient(server.url) as client,
     ):
         socks = [await raw_connection(server.port) for _ in range(4)]
-        await until(lambda: server.stats.open == 4)
+        await wait_until(lambda: server.stats.open == 4)
         health = await client.health()
         # The client's connection was the fifth: the first one opened went to make room.
         assert health.connections is not None
@@ -437,7 +436,7 @@ async def test_when_every_connection_is_busy_the_longest_busy_is_shed() -> None:
             sock = await raw_connection(server.port)
             sock.send(b"PUT /v1/ranks HTTP/1.1\r\nHost: registry\r\nContent-Length: 100\r\n\r\n")
             slow.append(sock)
-            await until(lambda n=n: server.stats.busy == n)  # type: ignore[misc]
+            await wait_until(lambda n=n: server.stats.busy == n)  # type: ignore[misc]
         # A newcomer is not refused: the one busy the longest makes room.
         assert not (await client.health()).ready
         assert await eof_within(slow[0], 10.0)
