@@ -16,7 +16,7 @@ import pytest
 from kvfsm.chaos._campaign import _Campaign, run_campaign
 from kvfsm.chaos._options import CampaignOptions
 from kvfsm.chaos._plan import ControlRates, TransferRates
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +118,7 @@ def test_a_long_freeze_waits_for_chunks_in_flight_only_while_rooms_still_move(
         retry = campaign._act("long_freeze", "prefill", 0, {"prefill": rank}, stopped, set())  # type: ignore[dict-item]
         if frozen:
             assert retry is None
-            wait_for(lambda: _state(prefill.pid) == "T", timeout=10)
+            wait_until_sync(lambda: _state(prefill.pid) == "T", timeout=10)
             assert campaign.tally.long_freezes
             assert "prefill" in stopped
             assert campaign.tally.long_freezes_in_flight == 0

@@ -19,7 +19,7 @@ from kvfsm.states import TERMINAL
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.prefill_process import SHAPE, fill_sources
 from tests.helpers.registry import running_registry
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 FRAMES = [struct.pack(">I", 5) + bytes([i]) * 5 for i in range(6)]
 
@@ -44,7 +44,6 @@ async def through_proxy(rates: ControlRates, frames: list[bytes]) -> bytes:
         for frame in frames:
             writer.write(frame)
             await writer.drain()
-            await asyncio.sleep(0.01)
     except ConnectionError:
         pass  # the proxy cut the connection (cut, truncate)
     writer.close()
@@ -141,7 +140,7 @@ def test_a_corrupted_frame_is_refused_with_a_clear_error(
     pairs.append(pair)
     receiver = pair.decode.receiver(7)
     receiver.init(0)
-    wait_for(lambda: receiver.poll() in TERMINAL, timeout=30)
+    wait_until_sync(lambda: receiver.poll() in TERMINAL, timeout=30)
     assert receiver.poll() is KVPoll.Failed
     assert "peer lost" in receiver.reason  # the link was refused: no room was bound to it
     assert pair.proxy.stats()["to_prefill:corrupt"] >= 1
@@ -160,16 +159,16 @@ def test_duplicated_frames_to_decode_resurrect_nothing(
     receiver = pair.decode.receiver(8)
     receiver.init(0)
     sender = pair.prefill.sender(8)
-    wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
     receiver.send_metadata(np.asarray([3, 4], np.int32), aux_index=1)
-    wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping, timeout=10)
+    wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping, timeout=10)
     if sender.poll() is KVPoll.WaitingForInput:
         sender.init(2, aux_index=0)
         sender.send(np.asarray([1, 2], np.int32))
-    wait_for(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=30)
-    wait_for(lambda: receiver.settled and sender.settled, timeout=30)
+    wait_until_sync(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=30)
+    wait_until_sync(lambda: receiver.settled and sender.settled, timeout=30)
     first = (receiver.poll(), sender.poll())
-    wait_for(lambda: pair.proxy.stats().get("to_decode:duplicate", 0) >= 4, timeout=10)
+    wait_until_sync(lambda: pair.proxy.stats().get("to_decode:duplicate", 0) >= 4, timeout=10)
     assert (receiver.poll(), sender.poll()) == first  # terminal is final
 
 
@@ -187,15 +186,15 @@ def test_a_duplicated_page_list_does_not_settle_pages_still_written(
     receiver = pair.decode.receiver(9)
     receiver.init(0)
     sender = pair.prefill.sender(9)
-    wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
     dst = [5, 6]
     receiver.send_metadata(np.asarray(dst, np.int32), aux_index=2)
-    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
     # Both copies have reached prefill's plane once a lease grant sent after them has: the proxy
     # writes a frame and its copy back to back, and the stream keeps its order. The copy was
     # dropped by the routing core as a repeat (counted stale), not refused as a duplicate id.
     granted = pair.prefill.stats()["control"]["leases_granted"]
-    wait_for(lambda: pair.prefill.stats()["control"]["leases_granted"] > granted, timeout=10)
+    wait_until_sync(lambda: pair.prefill.stats()["control"]["leases_granted"] > granted, timeout=10)
     control = pair.prefill.stats()["control"]
     assert control["stale_frames"] >= 1
     assert control["duplicates_refused"] == 0
@@ -204,7 +203,7 @@ def test_a_duplicated_page_list_does_not_settle_pages_still_written(
     src = [1, 2]
     sender.init(len(src), aux_index=0)
     sender.send(np.asarray(src, np.int32))
-    wait_for(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=30)
+    wait_until_sync(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=30)
     assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
     for got, want in zip(pair.dst_kv, pair.src_kv, strict=True):
         assert np.array_equal(got[dst], want[src])
@@ -223,10 +222,10 @@ def test_with_a_secret_a_repeated_frame_costs_the_link_and_the_room_still_settle
     pairs.append(pair)
     receiver = pair.decode.receiver(10)
     receiver.init(0)
-    wait_for(lambda: receiver.poll() in TERMINAL, timeout=30)
+    wait_until_sync(lambda: receiver.poll() in TERMINAL, timeout=30)
     assert receiver.poll() is KVPoll.Failed
     assert "peer lost" in receiver.reason
-    wait_for(lambda: receiver.settled, timeout=10)
+    wait_until_sync(lambda: receiver.settled, timeout=10)
     assert pair.proxy.stats().get("to_prefill:duplicate", 0) >= 1
     # The first repeat is the key confirmation's or a room frame's: the connection dies in its
     # handshake (nothing registered) or as a link.

@@ -32,7 +32,7 @@ from kvfsm.chaos._plan import ControlRates, TransferRates
 from kvfsm.chaos._rank import _CANARY, _Live, _Rank
 from kvfsm.states import KVPoll
 from kvfsm.workload.loop import Phase
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 # -- scheduling, without processes ---------------------------------------------------------
 
@@ -124,7 +124,7 @@ def test_a_decode_freeze_waits_for_writes_it_can_catch(
         assert _state(sleeper) != "T"
         return
     assert retry is None
-    wait_for(lambda: _state(sleeper) == "T", timeout=10)
+    wait_until_sync(lambda: _state(sleeper) == "T", timeout=10)
     assert stopped["decode"] - time.monotonic() == pytest.approx(10.0, abs=1.0)
     assert campaign.decode_frozen
     assert tally.decode_freezes == [10.0]

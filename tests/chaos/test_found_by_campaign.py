@@ -23,7 +23,7 @@ from kvfsm.rooms import RoomConfig
 from kvfsm.workload.buffers import make_buffers, make_layout
 from tests.helpers.prefill_process import SHAPE, fill_sources
 from tests.helpers.registry import running_registry
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 CHANNEL = ChannelConfig(heartbeat_s=0.25, connect_timeout_s=2.0)
 #: Short, so that a room that cannot settle gives up within the test.
@@ -103,7 +103,7 @@ def test_a_page_list_applied_after_its_link_was_lost_still_settles(
     _, decode = pair
     receiver = decode.receiver(3)
     receiver.init(0)
-    wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
     control, engine = decode.control, decode.engine
     assert control is not None
     assert engine is not None
@@ -114,10 +114,10 @@ def test_a_page_list_applied_after_its_link_was_lost_still_settles(
 
     receiver.send_metadata(np.asarray([5, 6], np.int32), aux_index=1)
     engine._thread.post(lose_links)  # the same drain as the delivery, after it
-    wait_for(lambda: receiver.poll() is KVPoll.Failed, timeout=5)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=5)
     assert "peer lost" in receiver.reason
     # Nothing went out: it could settle at once; at the latest when a lost link's rooms do.
-    wait_for(lambda: receiver.settled, timeout=CHANNEL.settle_after_loss_s + 2.0)
+    wait_until_sync(lambda: receiver.settled, timeout=CHANNEL.settle_after_loss_s + 2.0)
 
 
 @pytest.fixture
@@ -153,14 +153,14 @@ def test_a_page_list_over_the_frame_limit_settles_when_prefill_has_claimed_the_r
     sender = prefill.sender(4)
     receiver = decode.receiver(4)
     receiver.init(0)
-    wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
     pages = np.arange(SHAPE.num_pages, SHAPE.num_pages + 4_250_000, dtype=np.int32)
     receiver.send_metadata(pages, aux_index=1)
-    wait_for(lambda: receiver.poll() is KVPoll.Failed, timeout=5)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=5)
     assert "frame limit" in receiver.reason
-    wait_for(lambda: sender.poll() is KVPoll.Failed, timeout=5)
+    wait_until_sync(lambda: sender.poll() is KVPoll.Failed, timeout=5)
     # Nothing was sent and nothing written: it can settle as soon as prefill has heard.
-    wait_for(lambda: receiver.settled, timeout=3.0)
+    wait_until_sync(lambda: receiver.settled, timeout=3.0)
 
 
 @pytest.fixture
@@ -187,13 +187,13 @@ def test_a_data_path_disconnect_tells_decode_why_its_room_failed(
     sender = prefill.sender(4)
     receiver = decode.receiver(4)
     receiver.init(0)
-    wait_for(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
     receiver.send_metadata(np.asarray([3, 4], np.int32), aux_index=1)
-    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
+    wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
     sender.init(2, aux_index=0)
     sender.send(np.asarray([1, 2], np.int32))
-    wait_for(lambda: sender.poll() is KVPoll.Failed, timeout=10)
+    wait_until_sync(lambda: sender.poll() is KVPoll.Failed, timeout=10)
     assert "remote disconnect" in sender.reason
-    wait_for(lambda: receiver.poll() is KVPoll.Failed, timeout=10)
-    wait_for(lambda: receiver.settled, timeout=10)  # safe either way
+    wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=10)
+    wait_until_sync(lambda: receiver.settled, timeout=10)  # safe either way
     assert "remote disconnect" in receiver.reason, receiver.reason

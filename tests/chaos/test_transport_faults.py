@@ -21,7 +21,7 @@ from kvfsm.transport import Agent, NixlTransport, TransferConfig
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, page_digests
 from kvfsm.workload.peer import PeerProcess
 from tests.helpers.transport import RecordingControl
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 SHAPE = Shape(layers=2, num_pages=64, page_bytes=1024, aux_rows=8, aux_row_bytes=64)
 QUARANTINE_S = 3.0
@@ -59,7 +59,7 @@ class FaultyPrefill:
         sender = self.engine.sender(room)
         packed = np.asarray(dst, np.int32).tobytes()
         self.engine.post(sender.key, DestinationReceived(packed, 1, peer="decode"))
-        wait_for(lambda: sender.poll() is not KVPoll.Bootstrapping)
+        wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping)
         sender.init(len(src), 0)
         sender.send(np.asarray(src, np.int32))
         return sender
@@ -88,8 +88,8 @@ def run_one(made: list[FaultyPrefill], peer: PeerProcess, rates: TransferRates) 
     prefill = FaultyPrefill(peer, rates)
     made.append(prefill)
     sender = prefill.room(1, [1, 2, 3], [10, 11, 12])
-    wait_for(lambda: sender.poll() in TERMINAL, timeout=30)
-    wait_for(lambda: sender.settled, timeout=30)
+    wait_until_sync(lambda: sender.poll() in TERMINAL, timeout=30)
+    wait_until_sync(lambda: sender.settled, timeout=30)
     return sender
 
 
@@ -119,13 +119,13 @@ def test_a_never_completing_handle_stalls_then_settles_after_quarantine(
     prefill = FaultyPrefill(peer, TransferRates(never_complete=1.0))
     make.append(prefill)
     sender = prefill.room(2, [4, 5], [20, 21])
-    wait_for(lambda: sender.poll() in TERMINAL, timeout=30)
+    wait_until_sync(lambda: sender.poll() in TERMINAL, timeout=30)
     # Failed at the chunk deadline, while the released WRITE is still quarantined: its pages
     # are not settled yet (the quarantine is 3 s; the room failed at most a moment ago).
     assert sender.poll() is KVPoll.Failed
     assert "stalled" in sender.reason
     assert not sender.settled
-    wait_for(lambda: sender.settled, timeout=30)
+    wait_until_sync(lambda: sender.settled, timeout=30)
     assert prefill.transport.stats.chunks_stalled == 1
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +16,7 @@ from kvfsm.states import TERMINAL, KVPoll
 from tests.helpers.control import FAST, Decode
 from tests.helpers.prefill_process import PrefillProcess
 from tests.helpers.registry import running_registry
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_until_sync
 
 
 @pytest.fixture
@@ -45,12 +44,12 @@ def test_rooms_exchange_metadata_move_bytes_and_report_success(
             prefill.ask("send", room, src, 1 + room % 3, room + 1)
             receiver = decode.receive(room, dst, aux_row=room)
         plans.append((receiver, src, dst, room + 1, room))
-    wait_for(lambda: all(r.poll() in TERMINAL for r, *_ in plans), timeout=20)
+    wait_until_sync(lambda: all(r.poll() in TERMINAL for r, *_ in plans), timeout=20)
     for receiver, src, dst, src_aux, dst_aux in plans:
         assert receiver.poll() is KVPoll.Success, receiver.reason
         assert decode.landed(src, dst, src_aux, dst_aux)
         assert prefill.ask("status", receiver.room)[0] == KVPoll.Success
-    wait_for(lambda: decode.engine.stats()["live"] == 0)
+    wait_until_sync(lambda: decode.engine.stats()["live"] == 0)
 
 
 def test_decode_abort_reaches_prefill_and_is_acknowledged(
@@ -61,11 +60,11 @@ def test_decode_abort_reaches_prefill_and_is_acknowledged(
     receiver.abort("client went away")
     assert receiver.poll() is KVPoll.Failed
     prefill.ask("send", 1, [3, 4], 1, 0)
-    wait_for(lambda: prefill.ask("status", 1)[0] == KVPoll.Failed, timeout=10)
+    wait_until_sync(lambda: prefill.ask("status", 1)[0] == KVPoll.Failed, timeout=10)
     _, reason, _ = prefill.ask("status", 1)
     assert reason.startswith("aborted (peer)")
     assert "client went away" in reason
-    wait_for(lambda: receiver.settled, timeout=10)  # the prefill's RoomSettled came back
+    wait_until_sync(lambda: receiver.settled, timeout=10)  # the prefill's RoomSettled came back
 
 
 def test_prefill_abort_fails_the_decode_room(pair: tuple[PrefillProcess, Decode]) -> None:
@@ -73,10 +72,10 @@ def test_prefill_abort_fails_the_decode_room(pair: tuple[PrefillProcess, Decode]
     prefill.ask("send", 5, [1, 2, 3], 1, 0)
     prefill.ask("abort", 5)
     receiver = decode.receive(5, [7, 8, 9], aux_row=1)
-    wait_for(lambda: receiver.poll() is KVPoll.Failed, timeout=10)
+    wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=10)
     assert "peer failed" in receiver.reason
     assert "prefill aborted it" in receiver.reason
-    wait_for(lambda: receiver.settled, timeout=10)
+    wait_until_sync(lambda: receiver.settled, timeout=10)
 
 
 @pytest.fixture
@@ -108,21 +107,23 @@ def test_prefill_found_through_the_registry_killed_then_restarted(registry_url: 
     try:
         warm = decode.receive(1, [1], aux_row=0)
         prefill.ask("send", 1, [2], 1, 0)
-        wait_for(lambda: warm.poll() is KVPoll.Success, timeout=10)
+        wait_until_sync(lambda: warm.poll() is KVPoll.Success, timeout=10)
         waiting = [decode.receive(10 + i, [20 + i], aux_row=i) for i in range(4)]
         prefill.kill()
-        wait_for(lambda: all(r.poll() is KVPoll.Failed for r in waiting), timeout=10)
+        wait_until_sync(lambda: all(r.poll() is KVPoll.Failed for r in waiting), timeout=10)
         # The loss failed them, not their deadlines (benchmarks/peer_loss.py times it).
         assert all("peer lost" in r.reason for r in waiting)
         # Their pages settle once the last write lease the lost link granted has run out, not
         # after a guess of how long a dead prefill might still write.
-        wait_for(lambda: all(r.settled for r in waiting), timeout=FAST.settle_after_loss_s + 5)
+        wait_until_sync(
+            lambda: all(r.settled for r in waiting), timeout=FAST.settle_after_loss_s + 5
+        )
 
         # The restarted rank registers its new port and incarnation; decode finds it again.
         prefill = PrefillProcess(FAST, registry_url)
         fresh = decode.receive(50, [60, 61], aux_row=3)
         prefill.ask("send", 50, [70, 71], 2, 4)
-        wait_for(lambda: fresh.poll() in TERMINAL, timeout=15)
+        wait_until_sync(lambda: fresh.poll() in TERMINAL, timeout=15)
         assert fresh.poll() is KVPoll.Success, fresh.reason
         assert decode.landed([70, 71], [60, 61], 4, 3)
     finally:
@@ -137,10 +138,13 @@ def test_garbage_on_the_listener_never_hurts_the_engine(
     for payload in (b"\x00\x00\x00\x05hello", b"\xff" * 64, b"\x7f\xff\xff\xff", b""):
         with socket.create_connection(("127.0.0.1", prefill.port), timeout=5) as sock:
             sock.sendall(payload)
-            time.sleep(0.05)
+            # Our end of the stream, then prefill's: it has read the garbage and hung up.
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(1 << 16):
+                pass
     receiver = decode.receive(3, [5], aux_row=2)
     prefill.ask("send", 3, [6], 1, 2)
-    wait_for(lambda: receiver.poll() in TERMINAL, timeout=10)
+    wait_until_sync(lambda: receiver.poll() in TERMINAL, timeout=10)
     assert receiver.poll() is KVPoll.Success, receiver.reason
 
 
@@ -157,11 +161,11 @@ def test_with_a_secret_unsigned_peers_are_refused() -> None:
         for outsider in (stranger, forger):
             refused = outsider.engine.receiver(1)
             refused.init(0)
-            wait_for(lambda: refused.poll() is KVPoll.Failed, timeout=10)  # noqa: B023
+            wait_until_sync(lambda: refused.poll() is KVPoll.Failed, timeout=10)  # noqa: B023
             assert "peer lost" in refused.reason
         accepted = friend.receive(2, [4], aux_row=0)
         prefill.ask("send", 2, [5], 1, 0)
-        wait_for(lambda: accepted.poll() in TERMINAL, timeout=10)
+        wait_until_sync(lambda: accepted.poll() in TERMINAL, timeout=10)
         assert accepted.poll() is KVPoll.Success, accepted.reason
     finally:
         stranger.close()
@@ -177,7 +181,7 @@ def test_a_stopped_prefill_is_lost_within_twice_the_heartbeat(
     waiting = [decode.receive(10 + i, [20 + i], aux_row=i) for i in range(3)]
     os.kill(prefill.pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: all(r.poll() is KVPoll.Failed for r in waiting), timeout=10)
+        wait_until_sync(lambda: all(r.poll() is KVPoll.Failed for r in waiting), timeout=10)
     finally:
         os.kill(prefill.pid, signal.SIGCONT)
     # Heartbeat silence is the only sign here: the liveness detector failed them, at its own
@@ -194,11 +198,11 @@ def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
         prefill.ask("hold", 8)
         cut = decode.receive(7, [1, 2], aux_row=0)
         graceful = decode.receive(8, [3], aux_row=1)
-        wait_for(lambda: prefill.ask("status", 7)[0] == KVPoll.WaitingForInput, timeout=10)
-        wait_for(lambda: prefill.ask("status", 8)[0] == KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: prefill.ask("status", 7)[0] == KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: prefill.ask("status", 8)[0] == KVPoll.WaitingForInput, timeout=10)
         # The connection is cut without a goodbye: prefill notices the closed socket.
         decode.engine.call(decode.control.drop_links("test cut the connection"))
-        wait_for(lambda: prefill.ask("status", 7)[0] == KVPoll.Failed, timeout=10)
+        wait_until_sync(lambda: prefill.ask("status", 7)[0] == KVPoll.Failed, timeout=10)
         assert "peer lost" in prefill.ask("status", 7)[1]
         assert "peer lost" in prefill.ask("status", 8)[1]
         assert cut.poll() is KVPoll.Failed
@@ -208,7 +212,7 @@ def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
         try:
             fresh = restarted.receive(70, [40, 41], aux_row=5)
             prefill.ask("send", 70, [50, 51], 2, 6)
-            wait_for(lambda: fresh.poll() in TERMINAL, timeout=10)
+            wait_until_sync(lambda: fresh.poll() in TERMINAL, timeout=10)
             assert fresh.poll() is KVPoll.Success, fresh.reason
             assert restarted.landed([50, 51], [40, 41], 6, 5)
         finally:
@@ -224,9 +228,9 @@ def test_a_decode_shutting_down_aborts_its_rooms_on_prefill() -> None:
     try:
         prefill.ask("hold", 9)
         decode.receive(9, [4], aux_row=0)
-        wait_for(lambda: prefill.ask("status", 9)[0] == KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: prefill.ask("status", 9)[0] == KVPoll.WaitingForInput, timeout=10)
         decode.close()  # engine shutdown aborts live rooms; the aborts reach prefill first
-        wait_for(lambda: prefill.ask("status", 9)[0] == KVPoll.Failed, timeout=10)
+        wait_until_sync(lambda: prefill.ask("status", 9)[0] == KVPoll.Failed, timeout=10)
         assert "engine shutting down" in prefill.ask("status", 9)[1]
     finally:
         prefill.close()
@@ -242,7 +246,7 @@ def test_two_decode_instances_with_the_same_rank_share_one_prefill(
         b = second.receive(2, [11], aux_row=1)
         prefill.ask("send", 1, [20], 1, 2)
         prefill.ask("send", 2, [21], 1, 3)
-        wait_for(lambda: a.poll() in TERMINAL and b.poll() in TERMINAL, timeout=10)
+        wait_until_sync(lambda: a.poll() in TERMINAL and b.poll() in TERMINAL, timeout=10)
         assert a.poll() is KVPoll.Success, a.reason
         assert b.poll() is KVPoll.Success, b.reason
         assert first.landed([20], [10], 2, 0)
@@ -255,9 +259,9 @@ def test_decode_abort_before_the_prefill_room_exists(pair: tuple[PrefillProcess,
     prefill, decode = pair
     receiver = decode.receive(31, [12, 13], aux_row=0)  # prefill holds these pages: no room yet
     receiver.abort("gave up early")
-    wait_for(lambda: receiver.settled, timeout=10)  # acknowledged: nothing was written
+    wait_until_sync(lambda: receiver.settled, timeout=10)  # acknowledged: nothing was written
     prefill.ask("send", 31, [1, 2], 1, 0)  # the prefill room arrives late
-    wait_for(lambda: prefill.ask("status", 31)[0] == KVPoll.Failed, timeout=10)
+    wait_until_sync(lambda: prefill.ask("status", 31)[0] == KVPoll.Failed, timeout=10)
     assert "gave up early" in prefill.ask("status", 31)[1]
 
 
@@ -269,14 +273,14 @@ def test_a_duplicate_room_id_from_another_decode_is_refused_not_merged(
     try:
         # Both decode instances reserve pages for room 77 before prefill has it ...
         held = first.receive(77, [30], aux_row=0)
-        wait_for(lambda: prefill.ask("stats")["frames_in"] >= 1, timeout=10)
+        wait_until_sync(lambda: prefill.ask("stats")["frames_in"] >= 1, timeout=10)
         dup = second.receive(77, [31], aux_row=1)
-        wait_for(lambda: dup.poll() is KVPoll.Failed, timeout=10)
+        wait_until_sync(lambda: dup.poll() is KVPoll.Failed, timeout=10)
         assert "duplicate room id 77" in dup.reason
-        wait_for(lambda: dup.settled, timeout=10)
+        wait_until_sync(lambda: dup.settled, timeout=10)
         # ... and the first keeps its claim: prefill's room 77 writes into its pages only.
         prefill.ask("send", 77, [40], 1, 2)
-        wait_for(lambda: held.poll() in TERMINAL, timeout=10)
+        wait_until_sync(lambda: held.poll() in TERMINAL, timeout=10)
         assert held.poll() is KVPoll.Success, held.reason
         assert first.landed([40], [30], 2, 0)
     finally:
@@ -289,9 +293,9 @@ def test_a_bound_room_refuses_a_second_receiver(pair: tuple[PrefillProcess, Deco
     try:
         prefill.ask("hold", 78)  # bound to the first receiver, never sent
         bound = first.receive(78, [33], aux_row=0)
-        wait_for(lambda: prefill.ask("status", 78)[0] == KVPoll.WaitingForInput, timeout=10)
+        wait_until_sync(lambda: prefill.ask("status", 78)[0] == KVPoll.WaitingForInput, timeout=10)
         dup = second.receive(78, [34], aux_row=1)
-        wait_for(lambda: dup.poll() is KVPoll.Failed, timeout=10)
+        wait_until_sync(lambda: dup.poll() is KVPoll.Failed, timeout=10)
         assert "duplicate room id 78" in dup.reason
         assert prefill.ask("status", 78)[0] == KVPoll.WaitingForInput  # unharmed
         assert bound.poll() is KVPoll.Transferring

@@ -115,10 +115,13 @@ def test_a_decode_stalled_past_its_silence_limit_keeps_its_healthy_links(stall_s
     try:
         receiver = decode.receive(7, [0, 1, 2, 3], aux_row=0)
         if stall_s:
+            stalls = decode.control.stats["own_stalls"]
             _stall(decode, stall_s)
-            # Real time on purpose: the stall is the loop thread held for that long; then a
-            # few watchdog ticks judge the link before prefill sends.
-            time.sleep(stall_s + 0.3)
+            # The watchdog's first tick after the stall sees it; then three more heartbeats are
+            # read (and the link judged at every tick between them) before prefill sends.
+            wait_until_sync(lambda: decode.control.stats["own_stalls"] > stalls, timeout=10)
+            frames = decode.control.stats["frames_in"]
+            wait_until_sync(lambda: decode.control.stats["frames_in"] >= frames + 3, timeout=10)
         prefill.ask("send", 7, [10, 11, 12, 13], 2, 1)
         wait_until_sync(lambda: receiver.poll() in TERMINAL, timeout=10)
         assert receiver.poll() is KVPoll.Success, receiver.reason

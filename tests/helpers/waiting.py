@@ -29,7 +29,6 @@ __all__ = [
     "ConditionTimeoutError",
     "stays_true",
     "stays_true_sync",
-    "wait_for",
     "wait_until",
     "wait_until_sync",
 ]
@@ -149,8 +148,3 @@ async def stays_true(
         if left <= 0:
             return
         await asyncio.sleep(min(interval, left))
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 20.0) -> None:
-    """:func:`wait_until_sync` under the name and signature some test modules still import."""
-    wait_until_sync(predicate, timeout=timeout)

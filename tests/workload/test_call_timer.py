@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvfsm.workload.call_timer import CallTimer, Timed
+from tests.helpers.waiting import wait_until_sync
 
 SCHEDSTAT = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
@@ -29,6 +30,12 @@ def _spin(seconds: float) -> None:
 _BURN = (
     "import time\nuntil = time.monotonic() + {seconds}\nwhile time.monotonic() < until:\n    pass"
 )
+
+
+def _cpu_s(pid: int) -> float:
+    """User plus system CPU seconds a process has used (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_own_time_is_wall_less_queued_and_never_negative() -> None:
@@ -65,7 +72,8 @@ def test_waiting_for_a_cpu_held_by_other_processes_is_subtracted() -> None:
     code = _BURN.format(seconds=3.5)
     burners = [subprocess.Popen([sys.executable, "-S", "-c", code]) for _ in range(2 * cpus)]
     try:
-        time.sleep(0.5)  # they are running
+        # Every burner has begun burning (its CPU time is counted), not just been forked.
+        wait_until_sync(lambda: all(_cpu_s(proc.pid) > 0.1 for proc in burners), timeout=20)
         timer = CallTimer()
         cpu0 = time.thread_time()
         _, timed = timer.time(_spin, 0.5)
