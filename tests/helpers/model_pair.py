@@ -1,6 +1,6 @@
 """``Pair``: a prefill process and a decode process, run on production cores in virtual time.
 
-This is the model checker's world (design section 8). Nothing here decides what a room, a
+This is the model checker's world (docs/testing.md). Nothing here decides what a room, a
 control link or a chunk does: those rules live in the production cores, which the harness only
 calls and whose answers it executes, the way the production IO around them does.
 

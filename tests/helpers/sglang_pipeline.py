@@ -1,6 +1,6 @@
 """The replay of SGLang 0.5.23's scheduler with pipeline parallelism on prefill (``--pp-size``).
 
-What SGLang does (contract §3.1, ``disaggregation/utils.py`` and ``prefill.py``), and what this
+What SGLang does (``disaggregation/utils.py`` and ``prefill.py``), and what this
 replays on several pipeline stages in one process, each stage a TP group of real
 ``KvfsmKVManager`` ranks over real NIXL:
 

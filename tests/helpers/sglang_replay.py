@@ -1,13 +1,14 @@
 """A replay of SGLang 0.5.23's scheduler call sequences against kvfsm's adapter classes.
 
-Contract §3.2 (prefill) and §3.3 (decode), call for call, on simulated TP ranks in one process:
+SGLang's prefill and decode scheduler loops (``disaggregation/prefill.py`` and
+``decode.py``), call for call, on simulated TP ranks in one process:
 each rank has its own ``KvfsmKVManager`` (its own NIXL agent over real UCX, DRAM buffers), the
 instance has a real bootstrap server (``KvfsmKVBootstrapServer``), and each scheduler loop
 MIN-reduces a request's polls over its ranks, the decode one behind the metadata gate (Success
 counts only once the rank's aux row holds the request's ``bootstrap_room``).
 
-:class:`Checker` watches every call and records a violation of contract §7.4 instead of
-raising, so a scenario reports all of them at once:
+:class:`Checker` watches every call and records a violation of the adapter's obligations
+to the scheduler (docs/sglang.md) instead of raising, so a scenario reports all of them at once:
 
 * before ``init``/``send_metadata``, ``poll`` is Failed, Bootstrapping or WaitingForInput;
 * a rank's poll only moves forward, or into Failed; Success and Failed are sticky;
@@ -602,7 +603,7 @@ class Checker:
 
 
 def min_poll(polls: Sequence[int]) -> int:
-    """SGLang's ``all_reduce(..., op=MIN)`` over the ranks (contract §3.1)."""
+    """SGLang's ``all_reduce(..., op=MIN)`` over the ranks (``disaggregation/utils.py``)."""
     return min(polls)
 
 

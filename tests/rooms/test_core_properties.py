@@ -1,7 +1,7 @@
 """Random event sequences against a room core (hypothesis stateful testing).
 
 Events are drawn with valid and invalid payloads alike, in any order, for both roles. Whatever
-arrives, the invariants of design section 2 hold: a terminal state never changes, states move
+arrives, the room laws (docs/design.md, The laws) hold: a terminal state never changes, states move
 only forward or into Failed, nothing is posted after a room is terminal, the ledger matches the
 commands, and settled means terminal with nothing in flight.
 """

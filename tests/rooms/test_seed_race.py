@@ -1,4 +1,5 @@
-"""The production incident (../shared/seed/incident.md) as a regression test, and its cousins.
+"""The production incident that started kvfsm (docs/design.md, The problem) as a
+regression test, and its cousins.
 
 In the incident an abort arrived while a non-last chunk was in flight; the chunk's completion
 then resurrected the room to Transferring, the last chunk was skipped, and the request hung

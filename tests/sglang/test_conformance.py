@@ -1,12 +1,13 @@
 """Conformance: SGLang 0.5.23's scheduler sequences, replayed call for call against kvfsm's adapter
 over real NIXL (DRAM) and a real bootstrap server, with two TP ranks on each side.
 
-Every scenario checks the invariants of contract §7.4 through
+Every scenario checks the adapter's obligations to the scheduler through
 :class:`tests.helpers.sglang_replay.Checker` (legal polls, forward-only, sticky terminals, abort →
 Failed, ``failure_exception`` raises, no call over a few ms, Success ⇒ identical KV/aux/state
 bytes, no write after release), that every per-room entry is gone once the rooms settle, and that
 decode never had to fall back on SGLang's deferred-release timeout. Scenarios include the
-incidents of contract §8. Unequal attention TP and MLA: ``test_heterogeneous.py``.
+failures SGLang's own NIXL backend is known for (docs/sglang.md). Unequal attention TP and
+MLA: ``test_heterogeneous.py``.
 """
 
 from __future__ import annotations
@@ -269,8 +270,8 @@ def test_prefill_restarted_behind_the_same_address(bootstrap: KvfsmKVBootstrapSe
 def test_a_transfer_stuck_in_progress_fails_in_bounded_time(
     bootstrap: KvfsmKVBootstrapServer,
 ) -> None:
-    """NIXL handles that report PROC forever (contract §8 #11, #14): the chunk deadline fails the
-    request on both sides, the pages stay reserved until the quarantine ends, nothing leaks."""
+    """NIXL handles that report PROC forever (a dead or wedged peer's): the chunk deadline fails
+    the request on both sides, the pages stay reserved until the quarantine ends, nothing leaks."""
     faults = TransportFaults(FaultPlan(21, TransferRates(never_complete=0.3)))
     configure(dataclasses.replace(CONFIG, agent=faulty_agent_config(faults)))
     try:

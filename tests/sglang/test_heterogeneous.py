@@ -503,7 +503,7 @@ def test_aborts_on_an_unequal_pair_end_every_request(
 def test_a_stalled_chunk_on_one_leg_fails_its_request_and_every_leg_settles(
     bootstrap: KvfsmKVBootstrapServer, shape: Shape
 ) -> None:
-    """NIXL handles that report PROC forever on prefill (contract §8 #11, #14), on an unequal
+    """NIXL handles that report PROC forever on prefill (a dead or wedged peer's), on an unequal
     pair: the stalled leg fails by its chunk deadline, its request fails on every rank of both
     sides (the first failure ends the other legs), every leg settles, nothing leaks, and no
     page decode released is written again (canaries checked by ``Pair.finish``)."""
