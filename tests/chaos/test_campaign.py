@@ -21,6 +21,9 @@ from tests.helpers.waiting import wait_until_sync
 pytestmark = pytest.mark.slow
 
 
+# Judges every scheduler-facing call's own time (a 17 MB send_metadata copy among them):
+# run alone, not beside another worker's SGLang servers.
+@pytest.mark.alone
 def test_a_short_campaign_has_no_violation() -> None:
     opts = CampaignOptions(seed=20260507, episodes=2, rooms=24, sigkill_rate=1.0)
     report = run_campaign(opts)
@@ -59,6 +62,9 @@ def test_the_checker_reports_a_late_write() -> None:
     assert any("late write" in v for v in report["violations"])
 
 
+# Judges every scheduler-facing call's own time (a 17 MB send_metadata copy among them):
+# run alone, not beside another worker's SGLang servers.
+@pytest.mark.alone
 def test_freezes_past_the_settle_bound_reused_ids_and_oversized_calls() -> None:
     """Faults outside the old model, each in every episode or often: prefill frozen 1.5 to 4 times
     decode's settle bound with chunks in flight (fencing must keep every late write out, and

@@ -223,6 +223,9 @@ def test_kvfsm_chaos_two_hosts_flag_sets_the_options() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("netns")
+# Judges every scheduler-facing call's own time (a 17 MB send_metadata copy among them):
+# run alone, not beside another worker's SGLang servers.
+@pytest.mark.alone
 def test_a_short_campaign_across_two_hosts_has_no_violation() -> None:
     """The campaign with prefill and decode in the two namespaces, NIXL on UCX TCP over the
     veth, and the link cut (blackhole or down) in every episode on top of every other fault

@@ -102,8 +102,10 @@ def _writer(
         wait_until_sync(lambda: sender.poll() is not KVPoll.Bootstrapping)
         stop.armed = True
         sender.init(len(PAGES), -1)
-        sender.send(src)
+        # Answered before the send: the process may stop itself (right after the transfer())
+        # before this thread runs again, and the parent must not wait for an answer then.
         conn.send(True)
+        sender.send(src)
         # "result", after SIGCONT: report once the room settled (the parent then watches what
         # still lands).
         assert conn.recv() == ("result",)

@@ -64,6 +64,8 @@ def test_an_exception_propagates() -> None:
     timer.close()
 
 
+# Its burners hold every CPU for seconds: alone, so that they slow no other test.
+@pytest.mark.alone
 @pytest.mark.skipif(not SCHEDSTAT.exists(), reason="this kernel does not report schedstat")
 def test_waiting_for_a_cpu_held_by_other_processes_is_subtracted() -> None:
     # More CPU-bound processes than CPUs: a CPU-bound call on this thread waits its turn on a
