@@ -23,7 +23,14 @@ from kvfsm.chaos._netns import CutMode, TwoHosts
 from kvfsm.chaos._netns_helpers import AnyRegistry
 from kvfsm.chaos._options import CampaignOptions
 
-__all__ = ["CampaignFaults"]
+__all__ = ["DUE_BY_ENDED", "CampaignFaults"]
+
+#: A fault due at a fraction ``f`` of the span is made once ``f`` times this share of the
+#: episode's rooms ended, if that comes before its time. At most this share, then, and the
+#: rest (with concurrency 8 and 24 rooms a side, at least 9 rooms) are still to end: the ones
+#: live at once could all end between two of the campaign's polls, which at 0.9 once left a
+#: fast, idle pair's SIGKILL (and more often its hostile peers) never made.
+DUE_BY_ENDED: Final = 0.6
 
 #: A long freeze waiting for chunks in flight is made anyway once this share of the episode's
 #: rooms ended: the rest must still be moving when it comes.
@@ -80,12 +87,13 @@ class CampaignFaults(CampaignScoring):
     def actions(self, index: int, span: float) -> list[tuple[float, str, str]]:
         """Episode ``index``'s process, registry, hostile and link faults: ``(due, what,
         arg)``, sorted, ``due`` in seconds from the episode's start. Each is due then, or as
-        soon as that fraction of ``span`` (times 0.9) of the episode's rooms has ended."""
+        soon as that fraction of ``span`` (times :data:`DUE_BY_ENDED`) of the episode's rooms
+        has ended."""
         opts, rng = self.opts, self.rng
         # Process-level faults at seeded times within the first seconds of the episode, or as
-        # soon as that fraction of its rooms (times 0.9) has ended, if that comes first: a pair
-        # that serves its rooms faster than ``span`` still gets every fault mid-episode (a
-        # fault due after the episode's last room would not be made at all).
+        # soon as that fraction of its rooms (times DUE_BY_ENDED) has ended, if that comes
+        # first: a pair that serves its rooms faster than ``span`` still gets every fault
+        # mid-episode (one still due after the episode's last room is reported unmade).
         actions: list[tuple[float, str, str]] = []
         if rng.random() < opts.sigstop_rate:
             actions.append((rng.uniform(0, span), "sigstop", rng.choice(ROLES)))
@@ -101,7 +109,7 @@ class CampaignFaults(CampaignScoring):
             actions.append((rng.uniform(0, span), "cut", rng.choice(("blackhole", "down"))))
         if rng.random() < opts.long_freeze_rate:
             # Past decode's settle bound, with chunks in flight: the fence's case (law 4). Due
-            # in the first half (by the time, or by 45% of the rooms ended), and then it waits
+            # in the first half (by the time, or by 30% of the rooms ended), and then it waits
             # a little for chunks in flight (``_act``): it must come while rooms still move.
             actions.append((rng.uniform(0, 0.5 * span), "long_freeze", "prefill"))
         chance, at, length = (self.decode_rng.random() for _ in range(3))
