@@ -269,8 +269,8 @@ def test_a_remote_disconnect_lets_no_write_land_after_settle() -> None:
         episodes=3,
         rooms=24,
         two_hosts=True,
-        # Drawn once per handle, and a disconnect fails the peer's other rooms with it, so a
-        # lower rate (0.03) made one disconnect in most runs and none in an unlucky one.
+        # Drawn once per NIXL handle, and this pair makes few (72 rooms post about 150 chunks):
+        # at 0.03 a run made one disconnect, and an unlucky one none.
         transfer=TransferRates(post_disconnect=0.1),
         control=ControlRates(),
         abort_rate=0.0,
