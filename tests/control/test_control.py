@@ -190,6 +190,9 @@ def test_a_stopped_prefill_is_lost_within_twice_the_heartbeat(
     assert all(limit in r.reason for r in waiting), [r.reason for r in waiting]
 
 
+# Judged against a short heartbeat silence and 10 s waits: under two loaded xdist workers a
+# starved loop misses them (seen on a clean-clone run), so it runs alone, bounds unchanged.
+@pytest.mark.alone
 def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
     prefill = PrefillProcess(FAST)
     decode = Decode({"port": prefill.port})
@@ -236,6 +239,9 @@ def test_a_decode_shutting_down_aborts_its_rooms_on_prefill() -> None:
         prefill.close()
 
 
+# Judged against a short heartbeat silence and 10 s waits: under two loaded xdist workers a
+# starved loop misses them (seen on a clean-clone run), so it runs alone, bounds unchanged.
+@pytest.mark.alone
 def test_two_decode_instances_with_the_same_rank_share_one_prefill(
     pair: tuple[PrefillProcess, Decode],
 ) -> None:

@@ -277,6 +277,9 @@ def test_a_room_frame_in_the_same_segment_as_the_hello_is_not_lost(live: LivePre
         wait_until_sync(lambda: sender.settled, timeout=10)
 
 
+# Judged against a short heartbeat silence and 10 s waits: under two loaded xdist workers a
+# starved loop misses them (seen on a clean-clone run), so it runs alone, bounds unchanged.
+@pytest.mark.alone
 @pytest.mark.parametrize("when", ["in the handshake's segment", "on the running link"])
 def test_a_bug_reached_through_one_link_costs_that_link_only(
     live: LivePrefill, monkeypatch: pytest.MonkeyPatch, when: str

@@ -489,6 +489,9 @@ READ_AHEAD = (
 )
 
 
+# Judged against a short heartbeat silence and 10 s waits: under two loaded xdist workers a
+# starved loop misses them (seen on a clean-clone run), so it runs alone, bounds unchanged.
+@pytest.mark.alone
 @pytest.mark.parametrize(
     ("n", "length", "body"),
     [
