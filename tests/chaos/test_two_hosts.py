@@ -162,7 +162,10 @@ def test_demo_across_two_hosts_crosses_the_veth() -> None:
     assert _ours() == before
 
 
+# The demo runs production heartbeats (2 s of silence loses a link): two ranks in namespaces
+# beside a loaded second xdist worker missed them once on a clean-clone run, so it runs alone.
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.usefixtures("netns")
 def test_kvfsm_demo_two_hosts_flag() -> None:
     done = subprocess.run(
@@ -172,8 +175,9 @@ def test_kvfsm_demo_two_hosts_flag() -> None:
         timeout=100,
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout)
+    summary = json.loads(done.stdout) if done.stdout.startswith("{") else {}
+    verdict = {k: v for k, v in summary.items() if k not in ("layout", "pids", "two_hosts")}
+    assert done.returncode == 0, (verdict, done.stderr[-2000:])
     assert summary["succeeded"] == 20
     assert summary["two_hosts"]["crossed_wire"]
 
