@@ -38,7 +38,9 @@ class FaultyPrefill:
     """A prefill engine whose agent goes through the fault proxy, every handle faulted by
     ``rates`` (rate 1.0: every handle)."""
 
-    def __init__(self, peer: PeerProcess, rates: TransferRates, seed: int = 1) -> None:
+    def __init__(
+        self, peer: PeerProcess, rates: TransferRates, seed: int = 1, deadline_s: float = 0.5
+    ) -> None:
         self.kv, self.aux = make_buffers(SHAPE)
         rng = np.random.default_rng(seed)
         for buf in (*self.kv, self.aux):
@@ -49,7 +51,8 @@ class FaultyPrefill:
             make_layout(self.kv, self.aux),
             faulty_agent_config(self.faults),
         )
-        config = TransferConfig(deadline_base_s=0.5, quarantine_s=QUARANTINE_S)
+        # A short chunk deadline, so a never-completing handle stalls quickly.
+        config = TransferConfig(deadline_base_s=deadline_s, quarantine_s=QUARANTINE_S)
         self.transport = NixlTransport(self.agent, config)
         router = CommandRouter(RecordingControl(), self.transport)
         self.engine = RoomEngine(router, RoomConfig()).start()
@@ -84,8 +87,10 @@ def make(peer: PeerProcess) -> Iterator[list[FaultyPrefill]]:
         prefill.close()
 
 
-def run_one(made: list[FaultyPrefill], peer: PeerProcess, rates: TransferRates) -> SenderRoom:
-    prefill = FaultyPrefill(peer, rates)
+def run_one(
+    made: list[FaultyPrefill], peer: PeerProcess, rates: TransferRates, deadline_s: float = 0.5
+) -> SenderRoom:
+    prefill = FaultyPrefill(peer, rates, deadline_s=deadline_s)
     made.append(prefill)
     sender = prefill.room(1, [1, 2, 3], [10, 11, 12])
     wait_until_sync(lambda: sender.poll() in TERMINAL, timeout=30)
@@ -132,7 +137,9 @@ def test_a_never_completing_handle_stalls_then_settles_after_quarantine(
 def test_a_delayed_completion_still_succeeds_with_the_bytes(
     make: list[FaultyPrefill], peer: PeerProcess
 ) -> None:
-    sender = run_one(make, peer, TransferRates(delay=1.0, delay_max_s=0.3))
+    # Delays of at most 0.3 s against a 5 s chunk deadline: a starved loop on a loaded machine
+    # adds to how long the completion takes to be seen, and must not turn it into a stall.
+    sender = run_one(make, peer, TransferRates(delay=1.0, delay_max_s=0.3), deadline_s=5.0)
     assert sender.poll() is KVPoll.Success, sender.reason
     prefill = make[0]
     want = page_digests(prefill.kv, np.asarray([1, 2, 3], np.int32))

@@ -174,7 +174,7 @@ def test_with_a_secret_unsigned_peers_are_refused() -> None:
         prefill.close()
 
 
-def test_a_stopped_prefill_is_lost_within_twice_the_heartbeat(
+def test_a_stopped_prefill_is_lost_at_the_silence_limit(
     pair: tuple[PrefillProcess, Decode],
 ) -> None:
     prefill, decode = pair

@@ -19,7 +19,10 @@ from tests.helpers.waiting import wait_until_sync
 
 __all__ = ["FAST", "Decode"]
 
-FAST = ChannelConfig(heartbeat_s=0.2)
+#: Heartbeats every 0.2 s, so a link is set up and renewed quickly, but a peer is judged lost only
+#: after 2 s of silence: a loop starved for a second by a loaded machine is not a lost peer.
+#: Kills and cut connections are seen at once (a closed socket), whatever the silence limit.
+FAST = ChannelConfig(heartbeat_s=0.2, liveness_factor=10.0)
 
 
 class Decode:
