@@ -61,6 +61,8 @@ from kvfsm.transport import HeadShard, KvPiece, link_piece, targets
 __all__ = [
     "DECLARED_MATCH",
     "MUST_MATCH",
+    "SGLANG_REFUSES_PP",
+    "SGLANG_REFUSES_UNEQUAL_TP",
     "SHAPE_RULES",
     "Fingerprint",
     "link_plan",
@@ -212,6 +214,7 @@ def _stage_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
         return (
             f"fingerprint mismatch: prefill pipeline parallelism (pp {prefill.pp}) with state "
             f"pools ({', '.join(prefill.state_types)}) is not supported (pp, state_types)"
+            + _sglang_says(prefill.state_types, SGLANG_REFUSES_PP)
         )
     return None
 
@@ -253,8 +256,32 @@ def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
             "fingerprint mismatch: state pools "
             f"({', '.join(prefill.state_types)}) with unequal attention TP (prefill "
             f"{prefill.attn_tp}, decode {decode.attn_tp}) are not supported (state_types, attn_tp)"
+            + _sglang_says(prefill.state_types, SGLANG_REFUSES_UNEQUAL_TP)
         )
     return problem
+
+
+#: State types SGLang 0.5.23's NIXL backend itself refuses under unequal attention TP (non-MLA)
+#: or prefill pipeline parallelism, with its own words (``maybe_send_extra``,
+#: sglang/srt/disaggregation/nixl/conn.py): kvfsm's refusal then says so.
+SGLANG_REFUSES_UNEQUAL_TP: Final[dict[str, str]] = {
+    "minimax_index_k": "heterogeneous TP not supported for MiniMax state yet",
+    "minimax_dense_kv": "heterogeneous TP not supported for MiniMax state yet",
+    "block_scale": "PD different TP sizes for non-MLA BLOCK_SCALE hybrid models",
+    "block_scale_swa": "PD different TP sizes for non-MLA BLOCK_SCALE_SWA hybrid models",
+    "swa_ring": "PD different TP sizes for non-MLA SWA_RING hybrid models",
+    "c128_state": "PD different TP sizes for non-MLA C128_STATE hybrid models",
+    "request_row": "PD different TP sizes for non-MLA REQUEST_ROW hybrid models",
+}
+SGLANG_REFUSES_PP: Final[dict[str, str]] = {
+    "minimax_index_k": "PP>1 not supported for MiniMax state yet",
+    "minimax_dense_kv": "PP>1 not supported for MiniMax state yet",
+}
+
+
+def _sglang_says(types: tuple[str, ...], refusals: dict[str, str]) -> str:
+    said = sorted({refusals[t] for t in types if t in refusals})
+    return f"; SGLang's own NIXL backend refuses it too: {'; '.join(said)}" if said else ""
 
 
 def _heads_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfsm.control import Fingerprint
+from kvfsm.sglang._errors import UnsupportedError
+from kvfsm.sglang._states import StateMap
 from kvfsm.transport import Layout, LayoutError, MemKind
 
 __all__ = [
@@ -37,16 +39,11 @@ __all__ = [
     "fingerprint_from_kv_args",
     "layout_from_kv_args",
     "mode_name",
-    "single_state_type",
 ]
 
 #: Every kvfsm rank of one SGLang instance registers under this engine name in the instance's own
 #: bootstrap server (one server per prefill instance, as in SGLang).
 ENGINE = "sglang"
-
-
-class UnsupportedError(ValueError):
-    """The deployment uses an SGLang feature kvfsm does not support (see docs/sglang.md)."""
 
 
 def mode_name(mode: Any) -> str:
@@ -191,19 +188,6 @@ def _uniform_kind(name: str, kinds: Sequence[object], default: MemKind) -> MemKi
     return found.pop()
 
 
-def single_state_type(args: Any) -> int | None:
-    """The index of the one state type with buffers, or None. Several are not supported."""
-    ptrs = getattr(args, "state_data_ptrs", None) or []
-    used = [i for i, group in enumerate(ptrs) if group]
-    if len(used) > 1:
-        types = getattr(args, "state_types", None) or list(range(len(ptrs)))
-        names = [str(getattr(types[i], "value", types[i])) for i in used]
-        raise UnsupportedError(
-            f"{len(used)} hybrid state types ({', '.join(names)}); kvfsm moves one state type"
-        )
-    return used[0] if used else None
-
-
 def fingerprint_from_kv_args(
     args: Any,
     *,
@@ -226,9 +210,7 @@ def fingerprint_from_kv_args(
     TP. MHA pools hold a K and a V buffer per layer, MLA pools one latent buffer per layer.
     A prefill pipeline stage declares its own layers, from ``prefill_start_layer``."""
     item_lens = list(getattr(args, "kv_item_lens", None) or [])
-    which = single_state_type(args)
-    types = getattr(args, "state_types", None) or []
-    state = () if which is None else (str(getattr(types[which], "value", types[which])),)
+    state = StateMap.from_kv_args(args).names
     page_tokens = int(getattr(args, "page_size", 0) or 0)
     kv_heads = head_bytes = 0
     local = int(getattr(args, "kv_head_num", 0) or 0)
@@ -255,7 +237,8 @@ def fingerprint_from_kv_args(
 
 def layout_from_kv_args(args: Any, sglang_device: str | None = None) -> Layout:
     """The rank's layout: KV buffers (per layer, K and V apart, draft buffers included), aux
-    rows (SGLang's metadata buffers, host memory) and the state buffers of one state type.
+    rows (SGLang's metadata buffers, host memory) and the buffers of every state type, one
+    state group each (:class:`~kvfsm.sglang._states.StateMap`).
 
     KV memory kind: DRAM when SGLang runs on ``sglang_device="cpu"`` (``--device cpu``),
     whose pool is host memory whatever the scheduler labels it (SGLang 0.5.23's decode sets
@@ -276,14 +259,7 @@ def layout_from_kv_args(args: Any, sglang_device: str | None = None) -> Layout:
             MemKind.VRAM,
         )
     device = int(getattr(args, "gpu_id", 0) or 0) if kind is MemKind.VRAM else 0
-    state_ptrs: Sequence[int] = ()
-    state_lens: Sequence[int] = ()
-    state_items: Sequence[int] = ()
-    which = single_state_type(args)
-    if which is not None:
-        state_ptrs = args.state_data_ptrs[which]
-        state_lens = args.state_data_lens[which]
-        state_items = args.state_item_lens[which]
+    states = StateMap.from_kv_args(args)
     try:
         return Layout.from_pointers(
             args.kv_data_ptrs,
@@ -292,11 +268,12 @@ def layout_from_kv_args(args: Any, sglang_device: str | None = None) -> Layout:
             getattr(args, "aux_data_ptrs", None) or (),
             getattr(args, "aux_data_lens", None) or (),
             getattr(args, "aux_item_lens", None) or (),
-            state_ptrs,
-            state_lens,
-            state_items,
+            states.ptrs,
+            states.lens,
+            states.items,
             kind=kind,
             device=device,
+            state_groups=states.groups,
         )
     except LayoutError as exc:
         raise LayoutError(f"KVArgs does not describe a usable layout: {exc}") from exc

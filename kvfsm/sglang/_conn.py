@@ -23,7 +23,6 @@ and how it is met (SGLang's prefill and decode schedulers, ``disaggregation/pref
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -73,21 +72,6 @@ def prefix_problem(decode_prefix_len: int, page_tokens: int) -> str | None:
             f"({page_tokens} tokens): pages move whole"
         )
     return None
-
-
-def _state_rows(state_indices: Sequence[Any] | None, which: int | None) -> list[int] | str | None:
-    """SGLang passes one entry per state type (a list of rows, or None); kvfsm moves the rows of
-    the one type its layout has. A string is why the request cannot be served."""
-    if state_indices is None:
-        return None
-    if which is None:
-        if any(entry is not None and len(entry) for entry in state_indices):
-            return "state indices given, but this rank registered no state buffers"
-        return None
-    if which >= len(state_indices):
-        return f"no state indices for state type {which}"
-    entry = state_indices[which]
-    return None if entry is None else [int(row) for row in entry]
 
 
 class _Conn:
@@ -207,7 +191,7 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         state_indices: list[Any] | None = None,
         num_kv_tokens: int | None = None,
     ) -> None:
-        rows = _state_rows(state_indices, self.kv_mgr.state_type)
+        rows = self.kv_mgr.states.rows(state_indices)
         if isinstance(rows, str):
             self._legs.reject(rows)
             return
@@ -380,7 +364,7 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         if problem is not None:
             self._legs.reject(problem)
             return
-        rows = _state_rows(state_indices, self.kv_mgr.state_type)
+        rows = self.kv_mgr.states.rows(state_indices)
         if isinstance(rows, str):
             self._legs.reject(rows)
             return

@@ -37,10 +37,10 @@ from kvfsm.sglang._args import (
     fingerprint_from_kv_args,
     layout_from_kv_args,
     mode_name,
-    single_state_type,
 )
 from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
 from kvfsm.sglang._settings import manager_config
+from kvfsm.sglang._states import StateMap
 from kvfsm.states import KVPoll as RoomStatus
 from kvfsm.states import Part
 from kvfsm.transport import legs
@@ -112,7 +112,8 @@ class KvfsmKVManager(BaseKVManager):
                 "supported by kvfsm (prefill may use it)"
             )
         self.layout = layout_from_kv_args(args, self.server_config.device)
-        self.state_type = single_state_type(args)
+        #: Its state types, and which layout rows a request's ``state_indices`` name.
+        self.states = StateMap.from_kv_args(args).placed(self.layout.state_type_rows())
         self.bootstrap_url = bootstrap_url(self.server_config)
         #: Prefill: rooms with transfer state on this rank. kvfsm keeps that state in the rooms
         #: themselves; SGLang reads this only for staging prefetch, which kvfsm does not do.

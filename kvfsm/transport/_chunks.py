@@ -215,14 +215,22 @@ def _record(key: RoomKey, command: PostChunk, local: Layout, peer: Peer) -> Xfer
     dst_state = np.frombuffer(command.dst_state, dtype=np.int32) if command.dst_state else _NONE
     if src_state.size != dst_state.size:
         raise LayoutError(f"{src_state.size} source state rows but {dst_state.size} destination")
+    for s_row, d_row in zip(src_state.tolist(), dst_state.tolist(), strict=True):
+        # Each row is checked here, so a bad one fails this chunk before anything is posted;
+        # a row of one state type must land in a row of the same type (other items, bytes).
+        mine = local.state_type_of(s_row, "source state row")
+        theirs = remote.state_type_of(d_row, "destination state row")
+        if mine != theirs:
+            raise LayoutError(
+                f"source state row {s_row} is of state type {mine} but destination row "
+                f"{d_row} is of state type {theirs}"
+            )
     if src.size == 0 and src_aux is None and src_state.size == 0:
         return None
     piece = peer.piece
     page_bytes = local.page_bytes() if piece is None else piece.page_bytes(len(local.kv))
     nbytes = (
-        src.size * page_bytes
-        + aux_bytes
-        + (src_state.size * local.state_row_bytes() if src_state.size else 0)
+        src.size * page_bytes + aux_bytes + (local.state_bytes(src_state) if src_state.size else 0)
     )
     return Xfer(
         key,

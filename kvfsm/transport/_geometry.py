@@ -13,12 +13,23 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Final, Literal, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["INT32_MAX", "Descs", "Geometry", "Group", "Indices", "LayoutError", "RegionSpec"]
+__all__ = [
+    "INT32_MAX",
+    "Descs",
+    "Geometry",
+    "Group",
+    "Indices",
+    "LayoutError",
+    "RegionSpec",
+    "StateKind",
+    "state_groups",
+    "state_plan",
+]
 
 #: An ``(N, 3)`` uint64 array of NIXL descriptor rows ``(addr, len, device)``.
 Descs: TypeAlias = npt.NDArray[np.uint64]
@@ -117,6 +128,70 @@ def _items(specs: Sequence[RegionSpec]) -> int:
     return specs[0][1] // specs[0][2] if specs else 0
 
 
+class StateKind(NamedTuple):
+    """One state type's part of the state group (a model may have several: Mamba's conv and
+    temporal pools, an SWA window's K and V, a DSA indexer's keys, ...). Its rows are the
+    group's rows ``[first_row, first_row + rows)``; row ``first_row + r`` moves item ``r`` of
+    each of its regions, whose first descriptor rows are ``bases``."""
+
+    first_row: int
+    rows: int
+    bases: Indices
+    row_bytes: int
+
+
+def state_groups(groups: Sequence[int], regions: int) -> tuple[int, ...]:
+    """``groups`` (regions per state type, in order) checked against ``regions`` state regions;
+    empty means one type holding them all (a layout with one state type says nothing)."""
+    if not groups:
+        return (regions,) if regions else ()
+    counts = tuple(operator.index(g) for g in groups)
+    if any(isinstance(g, bool) or g <= 0 for g in counts) or sum(counts) != regions:
+        raise LayoutError(
+            f"state_groups {list(groups)} must be positive region counts summing to the "
+            f"{regions} state regions"
+        )
+    return counts
+
+
+@functools.lru_cache(maxsize=64)
+def state_plan(specs: tuple[RegionSpec, ...], groups: tuple[int, ...]) -> tuple[StateKind, ...]:
+    """The state types of a validated state group, in order (cached: a layout's shape never
+    changes). Descriptor rows are region-major: region ``j``'s items come after every earlier
+    region's, so a group of equal regions is buffer-major exactly as kv and aux are. A type's
+    rows are bounded by its smallest region, as SGLang indexes every buffer of a state type by
+    the same slot or page."""
+    kinds: list[StateKind] = []
+    region = descriptor = first_row = 0
+    for count in state_groups(groups, len(specs)):
+        members = specs[region : region + count]
+        items = [nbytes // item for _, nbytes, item, _ in members]
+        bases = np.array(np.cumsum([0, *items[:-1]]) + descriptor, dtype=np.int32)
+        bases.flags.writeable = False
+        rows = min(items)
+        kinds.append(StateKind(first_row, rows, bases, sum(spec[2] for spec in members)))
+        region += count
+        descriptor += sum(items)
+        first_row += rows
+    return tuple(kinds)
+
+
+def _state_kind(kinds: tuple[StateKind, ...], row: int, what: str) -> tuple[int, int]:
+    """The position of the type holding group row ``row`` (checked), and the row within it."""
+    total = kinds[-1].first_row + kinds[-1].rows if kinds else 0
+    value = _checked_row(row, total, what)
+    for position, kind in enumerate(kinds):
+        if value < kind.first_row + kind.rows:
+            return position, value - kind.first_row
+    raise AssertionError("unreachable: the row was checked against the total")
+
+
+def _state_descs(specs: Sequence[RegionSpec]) -> Descs:
+    """Region-major descriptor rows of the state group (regions may differ in item count)."""
+    parts = [_descs([spec]) for spec in specs]
+    return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+
+
 class Geometry:
     """The per-chunk methods of a layout, written once over two hooks its class provides:
     ``_shape(group)``, ``(regions, items)`` (cheap: called per chunk), and ``_specs(group)``, the
@@ -130,6 +205,9 @@ class Geometry:
     def _specs(self, group: Group) -> Sequence[RegionSpec]:
         raise NotImplementedError
 
+    def _state_kinds(self) -> tuple[StateKind, ...]:
+        raise NotImplementedError
+
     # -- sizes ---------------------------------------------------------------------------------
 
     def page_bytes(self) -> int:
@@ -140,9 +218,24 @@ class Geometry:
         """Bytes moved per aux row, summed over the aux regions."""
         return sum(spec[2] for spec in self._specs("aux"))
 
-    def state_row_bytes(self) -> int:
-        """Bytes moved per state row, summed over the state regions."""
-        return sum(spec[2] for spec in self._specs("state"))
+    def state_row_bytes(self, row: int = 0) -> int:
+        """Bytes moved for state row ``row``, summed over its state type's regions."""
+        kinds = self._state_kinds()
+        return kinds[_state_kind(kinds, row, "state row")[0]].row_bytes
+
+    def state_bytes(self, rows: Indices) -> int:
+        """Bytes moved for the state rows ``rows`` (each checked)."""
+        kinds = self._state_kinds()
+        return sum(kinds[_state_kind(kinds, int(r), "state row")[0]].row_bytes for r in rows)
+
+    def state_type_rows(self) -> tuple[tuple[int, int], ...]:
+        """``(first_row, rows)`` of each state type, in order: row ``i`` of type ``t`` is state
+        row ``first_row + i`` of the layout (what the chunk commands carry)."""
+        return tuple((kind.first_row, kind.rows) for kind in self._state_kinds())
+
+    def state_type_of(self, row: int, what: str = "state row") -> int:
+        """Which state type (its position among the layout's) holds state row ``row``."""
+        return _state_kind(self._state_kinds(), row, what)[0]
 
     # -- descriptors ---------------------------------------------------------------------------
 
@@ -155,8 +248,9 @@ class Geometry:
         return _descs(self._specs("aux"))
 
     def state_descs(self) -> Descs:
-        """``(len(state) * state_rows, 3)``, same convention."""
-        return _descs(self._specs("state"))
+        """One row per item of each state region, region-major: with one state type of equal
+        regions, ``(len(state) * state_rows, 3)`` in kv's convention."""
+        return _state_descs(self._specs("state"))
 
     # -- indices -------------------------------------------------------------------------------
 
@@ -193,8 +287,10 @@ class Geometry:
 
     def check_state_row(self, row: int, what: str = "state row") -> None:
         """Raise ``LayoutError`` unless ``row`` is in ``[0, state_rows)``."""
-        _checked_row(row, self._shape("state")[1], what)
+        _state_kind(self._state_kinds(), row, what)
 
     def state_index(self, row: int) -> Indices:
-        """Indices into ``state_descs()`` for ``row`` across all state regions, int32."""
-        return _row_index(*self._shape("state"), row, "state row")
+        """Indices into ``state_descs()`` for ``row`` across its state type's regions, int32."""
+        kinds = self._state_kinds()
+        position, offset = _state_kind(kinds, row, "state row")
+        return kinds[position].bases + np.int32(offset)

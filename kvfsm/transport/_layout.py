@@ -80,7 +80,10 @@ from kvfsm.transport._geometry import (
     Indices,
     LayoutError,
     RegionSpec,
+    StateKind,
     _items,
+    state_groups,
+    state_plan,
 )
 from kvfsm.transport._regions import (
     ALIGNMENT,
@@ -108,6 +111,19 @@ __all__ = [
 ]
 
 
+def _rows(kinds: tuple[StateKind, ...]) -> int:
+    return kinds[-1].first_row + kinds[-1].rows if kinds else 0
+
+
+def _groups_mismatch(mine: tuple[int, ...], theirs: tuple[int, ...], regions: int) -> str | None:
+    # Equal region lists could still split into other types: row r would then be another
+    # type's row on each side.
+    theirs = state_groups(theirs, regions)
+    if mine != theirs:
+        return f"state types differ: regions per type local {list(mine)}, remote {list(theirs)}"
+    return None
+
+
 def _mismatch(group: Group, mine: tuple[Region, ...], theirs: Sequence[RegionSpec]) -> str | None:
     if len(mine) != len(theirs):
         return f"{group} region count differs: local {len(mine)}, remote {len(theirs)}"
@@ -126,7 +142,10 @@ class Layout(Geometry):
 
     ``kv``: per-layer K and V buffers (or one per layer for MLA), all with ``num_pages`` pages.
     ``aux``: SGLang's per-request metadata buffers, all with ``aux_rows`` rows.
-    ``state``: optional per-request state buffers (hybrid models), all with ``state_rows`` rows.
+    ``state``: optional per-request state buffers (hybrid models), grouped by state type:
+    ``state_groups`` counts each type's regions, in order (empty: one type). A type's regions
+    may differ in item size and count; row ``r`` of a type moves item ``r`` of each of them.
+    The layout's state rows are its types' rows one after another (``state_type_of``).
     Any sequence is accepted for a group and stored as a tuple.
 
     ``keepalive``: objects that own the memory (tensors, arrays). A layout only holds addresses;
@@ -139,9 +158,11 @@ class Layout(Geometry):
     aux: tuple[Region, ...] = ()
     state: tuple[Region, ...] = ()
     keepalive: tuple[object, ...] = field(default=(), compare=False, repr=False)
-    #: Bytes per page, aux row and state row (summed over each group's regions): read per
-    #: chunk, and a model's 2 x layers kv regions make the sum microseconds (4.5 us for 64).
-    _row_bytes: tuple[int, int, int] = field(init=False, compare=False, repr=False)
+    state_groups: tuple[int, ...] = ()
+    #: Bytes per page and aux row (summed over each group's regions): read per chunk, and a
+    #: model's 2 x layers kv regions make the sum microseconds (4.5 us for 64).
+    _row_bytes: tuple[int, int] = field(init=False, compare=False, repr=False)
+    _kinds: tuple[StateKind, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         groups: tuple[tuple[Group, object], ...] = (
@@ -168,15 +189,12 @@ class Layout(Geometry):
         _check_group("aux", self.aux)
         _check_group("state", self.state)
         _check_overlap(self.regions())
+        counts = state_groups(self.state_groups, len(self.state))
+        object.__setattr__(self, "state_groups", counts)
+        object.__setattr__(self, "_kinds", state_plan(tuple(r.spec() for r in self.state), counts))
         # Geometry's own sums, once: the one formula, not a second copy of it.
         object.__setattr__(
-            self,
-            "_row_bytes",
-            (
-                Geometry.page_bytes(self),
-                Geometry.aux_row_bytes(self),
-                Geometry.state_row_bytes(self),
-            ),
+            self, "_row_bytes", (Geometry.page_bytes(self), Geometry.aux_row_bytes(self))
         )
 
     # -- shape ---------------------------------------------------------------------------------
@@ -193,8 +211,8 @@ class Layout(Geometry):
 
     @property
     def state_rows(self) -> int:
-        """Rows in every state region (0 without state regions)."""
-        return self.state[0].items if self.state else 0
+        """State rows over every state type (0 without state regions)."""
+        return _rows(self._kinds)
 
     @property
     def kv_kind(self) -> MemKind:
@@ -224,9 +242,8 @@ class Layout(Geometry):
         """Bytes moved per aux row, summed over the aux regions."""
         return self._row_bytes[1]
 
-    def state_row_bytes(self) -> int:
-        """Bytes moved per state row, summed over the state regions."""
-        return self._row_bytes[2]
+    def _state_kinds(self) -> tuple[StateKind, ...]:
+        return self._kinds
 
     # -- descriptors ---------------------------------------------------------------------------
 
@@ -252,6 +269,7 @@ class Layout(Geometry):
             kv=tuple(r.spec() for r in self.kv),
             aux=tuple(r.spec() for r in self.aux),
             state=tuple(r.spec() for r in self.state),
+            state_groups=self.state_groups if len(self.state_groups) > 1 else (),
             kv_kind=self.kv_kind,
             aux_kind=self.aux_kind,
             state_kind=self.state_kind,
@@ -277,6 +295,7 @@ class Layout(Geometry):
             (None if sliced else _mismatch("kv", self.kv, remote.kv))
             or _mismatch("aux", self.aux, remote.aux)
             or _mismatch("state", self.state, remote.state)
+            or _groups_mismatch(self.state_groups, remote.state_groups, len(remote.state))
         )
 
     # -- constructors --------------------------------------------------------------------------
@@ -291,6 +310,7 @@ class Layout(Geometry):
         num_pages: int | None = None,
         aux_rows: int | None = None,
         state_rows: int | None = None,
+        state_groups: Sequence[int] = (),
     ) -> Layout:
         """A layout over contiguous CPU (DRAM) or CUDA (VRAM, that device) tensors, named
         kv0.., aux0.., state0.. in order.
@@ -304,6 +324,7 @@ class Layout(Geometry):
             aux=_regions_from_tensors("aux", aux, aux_rows),
             state=_regions_from_tensors("state", state, state_rows),
             keepalive=(*kv, *aux, *state),
+            state_groups=tuple(state_groups),
         )
 
     @classmethod
@@ -325,6 +346,7 @@ class Layout(Geometry):
         aux_device: int = 0,
         state_kind: MemKind | None = None,
         state_device: int | None = None,
+        state_groups: Sequence[int] = (),
     ) -> Layout:
         """A layout from SGLang ``KVArgs``-style lists (``kv_data_ptrs``, ``kv_data_lens``,
         ``kv_item_lens``, ``aux_data_*``, flattened ``state_data_*``), named kv0.., aux0..,
@@ -347,6 +369,7 @@ class Layout(Geometry):
                 kind if state_kind is None else state_kind,
                 device if state_device is None else state_device,
             ),
+            state_groups=tuple(state_groups),
         )
 
 
@@ -366,6 +389,8 @@ class LayoutSummary(msgspec.Struct, Geometry, frozen=True, gc=False, forbid_unkn
     kv_kind: MemKind = MemKind.DRAM
     aux_kind: MemKind = MemKind.DRAM
     state_kind: MemKind = MemKind.DRAM
+    #: Regions per state type, in order; empty when there is one type (or none).
+    state_groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.to_layout()
@@ -393,6 +418,7 @@ class LayoutSummary(msgspec.Struct, Geometry, frozen=True, gc=False, forbid_unkn
             kv=regions("kv", self.kv, self.kv_kind),
             aux=regions("aux", self.aux, self.aux_kind),
             state=regions("state", self.state, self.state_kind),
+            state_groups=self.state_groups,
         )
 
     @property
@@ -405,7 +431,10 @@ class LayoutSummary(msgspec.Struct, Geometry, frozen=True, gc=False, forbid_unkn
 
     @property
     def state_rows(self) -> int:
-        return _items(self.state)
+        return _rows(self._state_kinds())
+
+    def _state_kinds(self) -> tuple[StateKind, ...]:
+        return state_plan(self.state, state_groups(self.state_groups, len(self.state)))
 
     def _shape(self, group: Group) -> tuple[int, int]:
         specs = self.kv if group == "kv" else self.aux if group == "aux" else self.state

@@ -116,7 +116,9 @@ def _check_group(group: Group, regions: tuple[Region, ...]) -> None:
     unit = _UNIT[group]
     first = regions[0]
     for r in regions[1:]:
-        if r.items != first.items:
+        # State regions may hold different row counts: a model's state pools are sized apart
+        # (``_geometry.state_plan`` bounds each state type's rows by its smallest region).
+        if group != "state" and r.items != first.items:
             raise LayoutError(
                 f"{group} region {r.name!r} has {r.items} {unit} but {first.name!r} has "
                 f"{first.items}; every {group} region must hold the same number of {unit}"
@@ -127,10 +129,16 @@ def _check_group(group: Group, regions: tuple[Region, ...]) -> None:
                 f"{group} region {r.name!r} is {r.kind.value} but {first.name!r} is "
                 f"{first.kind.value}; all {group} regions must share one memory kind"
             )
-    if len(regions) * first.items > INT32_MAX:
+    total = sum(r.items for r in regions)
+    if total > INT32_MAX:
+        sizes = (
+            f"x {first.items} {unit}"
+            if total == len(regions) * first.items
+            else f"of {', '.join(str(r.items) for r in regions)} {unit}"
+        )
         raise LayoutError(
-            f"{group}: {len(regions)} regions x {first.items} {unit} = "
-            f"{len(regions) * first.items} descriptors do not fit int32 indices"
+            f"{group}: {len(regions)} regions {sizes} = {total} descriptors do not fit int32 "
+            "indices"
         )
 
 

@@ -237,6 +237,33 @@ def test_state_pools_pair_only_at_equal_attention_tp() -> None:
     )
 
 
+def test_several_state_types_pair_only_when_both_sides_declare_the_same_ones_in_order() -> None:
+    hybrid = msgspec.structs.replace(LLAMA, state_types=("mamba", "swa"))
+    assert mismatch(hybrid, hybrid) is None
+    swapped = msgspec.structs.replace(LLAMA, state_types=("swa", "mamba"))
+    assert mismatch(hybrid, swapped) == (
+        "fingerprint mismatch: state types (state_types): prefill has [mamba, swa], decode has "
+        "[swa, mamba]"
+    )
+
+
+def test_a_refusal_sglang_makes_too_says_so_in_its_words() -> None:
+    minimax = msgspec.structs.replace(LLAMA, state_types=("minimax_index_k", "minimax_dense_kv"))
+    unequal = mismatch(_tp(minimax, 4), _tp(minimax, 2))
+    assert unequal is not None
+    assert unequal.endswith(
+        "(state_types, attn_tp); SGLang's own NIXL backend refuses it too: heterogeneous TP not "
+        "supported for MiniMax state yet"
+    )
+    stage = msgspec.structs.replace(minimax, pp=2, pp_rank=1, layers=16, first_layer=16)
+    staged = mismatch(stage, minimax)
+    assert staged is not None
+    assert staged.endswith("refuses it too: PP>1 not supported for MiniMax state yet")
+    # Where SGLang moves the type itself (it slices Mamba), kvfsm's refusal claims no company.
+    mamba = msgspec.structs.replace(LLAMA, state_types=("mamba",))
+    assert "SGLang" not in str(mismatch(_tp(mamba, 4), _tp(mamba, 2)))
+
+
 def test_mla_pairs_over_unequal_tp_without_head_counts() -> None:
     mla = Fingerprint(layers=61, head_bytes=1152, dtype="bfloat16", page_tokens=1, mla=True)
     assert mismatch(_tp(mla, 8, 5), _tp(mla, 1)) is None

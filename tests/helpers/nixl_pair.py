@@ -5,6 +5,7 @@ WRITE between them completes only while both are progressed (:meth:`Pair.progres
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -14,20 +15,29 @@ import numpy as np
 
 from kvfsm.rooms import RoomKey
 from kvfsm.states import PostChunk
-from kvfsm.transport import Agent, AgentConfig, Leases
+from kvfsm.transport import Agent, AgentConfig, Leases, Region
 from kvfsm.transport._agent import Peer
 from kvfsm.transport._chunks import Xfer, post_xfer, prepare
 from kvfsm.transport._config import TransferConfig, TransportStats
 from kvfsm.transport._ledger import ChunkLedger, Post
 from kvfsm.workload.buffers import Shape, make_buffers, make_layout, make_state, page_digests
 
-__all__ = ["KEY", "SHAPE", "Pair", "chunk", "ints"]
+__all__ = ["HYBRID", "KEY", "SHAPE", "Pair", "chunk", "ints"]
 
 SHAPE = Shape(layers=2, num_pages=16, page_bytes=512, aux_rows=4, aux_row_bytes=64, state_rows=4)
 KEY = RoomKey(1, 1)
 #: ``Pair.accept``'s default peer: the pair's own connected generation.
 OWN_PEER = object()
 _NAMES = itertools.count()
+#: A hybrid model's state pools as ``(rows, row_bytes)`` per pool, grouped by state type: a
+#: Mamba-like type of two pools (conv, temporal), an SWA-like one of one pool, and a type
+#: whose pools differ in rows (its rows are bounded by the smaller). Global state rows:
+#: type 0 is rows 0-4, type 1 rows 5-11, type 2 rows 12-14.
+HYBRID: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((5, 64), (5, 192)),
+    ((7, 32),),
+    ((3, 16), (4, 48)),
+)
 
 
 def ints(values: list[int]) -> bytes:
@@ -42,27 +52,50 @@ def chunk(src: list[int], dst: list[int], **kw: Any) -> PostChunk:
 class Side:
     """One agent and its buffers (random bytes on the writing side, zeros on the other)."""
 
-    def __init__(self, role: str, seed: int | None, config: AgentConfig | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        seed: int | None,
+        config: AgentConfig | None = None,
+        *,
+        hybrid: bool = False,
+    ) -> None:
         self.kv, self.aux = make_buffers(SHAPE)
         state = make_state(SHAPE)
         assert state is not None
         self.state = state
+        #: With ``hybrid``, the state pools of :data:`HYBRID`, in order (``state`` unused).
+        self.pools = [
+            np.zeros(shape, np.uint8) for kind in (HYBRID if hybrid else ()) for shape in kind
+        ]
         if seed is not None:
             rng = np.random.default_rng(seed)
-            for buf in (*self.kv, self.aux, self.state):
+            for buf in (*self.kv, self.aux, self.state, *self.pools):
                 buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
         name = f"chunks-{role}-{os.getpid()}-{next(_NAMES)}"
-        self.agent = Agent(name, make_layout(self.kv, self.aux, self.state), config)
+        layout = make_layout(self.kv, self.aux, self.state)
+        if hybrid:
+            layout = dataclasses.replace(
+                layout,
+                state=tuple(
+                    Region(f"state{i}", pool.ctypes.data, pool.nbytes, pool.shape[1])
+                    for i, pool in enumerate(self.pools)
+                ),
+                state_groups=tuple(len(kind) for kind in HYBRID),
+                keepalive=(*layout.keepalive, *self.pools),
+            )
+        self.agent = Agent(name, layout, config)
 
     def pages(self, pages: list[int]) -> list[int]:
         return page_digests(self.kv, np.asarray(pages, np.int32))
 
 
 class Pair:
-    def __init__(self, config: AgentConfig | None = None) -> None:
-        """``config``: the writer's (an ``interpose`` to watch or steer its NIXL calls)."""
-        self.mine = Side("p", seed=3, config=config)
-        self.theirs = Side("d", seed=None)
+    def __init__(self, config: AgentConfig | None = None, *, hybrid: bool = False) -> None:
+        """``config``: the writer's (an ``interpose`` to watch or steer its NIXL calls);
+        ``hybrid``: both sides hold the state pools of :data:`HYBRID`."""
+        self.mine = Side("p", seed=3, config=config, hybrid=hybrid)
+        self.theirs = Side("d", seed=None, hybrid=hybrid)
         agent = self.theirs.agent
         self.peer = self.mine.agent.connect("decode", agent.metadata(), agent.layout.summary())
         self.stats = TransportStats()

@@ -57,6 +57,37 @@ LAYERS, PAGES, PAGE_BYTES, PAGE_TOKENS = 2, 96, 1024, 16
 #: Bytes of one head of one token: with one head per rank (the default), a page is PAGE_BYTES.
 HEAD_BYTES = PAGE_BYTES // PAGE_TOKENS
 AUX_ROWS, STATE_ROWS, STATE_ROW_BYTES = 24, 24, 256
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One SGLang state type of the replayed model: its name, its buffers' item sizes (one
+    buffer each), items per buffer, and which of a request's items it names: ``"slot"`` its one
+    state slot (Mamba), ``"window"`` the state items of its last ``window`` KV pages, the page
+    ids themselves (SWA-, DSA-, MiniMax-style page-indexed pools, sized like the KV pool)."""
+
+    name: str
+    item_bytes: tuple[int, ...]
+    items: int = STATE_ROWS
+    names: str = "slot"
+    window: int = 2
+
+    def indices(self, req: Request, side: str) -> list[int]:
+        if self.names == "slot":
+            return [req.src_state if side == "src" else req.dst_state]
+        pages = req.src_pages if side == "src" else req.dst_pages
+        return list(pages[-self.window :]) if pages else []
+
+
+#: One Mamba-like state type with one buffer: the replay's default hybrid model.
+MAMBA_ONLY = (StateSpec("mamba", (STATE_ROW_BYTES,)),)
+#: A hybrid model with several state types (a Qwen3-Next-style Mamba with conv and SSM
+#: tensors, an SWA pool's K and V, a DSA-style indexer pool), each its own pools and sizes.
+HYBRID = (
+    StateSpec("mamba", (96, 160)),
+    StateSpec("swa", (PAGE_BYTES // 2, PAGE_BYTES // 2), items=PAGES, names="window"),
+    StateSpec("dsa", (136,), items=PAGES, names="window", window=PAGES),
+)
 #: A scheduler-facing call slower than this is counted as slow. One such call is not a block: on
 #: a loaded 2-vCPU machine a thread can wait that long for the CPU or the GIL (six ranks' loop
 #: threads share this process), which a clean-clone CI run once showed (58 ms, no GC). A kind of
@@ -152,15 +183,20 @@ class RankBuffers:
     kv: list[np.ndarray]
     output_ids: np.ndarray  # int32 [rows, 16]
     rooms: np.ndarray  # int64 [rows, 8]: column 0 is the request's bootstrap_room
-    state: np.ndarray
+    #: Per state type of ``specs``: its buffers, ``[items, item_bytes]`` each.
+    states: list[list[np.ndarray]]
     #: The global KV heads this rank holds, in the order they sit in a row.
     heads: list[int] = field(default_factory=lambda: [0])
     total_heads: int = 1
     head_bytes: int = HEAD_BYTES
     mla: bool = False
-    #: False: the model has no hybrid state; ``state`` is not registered (SGLang's KVArgs have
-    #: no state buffers) and no state rows move.
-    has_state: bool = True
+    #: The model's state types; empty: no hybrid state (SGLang's KVArgs have no state
+    #: buffers) and no state rows move.
+    specs: tuple[StateSpec, ...] = MAMBA_ONLY
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.specs)
 
     @classmethod
     def make(
@@ -172,7 +208,7 @@ class RankBuffers:
         total_heads: int = 1,
         head_bytes: int = HEAD_BYTES,
         mla: bool = False,
-        state: bool = True,
+        state: bool | tuple[StateSpec, ...] = True,
         layers: int = LAYERS,
     ) -> RankBuffers:
         """``seed``: the prefill fill's generation (KV bytes by :func:`kv_bytes`, the same on
@@ -180,30 +216,41 @@ class RankBuffers:
         (decode). ``state``: with a hybrid-state pool. ``layers``: of the whole model."""
         n_kv = layers if mla else 2 * layers
         row = PAGE_TOKENS * len(heads) * head_bytes
+        specs = (MAMBA_ONLY if state else ()) if isinstance(state, bool) else state
         if seed is None:
             kv = [np.zeros((PAGES, row), np.uint8) for _ in range(n_kv)]
-            rows = np.zeros((STATE_ROWS, STATE_ROW_BYTES), np.uint8)
         else:
             kv = [
                 kv_bytes(seed, i, range(PAGES), heads, head_bytes).reshape(PAGES, row)
                 for i in range(n_kv)
             ]
-            rows = _hash_bytes(
-                np.asarray(seed, np.uint64).reshape(1, 1),
-                np.asarray(0xFFFF + rank, np.uint64).reshape(1, 1),
-                np.arange(STATE_ROWS, dtype=np.uint64).reshape(-1, 1),
-                np.arange(STATE_ROW_BYTES, dtype=np.uint64).reshape(1, -1),
-            )
+        states, n = [], 0
+        for spec in specs:
+            group = []
+            for size in spec.item_bytes:
+                n += 1
+                if seed is None:
+                    group.append(np.zeros((spec.items, size), np.uint8))
+                    continue
+                group.append(  # by rank too, so a rank mix-up shows; by buffer, so a swap does
+                    _hash_bytes(
+                        np.asarray(seed, np.uint64).reshape(1, 1),
+                        np.asarray(0xFFFF + rank + (n << 8), np.uint64).reshape(1, 1),
+                        np.arange(spec.items, dtype=np.uint64).reshape(-1, 1),
+                        np.arange(size, dtype=np.uint64).reshape(1, -1),
+                    )
+                )
+            states.append(group)
         return cls(
             kv=kv,
             output_ids=np.zeros((AUX_ROWS, 16), np.int32),
             rooms=np.zeros((AUX_ROWS, 8), np.int64),
-            state=rows,
+            states=states,
             heads=list(heads),
             total_heads=total_heads,
             head_bytes=head_bytes,
             mla=mla,
-            has_state=state,
+            specs=specs,
         )
 
     def head_view(self, buffer: int) -> np.ndarray:
@@ -216,8 +263,32 @@ class RankBuffers:
     def aux_row_bytes(self) -> int:
         return self.output_ids[0].nbytes + self.rooms[0].nbytes
 
-    def state_row_bytes(self) -> int:
-        return int(self.state.shape[1]) if self.has_state else 0
+    def state_indices(self, req: Request, side: str) -> list[np.ndarray] | None:
+        """What the scheduler passes as ``state_indices`` for ``req`` (``side``: "src" on
+        prefill, "dst" on decode): one int32 array per state type, or None without state."""
+        if not self.specs:
+            return None
+        return [np.asarray(spec.indices(req, side), np.int32) for spec in self.specs]
+
+    def state_bytes(self, req: Request) -> int:
+        """Bytes of ``req``'s state items on this rank, over every state type."""
+        return sum(len(spec.indices(req, "dst")) * sum(spec.item_bytes) for spec in self.specs)
+
+    def take_state(self, req: Request, src: RankBuffers) -> None:
+        """Copy ``req``'s state items from ``src`` (prefill) here, as a correct delivery does."""
+        for spec, mine, theirs in zip(self.specs, self.states, src.states, strict=True):
+            for d_buf, s_buf in zip(mine, theirs, strict=True):
+                d_buf[spec.indices(req, "dst")] = s_buf[spec.indices(req, "src")]
+
+    def state_differs(self, req: Request, src: RankBuffers) -> list[str]:
+        """The state types whose items of ``req`` here differ from ``src``'s (prefill's)."""
+        bad = []
+        for spec, mine, theirs in zip(self.specs, self.states, src.states, strict=True):
+            s_idx, d_idx = spec.indices(req, "src"), spec.indices(req, "dst")
+            for b, (d_buf, s_buf) in enumerate(zip(mine, theirs, strict=True)):
+                if not np.array_equal(s_buf[s_idx], d_buf[d_idx]):
+                    bad.append(f"{spec.name} buffer {b}")
+        return bad
 
     def set_head_counts(self, args: KVArgs) -> None:
         """``kv_head_num`` (this rank's KV heads) and ``total_kv_head_num`` (the model's), as
@@ -245,16 +316,10 @@ class RankBuffers:
         args.aux_data_ptrs = [b.ctypes.data for b in aux]
         args.aux_data_lens = [b.nbytes for b in aux]
         args.aux_item_lens = [b.nbytes // b.shape[0] for b in aux]
-        if self.has_state:
-            args.state_types = ["mamba"]
-            args.state_data_ptrs = [[self.state.ctypes.data]]
-            args.state_data_lens = [[self.state.nbytes]]
-            args.state_item_lens = [[self.state.shape[1]]]
-        else:
-            args.state_types = []
-            args.state_data_ptrs = []
-            args.state_data_lens = []
-            args.state_item_lens = []
+        args.state_types = [spec.name for spec in self.specs]
+        args.state_data_ptrs = [[b.ctypes.data for b in group] for group in self.states]
+        args.state_data_lens = [[b.nbytes for b in group] for group in self.states]
+        args.state_item_lens = [[b.shape[1] for b in group] for group in self.states]
         args.gpu_id = 0
         args.page_size = PAGE_TOKENS
         args.system_dp_rank = 0
@@ -300,7 +365,7 @@ class Instance:
         head_bytes: int = HEAD_BYTES,
         mla: bool = False,
         head_counts: HeadCounts = "before",
-        state: bool = True,
+        state: bool | tuple[StateSpec, ...] = True,
         layers: int = LAYERS,
     ) -> Instance:
         """``heads``: the model's KV heads, split over the ranks as SGLang does
@@ -309,7 +374,7 @@ class Instance:
         ``head_counts``: when the MHA head counts land in ``KVArgs``: "before" the manager is
         built (SGLang's prefill), "after" it (SGLang's decode with heterogeneous-TP staging), or
         "never" (SGLang's decode without staging). ``state``: with a hybrid-state pool (one
-        Mamba-like state type) or none. ``layers``: the model's."""
+        Mamba-like state type), none, or the given state types. ``layers``: the model's."""
         total = 1 if mla else (tp_size if heads is None else heads)
         fill = generation if mode == "prefill" else None
         buffers = [
@@ -700,7 +765,7 @@ class PrefillScheduler:
                 # metadata_buffers.set_buf(req): the first output token and bootstrap_room.
                 b.output_ids[req.src_aux] = np.arange(16, dtype=np.int32) + req.room * 100 + r
                 b.rooms[req.src_aux] = req.room
-            state = [[req.src_state]] if last and b.has_state else None
+            state = b.state_indices(req, "src") if last else None
             if self.check.call("should_send_kv_chunk", s.should_send_kv_chunk, len(pages), last):
                 self.check.call(
                     "sender send", s.send, pages, state, num_kv_tokens=len(pages) * PAGE_TOKENS
@@ -796,7 +861,7 @@ class DecodeScheduler:
                         recv.send_metadata,
                         np.asarray(req.dst_pages, np.int32),
                         req.dst_aux,
-                        [[req.dst_state]] if b.has_state else None,
+                        b.state_indices(req, "dst"),
                         # _send_kv_metadata: only the pages past the prefix (decode.py:1642)
                         decode_prefix_len=req.prefix_tokens,
                     )
@@ -930,12 +995,11 @@ def verify_success(
         else:
             if sources is not None:
                 sources.setdefault(d, set()).add(r)
-            if dst.has_state and not np.array_equal(
-                prefill.buffers[r].state[req.src_state], dst.state[req.dst_state]
-            ):
+            differs = dst.state_differs(req, prefill.buffers[r])
+            if differs:
                 bad.append(
-                    f"room {req.room} rank {d}: state row differs from prefill rank {r}'s, "
-                    "whose aux row it holds"
+                    f"room {req.room} rank {d}: state ({', '.join(differs)}) differs from "
+                    f"prefill rank {r}'s, whose aux row it holds"
                 )
         if dst.rooms[req.dst_aux, 0] != req.room:
             bad.append(
@@ -974,7 +1038,7 @@ def moved_bytes(requests: Sequence[Request], decode: Instance) -> int:
     for b in decode.buffers:
         for req in requests:
             total += len(req.dst_pages) * b.page_bytes() + b.aux_row_bytes()
-            total += b.state_row_bytes()
+            total += b.state_bytes(req)
     return total
 
 

@@ -22,9 +22,9 @@ from kvfsm.sglang._args import (
     fingerprint_from_kv_args,
     layout_from_kv_args,
     mode_name,
-    single_state_type,
 )
 from kvfsm.sglang._bases import DisaggregationMode, KVArgs
+from kvfsm.sglang._states import StateMap
 from kvfsm.transport import LayoutError, MemKind
 
 LAYERS, PAGES, PAGE_BYTES = 3, 16, 512
@@ -185,9 +185,14 @@ def test_unknown_kv_kind_is_refused_naming_it() -> None:
         layout_from_kv_args(kv_args(kv_data_mem_kinds=["NVME"] * (2 * LAYERS)))
 
 
-def test_several_state_types_are_refused_naming_them() -> None:
-    with pytest.raises(UnsupportedError, match=r"2 hybrid state types \(mamba, swa\)"):
-        layout_from_kv_args(kv_args(state_types=2, kv_data_mem_kinds=["DRAM"] * (2 * LAYERS)))
+def test_every_state_type_with_buffers_is_one_state_group_in_kvargs_order() -> None:
+    args = kv_args(state_types=3, kv_data_mem_kinds=["DRAM"] * (2 * LAYERS))
+    layout = layout_from_kv_args(args)
+    assert layout.state_groups == (1, 1, 1)
+    assert [r.addr for r in layout.state] == [g[0] for g in args.state_data_ptrs]
+    assert layout.state_type_rows() == ((0, STATE_ROWS), (STATE_ROWS, STATE_ROWS), (16, 8))
+    got = fingerprint_from_kv_args(args, is_mla=False, attn_tp_size=1, pp_size=1)
+    assert got.state_types == ("mamba", "swa", "dsa")
 
 
 def test_state_type_names_come_from_enum_values() -> None:
@@ -197,27 +202,26 @@ def test_state_type_names_come_from_enum_values() -> None:
 
     args = kv_args(state_types=2)
     args.state_types = [StateType.MAMBA, StateType.SWA]
-    with pytest.raises(UnsupportedError, match=r"\(mamba, swa\)"):
-        single_state_type(args)
+    assert StateMap.from_kv_args(args).names == ("mamba", "swa")
 
 
-def test_the_one_state_type_with_buffers_is_used() -> None:
+def test_a_state_type_without_buffers_is_not_registered() -> None:
     args = kv_args(state_types=2, kv_data_mem_kinds=["DRAM"] * (2 * LAYERS))
     swa_ptrs = args.state_data_ptrs[1]
     args.state_data_ptrs = [[], swa_ptrs]  # only the second type has buffers
-    assert single_state_type(args) == 1
+    assert StateMap.from_kv_args(args).names == ("swa",)
     layout = layout_from_kv_args(args)
     assert [r.addr for r in layout.state] == swa_ptrs
 
 
 def test_no_state_buffers_no_state_regions() -> None:
     args = kv_args(state_types=0, kv_data_mem_kinds=["DRAM"] * (2 * LAYERS))
-    assert single_state_type(args) is None
+    assert StateMap.from_kv_args(args).names == ()
     assert layout_from_kv_args(args).state == ()
     bare = kv_args(kv_data_mem_kinds=["DRAM"] * (2 * LAYERS))
     for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens"):
         setattr(bare, name, None)
-    assert single_state_type(bare) is None
+    assert StateMap.from_kv_args(bare).names == ()
     assert layout_from_kv_args(bare).state_rows == 0
 
 

@@ -245,7 +245,7 @@ def deliver(req: Request, prefill: Instance, decode: Instance, *, spread: bool) 
         src = prefill.buffers[writers[0]]
         dst.output_ids[req.dst_aux] = src.output_ids[req.src_aux]
         dst.rooms[req.dst_aux] = src.rooms[req.src_aux]
-        dst.state[req.dst_state] = src.state[req.src_state]
+        dst.take_state(req, src)
 
 
 @pytest.mark.parametrize("spread", [False, True], ids=["lowest-replica", "spread-replicas"])
@@ -265,14 +265,15 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
     assert stray_writes([req], prefill, decode) == []
 
     def caught(mutate: Callable[[RankBuffers], None], rank: int = -1) -> bool:
-        saved = [(b.kv, b.output_ids, b.state) for b in decode.buffers]
+        saved = [(b.kv, b.output_ids, b.states) for b in decode.buffers]
         for b in decode.buffers:
             b.kv = [kv.copy() for kv in b.kv]
-            b.output_ids, b.state = b.output_ids.copy(), b.state.copy()
+            b.output_ids = b.output_ids.copy()
+            b.states = [[buf.copy() for buf in group] for group in b.states]
         mutate(decode.buffers[rank])
         found = verify_success(req, prefill, decode) + stray_writes([req], prefill, decode)
         for b, (kv, ids, state) in zip(decode.buffers, saved, strict=True):
-            b.kv, b.output_ids, b.state = kv, ids, state
+            b.kv, b.output_ids, b.states = kv, ids, state
         return bool(found)
 
     def swap_pages(b: RankBuffers) -> None:
@@ -291,7 +292,7 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
         b.output_ids[req.dst_aux, 5] += 1000
 
     def state_row(b: RankBuffers) -> None:
-        b.state[req.dst_state, 5] ^= 0x40
+        b.states[0][0][req.dst_state, 5] ^= 0x40
 
     mutations = [swap_pages, one_byte, stray, missing_head, aux_of_no_rank]
     for mutate in [*mutations, state_row] if shape.has_state else mutations:
@@ -312,7 +313,7 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
 
         def rows_of_a_wrong_rank(b: RankBuffers) -> None:
             b.output_ids[req.dst_aux] = src.output_ids[req.src_aux]
-            b.state[req.dst_state] = src.state[req.src_state]
+            b.take_state(req, src)
 
         assert caught(rows_of_a_wrong_rank, rank=0)
     if len(allowed) > 1 and shape.has_state:
@@ -321,7 +322,7 @@ def test_the_checks_pass_a_correct_delivery_and_catch_wrong_bytes(
 
         def rows_of_two_replicas(b: RankBuffers) -> None:
             b.output_ids[req.dst_aux] = a.output_ids[req.src_aux]
-            b.state[req.dst_state] = b_.state[req.src_state]
+            b.take_state(req, b_)
 
         assert caught(rows_of_two_replicas, rank=0)
 

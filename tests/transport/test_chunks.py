@@ -4,6 +4,7 @@ this process, DRAM to DRAM: what lands is compared with what was sent."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from kvfsm.transport._fence import FenceError
 from kvfsm.transport._ledger import QUEUED, Deliver, Finish
 from kvfsm.workload.buffers import page_digests
 from tests.helpers.interpose import Interposer
-from tests.helpers.nixl_pair import KEY, SHAPE, Pair, chunk, ints
+from tests.helpers.nixl_pair import HYBRID, KEY, SHAPE, Pair, chunk, ints
 
 
 @pytest.fixture
@@ -121,6 +122,67 @@ def test_posted_pages_aux_and_state_rows_land_in_the_peer(pair: Pair) -> None:
     assert pair.theirs.pages(untouched) == page_digests(zeros, np.zeros(1, np.int32)) * len(
         untouched
     )
+
+
+@pytest.fixture
+def hybrid() -> Iterator[Pair]:
+    made = Pair(hybrid=True)
+    yield made
+    made.close()
+
+
+def pool_rows(side: Any, kind: int, row: int) -> list[bytes]:
+    """Item ``row`` of each pool of state type ``kind`` on ``side``."""
+    first = sum(len(k) for k in HYBRID[:kind])
+    return [side.pools[first + i][row].tobytes() for i in range(len(HYBRID[kind]))]
+
+
+def test_state_rows_of_several_types_land_in_their_pools(hybrid: Pair) -> None:
+    # Global rows: type 0 is 0-4, type 1 is 5-11, type 2 is 12-14 (see HYBRID).
+    src_state, dst_state = [3, 5 + 6, 12 + 2, 0], [1, 5 + 0, 12 + 1, 4]
+    record = hybrid.record(
+        chunk([1], [2], is_last=True, src_state=ints(src_state), dst_state=ints(dst_state))
+    )
+    assert record.nbytes == 2 * SHAPE.layers * SHAPE.page_bytes + (64 + 192) * 2 + 32 + 16 + 48
+    hybrid.post(record)
+    assert hybrid.settle(record) == ["DONE"] * 2
+    for (kind, s_row), (_, d_row) in zip(
+        [(0, 3), (1, 6), (2, 2), (0, 0)], [(0, 1), (1, 0), (2, 1), (0, 4)], strict=True
+    ):
+        assert pool_rows(hybrid.theirs, kind, d_row) == pool_rows(hybrid.mine, kind, s_row)
+    written = {(0, 1), (0, 4), (1, 0), (2, 1)}
+    for kind, pools in enumerate(HYBRID):
+        for row in range(min(rows for rows, _ in pools)):
+            if (kind, row) not in written:
+                assert set(b"".join(pool_rows(hybrid.theirs, kind, row))) == {0}
+
+
+@pytest.mark.parametrize(
+    ("src_state", "dst_state", "reason"),
+    [
+        (
+            [0],
+            [5],
+            "source state row 0 is of state type 0 but destination row 5 is of state type 1",
+        ),
+        (
+            [12],
+            [4],
+            "source state row 12 is of state type 2 but destination row 4 is of state type 0",
+        ),
+        ([15], [0], r"source state row index 15 out of range \[0, 15\)"),
+        ([0], [15], r"destination state row index 15 out of range \[0, 15\)"),
+    ],
+    ids=["0-into-1", "2-into-0", "source-range", "destination-range"],
+)
+def test_a_state_row_into_another_type_fails_the_chunk(
+    hybrid: Pair, src_state: list[int], dst_state: list[int], reason: str
+) -> None:
+    command = chunk([1], [2], is_last=True, src_state=ints(src_state), dst_state=ints(dst_state))
+    (deliver,) = hybrid.accept(command)
+    assert type(deliver.event) is ChunkFailed
+    assert re.search(reason, deliver.event.reason), deliver.event.reason
+    assert hybrid.ledger.in_flight == 0
 
 
 @pytest.mark.parametrize(

@@ -339,9 +339,22 @@ LAYOUT_ERRORS: list[tuple[str, Callable[[], object], str]] = [
         r"aux region 'aux1' has 2 rows but 'aux0' has 8",
     ),
     (
-        "state rows",
-        lambda: Layout(kv=(dram("kv0", B),), state=(dram("s0", 2 * B, 1), dram("s1", 3 * B, 3))),
-        r"state region 's1' has 3 rows but 's0' has 1",
+        "state groups",
+        lambda: Layout(
+            kv=(dram("kv0", B),),
+            state=(dram("s0", 2 * B, 1), dram("s1", 3 * B, 3)),
+            state_groups=(1,),
+        ),
+        r"state_groups \[1\] must be positive region counts summing to the 2 state regions",
+    ),
+    (
+        "state group of none",
+        lambda: Layout(
+            kv=(dram("kv0", B),),
+            state=(dram("s0", 2 * B, 1), dram("s1", 3 * B, 3)),
+            state_groups=(2, 0),
+        ),
+        r"state_groups \[2, 0\] must be positive",
     ),
     (
         "mixed kinds",
@@ -623,6 +636,7 @@ def test_summary_wire_form_is_plain() -> None:
         "kv_kind": "DRAM",
         "aux_kind": "DRAM",
         "state_kind": "DRAM",
+        "state_groups": [],
     }
 
 
@@ -725,3 +739,84 @@ def test_from_tensors_keeps_its_buffers_alive() -> None:
     gc.collect()
     assert ref() is not None
     assert layout == Layout.from_tensors([ref()])  # keepalive does not take part in equality
+
+
+# -- several state types ----------------------------------------------------------------------
+
+
+def hybrid_state() -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    """Three state types, as a hybrid model's pools are sized apart: a Mamba-like type of two
+    pools (conv and temporal) with 5 slots of different item sizes, an SWA-like type of one
+    pool with 7 pages, and a type whose two pools differ in item count (3 and 4 rows)."""
+    mamba = [torch.randn(5, 16), torch.randn(5, 48)]
+    swa = [torch.randn(7, 8)]
+    ragged = [torch.randn(3, 2), torch.randn(4, 6)]
+    return [*mamba, *swa, *ragged], (2, 1, 2)
+
+
+def test_state_types_get_rows_one_after_another() -> None:
+    state, groups = hybrid_state()
+    layout = Layout.from_tensors(make_kv(), make_aux(), state, state_groups=groups)
+    assert layout.state_groups == groups
+    assert layout.state_rows == 5 + 7 + 3  # the ragged type is bounded by its smaller pool
+    assert [layout.state_type_of(r) for r in (0, 4, 5, 11, 12, 14)] == [0, 0, 1, 1, 2, 2]
+    assert layout.state_row_bytes(0) == (16 + 48) * 4
+    assert layout.state_row_bytes(5) == 8 * 4
+    assert layout.state_row_bytes(12) == (2 + 6) * 4
+    assert layout.state_bytes(np.array([0, 5, 12], np.int32)) == (64 + 8 + 8) * 4
+    with pytest.raises(LayoutError, match=r"state row index 15 out of range \[0, 15\)"):
+        layout.state_type_of(15)
+
+
+def test_a_state_row_indexes_each_pool_of_its_type() -> None:
+    state, groups = hybrid_state()
+    layout = Layout.from_tensors(make_kv(), make_aux(), state, state_groups=groups)
+    descs = layout.state_descs()
+    assert len(descs) == 5 + 5 + 7 + 3 + 4  # every item of every pool, pool after pool
+    for row, pools in [(3, [(0, 3), (1, 3)]), (5 + 6, [(2, 6)]), (12 + 2, [(3, 2), (4, 2)])]:
+        got = [read(descs[i]) for i in layout.state_index(row)]
+        assert got == [tensor_bytes(state[p][item]) for p, item in pools]
+    assert layout.state_index(0).dtype == np.int32
+
+
+def test_one_state_type_needs_no_groups() -> None:
+    state = make_state()
+    plain = Layout.from_tensors(make_kv(), make_aux(), state)
+    named = Layout.from_tensors(make_kv(), make_aux(), state, state_groups=(3,))
+    assert plain.state_groups == named.state_groups == (3,)
+    assert plain.state_descs().tolist() == named.state_descs().tolist()
+    assert plain.summary().state_groups == ()  # the wire says nothing of one type
+
+
+def test_state_groups_travel_in_the_summary() -> None:
+    state, groups = hybrid_state()
+    layout = Layout.from_tensors(make_kv(), make_aux(), state, state_groups=groups)
+    wire = msgspec.msgpack.encode(layout.summary())
+    summary = msgspec.msgpack.decode(wire, type=LayoutSummary)
+    assert summary.state_groups == groups
+    assert summary.state_rows == layout.state_rows
+    assert summary.state_descs().tolist() == layout.state_descs().tolist()
+    assert [summary.state_index(r).tolist() for r in range(15)] == [
+        layout.state_index(r).tolist() for r in range(15)
+    ]
+    assert layout.compatible_with(summary) is None
+
+
+def test_compatible_with_rejects_state_types_split_otherwise() -> None:
+    state = [torch.randn(4, 8) for _ in range(3)]
+    mine = Layout.from_tensors(make_kv(), make_aux(), state, state_groups=(1, 2))
+    theirs = Layout.from_tensors(make_kv(), make_aux(), state, state_groups=(2, 1))
+    assert mine.compatible_with(theirs.summary()) == (
+        "state types differ: regions per type local [1, 2], remote [2, 1]"
+    )
+    assert mine.compatible_with(mine.summary()) is None
+
+
+def test_hostile_state_groups_are_refused_on_decode() -> None:
+    state, groups = hybrid_state()
+    layout = Layout.from_tensors(make_kv(), make_aux(), state, state_groups=groups)
+    plain = msgspec.msgpack.decode(msgspec.msgpack.encode(layout.summary()))
+    for bad in ([2, 1], [2, 1, 2, 1], [0, 5], [-1, 6]):
+        wire = msgspec.msgpack.encode({**plain, "state_groups": bad})
+        with pytest.raises((LayoutError, msgspec.ValidationError), match="state_groups"):
+            msgspec.msgpack.decode(wire, type=LayoutSummary)

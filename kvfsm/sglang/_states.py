@@ -1,0 +1,179 @@
+"""SGLang's hybrid state (``KVArgs.state_*``) as kvfsm's state groups, and the rows a request
+names in them.
+
+SGLang's scheduler describes a hybrid model's state as one entry per ``StateType`` in
+``kv_args.state_types``, each with its own buffers (``state_data_ptrs[i]``, ``_lens[i]``,
+``_item_lens[i]``): Mamba's conv and SSM tensors per layer, a sliding-window KV pool, DSA's
+indexer cache, MiniMax's index-K and dense-KV pools, and so on. Each request then names, per
+state type, which items of those buffers are its own (``state_indices[i]``: Mamba's one slot, the
+SWA pages of its window, its DSA pages, ...; ``None`` or empty when it has none of that type).
+SGLang's NIXL backend moves item ``src[k]`` of every buffer of type ``i`` into item ``dst[k]`` of
+the same buffer on decode (``maybe_send_extra`` in sglang/srt/disaggregation/nixl/conn.py).
+
+kvfsm registers the buffers of every state type that has any as one state group of its
+:class:`~kvfsm.transport.Layout`, one state type after another (``state_groups``: the buffer
+count of each), so a layout row of type ``t`` is ``first_row(t) + item``, and moving it moves
+that item of each of the type's buffers, exactly what SGLang moves. A request's indices become
+layout rows here; each is checked against its own type's range (a row past the Mamba pool is
+refused as such, not taken for a row of the next type), and the transport checks again that
+every source row lands in a row of the same type on decode.
+
+Which state types move how
+--------------------------
+
+:data:`INDEXED` are the types whose items SGLang pairs one to one, source index ``k`` to
+destination index ``k`` (it raises on a length mismatch): every state type of SGLang 0.5.23's
+NIXL backend except :data:`SLOT_ONE` and ``dsa_tail``. Mamba (:data:`SLOT_ONE`) names one slot
+per request (SGLang asserts it). ``dsa_tail`` (DeepSeek V4's compressed-KV tail ring) names a
+byte sub-range of a ring row and remaps it between rings of different sizes; kvfsm moves whole
+items and refuses it at start-up (:data:`REFUSED`), naming it.
+
+Parallel shapes each type pairs under are the handshake's business (``kvfsm.control``'s
+fingerprint rules); this module only says what this rank holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvfsm.sglang._errors import UnsupportedError
+
+__all__ = ["INDEXED", "REFUSED", "SLOT_ONE", "StateMap", "state_name"]
+
+#: State types whose request indices pair item to item (SGLang's ``_send_kvcache_generic``).
+INDEXED: Final[frozenset[str]] = frozenset(
+    {
+        "swa",
+        "dsa",
+        "qsa_pending",
+        "qsa_compressed",
+        "minimax_index_k",
+        "minimax_dense_kv",
+        "swa_ring",
+        "c128_state",  # DSV4_REQUEST_STATE's wire value
+        "request_row",
+        "block_scale",
+        "block_scale_swa",
+    }
+)
+#: State types with exactly one item (a slot) per request.
+SLOT_ONE: Final[frozenset[str]] = frozenset({"mamba"})
+#: State types kvfsm refuses at start-up, with why.
+REFUSED: Final[dict[str, str]] = {
+    "dsa_tail": (
+        "moves a sub-range of a ring row, remapped between rings of different sizes; "
+        "kvfsm moves whole items only"
+    ),
+}
+
+
+def state_name(state_type: object) -> str:
+    """SGLang's ``StateType`` (a ``str`` enum) or a plain string, as its wire value."""
+    return str(getattr(state_type, "value", state_type))
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """One state type this rank registered: where it sits in ``state_types`` and in the
+    layout's state rows."""
+
+    index: int
+    name: str
+    first_row: int = 0
+    rows: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StateMap:
+    """This rank's state types, in ``KVArgs`` order, with the buffers each registers."""
+
+    #: ``len(kv_args.state_types)``: how many entries SGLang's ``state_indices`` have.
+    types: int
+    pools: tuple[_Pool, ...]
+    ptrs: tuple[int, ...] = ()
+    lens: tuple[int, ...] = ()
+    items: tuple[int, ...] = ()
+    #: Buffers per registered state type, in order (the layout's ``state_groups``).
+    groups: tuple[int, ...] = ()
+
+    @classmethod
+    def from_kv_args(cls, args: Any) -> StateMap:
+        """The state types with buffers in ``args``; raises :class:`UnsupportedError` naming a
+        type kvfsm does not move, and ``ValueError`` for lists that do not line up."""
+        ptrs = list(getattr(args, "state_data_ptrs", None) or [])
+        lens = list(getattr(args, "state_data_lens", None) or [])
+        items = list(getattr(args, "state_item_lens", None) or [])
+        names = [state_name(t) for t in (getattr(args, "state_types", None) or [])]
+        if not names and any(ptrs):
+            names = [f"state type {i}" for i in range(len(ptrs))]
+        pools: list[_Pool] = []
+        flat: tuple[list[int], list[int], list[int]] = ([], [], [])
+        groups: list[int] = []
+        for i, name in enumerate(names):
+            group = list(ptrs[i]) if i < len(ptrs) else []
+            if not group:
+                continue  # declared, but this model has no buffers of it
+            if name in REFUSED:
+                raise UnsupportedError(f"state type {name!r} {REFUSED[name]}")
+            if name not in INDEXED and name not in SLOT_ONE:
+                raise UnsupportedError(
+                    f"state type {name!r} is not one SGLang 0.5.23's NIXL backend moves"
+                )
+            sizes = list(lens[i]) if i < len(lens) else []
+            item = list(items[i]) if i < len(items) else []
+            if not len(group) == len(sizes) == len(item):
+                raise ValueError(
+                    f"state type {name!r}: {len(group)} state_data_ptrs, {len(sizes)} "
+                    f"state_data_lens, {len(item)} state_item_lens"
+                )
+            pools.append(_Pool(i, name))
+            for target, values in zip(flat, (group, sizes, item), strict=True):
+                target.extend(int(v) for v in values)
+            groups.append(len(group))
+        return cls(
+            len(names), tuple(pools), tuple(flat[0]), tuple(flat[1]), tuple(flat[2]), tuple(groups)
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The registered state types' names, in order (what the fingerprint declares)."""
+        return tuple(pool.name for pool in self.pools)
+
+    def placed(self, type_rows: Sequence[tuple[int, int]]) -> StateMap:
+        """This map with each type's layout rows, ``(first_row, rows)`` per registered type as
+        the layout reports them (:meth:`~kvfsm.transport.Layout.state_type_rows`)."""
+        if len(type_rows) != len(self.pools):
+            raise ValueError(f"{len(type_rows)} state types in the layout, {len(self.pools)} here")
+        pools = tuple(
+            _Pool(p.index, p.name, first, rows)
+            for p, (first, rows) in zip(self.pools, type_rows, strict=True)
+        )
+        return StateMap(self.types, pools, self.ptrs, self.lens, self.items, self.groups)
+
+    def rows(self, state_indices: Sequence[Any] | None) -> list[int] | str | None:
+        """The layout rows a request's ``state_indices`` name (one entry per state type, a
+        sequence of items or None), type after type; None when it names none; a string when
+        the request cannot be served, saying why."""
+        if state_indices is None:
+            return None
+        registered = {pool.index for pool in self.pools}
+        for i, entry in enumerate(state_indices):
+            if i not in registered and entry is not None and len(entry):
+                return (
+                    f"state indices for state type {i}, but this rank registered no buffers of it"
+                )
+        out: list[int] = []
+        for pool in self.pools:
+            entry = state_indices[pool.index] if pool.index < len(state_indices) else None
+            if entry is None or not len(entry):
+                continue
+            items = [int(x) for x in entry]
+            if pool.name in SLOT_ONE and len(items) != 1:
+                return f"state type {pool.name!r} moves one slot per request, not {len(items)}"
+            bad = next((x for x in items if not 0 <= x < pool.rows), None)
+            if bad is not None:
+                return f"state type {pool.name!r}: index {bad} is outside its {pool.rows} items"
+            out.extend(pool.first_row + x for x in items)
+        return out or None

@@ -1,0 +1,115 @@
+"""Hybrid models' state, replayed: SGLang 0.5.23's scheduler sequence against kvfsm's adapter
+over real NIXL (DRAM) and a real bootstrap server, two TP ranks on each side, with several
+state types per model, each with its own buffers, item sizes and indices (Mamba's one slot,
+SWA and DSA page windows). Success means every byte of every state item of the request on
+every decode rank equals prefill's (``verify_success``), on top of the KV and aux checks of
+``test_conformance.py``; aborts mid-transfer fail the request on every rank."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Iterator
+
+import pytest
+
+from kvfsm.sglang import KvfsmKVBootstrapServer
+from kvfsm.sglang._states import INDEXED, SLOT_ONE
+from tests.helpers.sglang_replay import (
+    HYBRID,
+    PAGE_BYTES,
+    PAGES,
+    Instance,
+    Outcome,
+    Pair,
+    Request,
+    StateSpec,
+    random_requests,
+)
+
+TP = 2
+
+
+def start(port: int, specs: tuple[StateSpec, ...]) -> Pair:
+    prefill = Instance.start("prefill", port, TP, state=specs)
+    try:
+        decode = Instance.start("decode", port, TP, state=specs)
+    except BaseException:
+        prefill.close()
+        raise
+    return Pair(prefill, decode, port)
+
+
+@pytest.fixture
+def hybrid(bootstrap: KvfsmKVBootstrapServer) -> Iterator[Pair]:
+    pair = start(bootstrap.port, HYBRID)
+    yield pair
+    pair.d.instance.close()
+    pair.p.instance.close()
+
+
+def assert_clean(out: Outcome) -> None:
+    assert out.violations == []
+    assert out.leaks == []
+    assert out.timed_out == []
+
+
+def state_items(req: Request) -> dict[str, int]:
+    return {spec.name: len(spec.indices(req, "dst")) for spec in HYBRID}
+
+
+def test_several_state_types_land_byte_for_byte_in_their_own_slots(hybrid: Pair) -> None:
+    requests = random_requests(random.Random(31), 12)
+    out = hybrid.run(requests)
+    assert_clean(out)
+    assert [(r.prefill_outcome, r.decode_outcome) for r in requests] == [("Success",) * 2] * 12
+    # Every type moved items (a zero-page request moves its Mamba slot only).
+    moved = [state_items(r) for r in requests]
+    assert all(m["mamba"] == 1 for m in moved)
+    assert sum(m["swa"] for m in moved) > 0
+    assert sum(m["dsa"] for m in moved) > sum(m["swa"] for m in moved)
+
+
+def test_an_abort_mid_transfer_fails_a_hybrid_request_everywhere(hybrid: Pair) -> None:
+    requests = random_requests(random.Random(32), 8, max_pages=8)
+    aborted = []
+    for i, req in enumerate(requests):
+        if len(req.src_pages) >= 3:
+            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
+            if i % 2:
+                req.prefill_abort_after, req.prefill_abort_rank = 1, i % TP
+            else:
+                req.decode_abort_after, req.decode_abort_rank = 1, i % TP
+            aborted.append(req)
+    assert aborted
+    out = hybrid.run(requests)
+    assert_clean(out)
+    for req in requests:
+        if req not in aborted:
+            assert (req.prefill_outcome, req.decode_outcome) == ("Success", "Success"), req.room
+        elif req.prefill_abort_after is not None:
+            assert (req.prefill_outcome, req.decode_outcome) == ("Failed", "Failed"), req.room
+        else:  # prefill may have finished its last chunk before the abort reached it
+            assert req.decode_outcome == "Failed", req.room
+            assert req.prefill_outcome in ("Failed", "Success"), req.room
+
+
+def _alone(name: str) -> tuple[StateSpec, ...]:
+    if name in SLOT_ONE or name in ("request_row", "c128_state"):  # one item per request row
+        return (StateSpec(name, (72, 200)),)
+    return (StateSpec(name, (PAGE_BYTES // 4, 40), items=PAGES, names="window", window=3),)
+
+
+@pytest.mark.parametrize("name", sorted(INDEXED | SLOT_ONE))
+def test_each_state_type_sglangs_nixl_backend_moves_is_moved_byte_for_byte(
+    name: str, bootstrap: KvfsmKVBootstrapServer
+) -> None:
+    pair = start(bootstrap.port, _alone(name))
+    try:
+        requests = random_requests(random.Random(zlib.crc32(name.encode())), 5)
+        out = pair.run(requests)
+    finally:
+        pair.d.instance.close()
+        pair.p.instance.close()
+    assert_clean(out)
+    assert [r.decode_outcome for r in requests] == ["Success"] * 5
