@@ -337,9 +337,6 @@ def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
 LOAD = 12
 
 
-# Four SGLang servers and a kill under load, judged by a 60 s wait: next to a second loaded
-# xdist worker the rooms once took longer (a clean-clone run), so it runs alone, bounds unchanged.
-@pytest.mark.alone
 def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serves(
     rig: Rig,
 ) -> None:
@@ -382,13 +379,15 @@ def test_decode_killed_under_load_prefill_rooms_end_and_a_restarted_decode_serve
             )
             rig.decode.kill()
             killed = time.monotonic()
-            # Well under every state deadline (>= 120 s): rooms that waited for a deadline
-            # would time this wait out.
+            # Under every state deadline (>= 120 s), so rooms that waited for one would time
+            # this wait out; what shows they ended on peer loss is the deadline count below.
+            # Far above the liveness bound, as a second pytest worker may load both cores
+            # (the figure records how long they took).
             idle = lambda: live_rooms(rig.prefill) == 0  # noqa: E731
             await asyncio.to_thread(
                 wait_until_sync,
                 idle,
-                timeout=6 * LIVENESS_S,
+                timeout=10 * LIVENESS_S,
                 interval=0.1,
                 message="prefill's rooms to end",
             )
