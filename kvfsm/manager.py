@@ -388,13 +388,18 @@ class PrefillManager(_Manager):
         pp_rank: int = 0,
         pp_size: int = 1,
         stage_root: int | None = None,
+        dp_by_room: bool = True,
         host: str | None = None,
         config: ManagerConfig | None = None,
         name: str | None = None,
     ) -> None:
         """``pp_size > 1``: this rank is pipeline stage ``pp_rank``; ``stage_root`` is the
         registry rank of stage 0 of its pipeline (same DP and TP rank), whom a later stage
-        reports its rooms' statuses to (``kvfsm.control.PipelineStage``)."""
+        reports its rooms' statuses to (``kvfsm.control.PipelineStage``).
+
+        ``dp_by_room`` (published to decode): room ``r`` is served by DP rank
+        ``r % dp_size``. False: something else picks the DP rank, and each room's is
+        registered (:meth:`register_dp_rank`) for decode to look up."""
         super().__init__(
             "prefill",
             layout,
@@ -418,6 +423,7 @@ class PrefillManager(_Manager):
         )
         self._registration_task: asyncio.Task[None] | None = None
         self.pipeline: PipelineStage | None = None
+        self.dp_rank = dp_rank
         try:
             control = PrefillControl(
                 rank,
@@ -437,6 +443,7 @@ class PrefillManager(_Manager):
                 dp_size=dp_size,
                 pp_rank=pp_rank,
                 pp_size=pp_size,
+                dp_by_room=dp_by_room,
                 host=host,
                 interval_s=self.config.register_interval_s,
             )
@@ -483,6 +490,25 @@ class PrefillManager(_Manager):
         """The control channel's listening port."""
         assert self.control is not None
         return self.control.port
+
+    async def register_dp_rank(self, room: int, *, wait_s: float = 5.0) -> None:
+        """Publish that ``room`` runs on this rank's DP rank (an engine whose DP ranks are not
+        picked by room id: ``dp_by_room=False``), for decode to look up. On the engine's
+        loop. Retried while the registry is unreachable, for up to ``wait_s``; then, or on a
+        refusal, raises the registry client's ``BootstrapError``."""
+        client = self._bootstrap_client()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait_s
+        delay = 0.05
+        while True:
+            try:
+                await client.register_dp_rank(room, self.dp_rank)
+                return
+            except UnreachableError:
+                if loop.time() + delay >= give_up:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
 
     def _status_extra(self) -> dict[str, Any]:
         # The data path too: an operator must see at once that this rank was fenced out.

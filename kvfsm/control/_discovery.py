@@ -48,6 +48,7 @@ class Registration:
         dp_size: int = 1,
         pp_rank: int = 0,
         pp_size: int = 1,
+        dp_by_room: bool = True,
         host: str | None = None,
         interval_s: float = 5.0,
     ) -> None:
@@ -63,6 +64,7 @@ class Registration:
             "pp_rank": pp_rank,
             "dp_size": dp_size,
             "pp_size": pp_size,
+            "dp_by_room": dp_by_room,
         }
         #: Pipeline stage 0: the port its stage hub listens on, once bound (``_stages``).
         self.stage_port = 0

@@ -16,6 +16,8 @@ from kvfsm.registry._connections import IDLE_TIMEOUT_S
 from kvfsm.registry._schemas import (
     ENGINE_PATTERN,
     ENGINE_RE,
+    DpRankQuery,
+    DpRankRegistration,
     ErrorBody,
     Health,
     RankInfo,
@@ -121,6 +123,18 @@ class BootstrapClient:
         """One rank; ``NotFoundError`` if it is not registered (or expired)."""
         return await self._call("GET", f"/v1/ranks/{_segment(engine)}/{int(rank)}", RankInfo)
 
+    async def register_dp_rank(self, room: int, dp_rank: int) -> None:
+        """Room ``room`` is served by DP rank ``dp_rank`` (for engines that do not pick DP ranks
+        by room id); the registry keeps it ``_dp_ranks.DP_RANK_TTL_S``."""
+        body = _encode(DpRankRegistration(room, dp_rank))
+        await self._call("POST", "/register_dp_rank", DpRankRegistration, body=body, signed=True)
+
+    async def query_dp_ranks(self, rooms: list[int]) -> dict[int, int]:
+        """The DP rank of each of ``rooms`` registered; unknown rooms are left out."""
+        body = _encode(DpRankQuery(rooms))
+        found = await self._call("POST", "/query_dp_ranks", dict[str, int], body=body)
+        return {int(room): rank for room, rank in found.items()}
+
     async def health(self) -> Health:
         return await self._call("GET", "/health", Health)
 
@@ -142,8 +156,16 @@ class BootstrapClient:
         await self.close()
 
     async def _call(
-        self, method: str, path: str, schema: type[_T], *, body: bytes | None = None
+        self,
+        method: str,
+        path: str,
+        schema: type[_T],
+        *,
+        body: bytes | None = None,
+        signed: bool = False,
     ) -> _T:
+        """``schema``: what a 200 answer decodes to. ``signed``: a write (PUT and DELETE
+        always are)."""
         if self._closed:
             raise BootstrapError("the bootstrap client is closed")
         if self._session is None:
@@ -153,7 +175,7 @@ class BootstrapClient:
             connector = aiohttp.TCPConnector(keepalive_timeout=_CLIENT_KEEPALIVE_S)
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         headers = {"Content-Type": "application/json"} if body else {}
-        if self._secret is not None and method in ("PUT", "DELETE"):
+        if self._secret is not None and (signed or method in ("PUT", "DELETE")):
             headers.update(request_headers(self._secret, method, path, body or b""))
         url = yarl.URL(self._base + path, encoded=True)
         try:

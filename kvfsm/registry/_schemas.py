@@ -22,8 +22,11 @@ import msgspec
 __all__ = [
     "ENGINE_PATTERN",
     "ENGINE_RE",
+    "MAX_QUERY_ROOMS",
     "MAX_RANKS",
     "ConnectionStats",
+    "DpRankQuery",
+    "DpRankRegistration",
     "EngineStatus",
     "ErrorBody",
     "Health",
@@ -74,6 +77,10 @@ class RankInfo(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True
     dp_size: _Size = 1
     #: Pipeline-parallel depth of the engine: decode reads each request from every stage.
     pp_size: _Size = 1
+    #: How the engine picks the DP rank of a room: True, ``room % dp_size`` (decode computes
+    #: it); False, a balancer picks it and the serving rank registers it
+    #: (``POST /register_dp_rank``), so decode asks (``POST /query_dp_ranks``).
+    dp_by_room: bool = True
     #: Pipeline stage 0 only (``pp_size > 1``): where the other stages of its pipeline report
     #: their rooms' statuses (``_stages``); 0 otherwise.
     stage_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
@@ -156,3 +163,23 @@ class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str
     registered: int | None = None
     expected: int | None = None
+
+
+#: Rooms are SGLang's ``bootstrap_room`` (random in 0..2**63-1), as on the control channel.
+_Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+#: Rooms one query may ask about (SGLang asks for the requests pending on one decode rank).
+MAX_QUERY_ROOMS: Final = 1 << 16
+
+
+class DpRankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /register_dp_rank``: ``bootstrap_room`` is served by ``dp_rank`` (SGLang's body)."""
+
+    bootstrap_room: _Room
+    dp_rank: _Rank
+
+
+class DpRankQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /query_dp_ranks``: the rooms whose DP rank decode wants (SGLang's body); the
+    answer is ``{"<room>": dp_rank}`` for those registered."""
+
+    bootstrap_rooms: Annotated[list[_Room], msgspec.Meta(max_length=MAX_QUERY_ROOMS)]

@@ -25,6 +25,13 @@ Routes (all bodies JSON; errors are ``{"error": "<what and which field>"}``)
                                     ``"not ready: 3 of 4 ranks registered"`` until all
                                     ``expected_ranks`` are registered and unexpired.
 ``GET /v1/ranks/{engine}/{rank}``   one rank; 404 if unknown or expired.
+``POST /register_dp_rank``          ``{"bootstrap_room": R, "dp_rank": D}``: room R is served by
+                                    DP rank D; the answer echoes it (``_dp_ranks``: a prefill
+                                    instance that does not pick DP ranks by room id registers
+                                    each room's).
+``POST /query_dp_ranks``            ``{"bootstrap_rooms": [R, ...]}`` answered
+                                    ``{"<R>": D, ...}`` for the rooms registered and unexpired.
+                                    SGLang's routes and bodies: its decode scheduler asks here.
 ``GET /health``                     200 while serving; the body says whether every known engine is
                                     ready (and false while no engine has registered at all), and
                                     carries the connection counters (``connections``).
@@ -40,7 +47,8 @@ Security
 The default bind address is ``127.0.0.1``: nothing off the host can reach a registry started
 without arguments. To serve a cluster pass ``host="0.0.0.0"`` (or a specific interface address;
 ``--host`` on the command line) and, unless the network is trusted, a shared ``secret``. With a
-secret, every mutating request (PUT, DELETE) must carry a fresh HMAC signature (``kvfsm.link``);
+secret, every mutating request (PUT, DELETE, ``POST /register_dp_rank``) must carry a fresh
+HMAC signature (``kvfsm.link``);
 unsigned, wrongly signed or stale requests get 401 and change nothing. Reads stay unsigned on
 purpose: they reveal only what the ranks themselves publish to their peers (host, port, agent
 name, layout geometry) and decode ranks must be able to read them with no more than an address.
@@ -68,12 +76,15 @@ from aiohttp.typedefs import Middleware
 from kvfsm._tasks import cancel_and_wait
 from kvfsm.link import AuthError, check_request, check_secret
 from kvfsm.registry._connections import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Listener, bind
+from kvfsm.registry._dp_ranks import DpRankTable
 from kvfsm.registry._rank_table import RankTable, RefusedError
 from kvfsm.registry._schemas import (
     ENGINE_PATTERN,
     ENGINE_RE,
     MAX_RANKS,
     ConnectionStats,
+    DpRankQuery,
+    DpRankRegistration,
     ErrorBody,
     RankInfo,
     RankList,
@@ -99,6 +110,8 @@ _MAX_FIELD_SIZE: Final = 8190
 
 _encode = msgspec.json.Encoder().encode
 _decode_rank_info = msgspec.json.Decoder(RankInfo).decode
+_decode_dp_registration = msgspec.json.Decoder(DpRankRegistration).decode
+_decode_dp_query = msgspec.json.Decoder(DpRankQuery).decode
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -208,7 +221,8 @@ class BootstrapServer:
     ``host`` defaults to ``127.0.0.1`` (reachable from this machine only); pass ``"0.0.0.0"``,
     ``"::"`` or an interface address to serve other hosts, and then consider a ``secret``.
     ``port=0`` picks a free port; ``port`` reads the bound one after ``start()``. With ``secret``
-    (at least 16 bytes), PUT and DELETE must be signed (``kvfsm.link``); GETs never need to be.
+    (at least 16 bytes), writes (PUT, DELETE, ``POST /register_dp_rank``) must be signed
+    (``kvfsm.link``); reads (GETs, ``POST /query_dp_ranks``) never need to be.
     ``max_connections``, ``idle_timeout_s`` and ``request_timeout_s`` bound what clients can hold
     (``_connections``' module doc, "Connections"); ``stats`` counts what they did. ``table``
     is the sans-IO ``RankTable`` the routes read and write, with this server's clock.
@@ -228,6 +242,8 @@ class BootstrapServer:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.table = RankTable(expected_ranks=expected_ranks, ttl_s=ttl_s)
+        #: Rooms' DP ranks, for engines that do not pick them by room id (``_dp_ranks``).
+        self.dp_ranks = DpRankTable()
         if isinstance(max_connections, bool) or not (
             isinstance(max_connections, int) and max_connections >= 1
         ):
@@ -301,6 +317,8 @@ class BootstrapServer:
         app.router.add_get("/v1/ranks/{engine}/{rank}", self._get_rank, allow_head=False)
         app.router.add_delete("/v1/ranks/{engine}/{rank}", self._delete_rank)
         app.router.add_get("/health", self._health, allow_head=False)
+        app.router.add_post("/register_dp_rank", self._register_dp_rank)
+        app.router.add_post("/query_dp_ranks", self._query_dp_ranks)
         runner = web.AppRunner(
             app,
             access_log=None,
@@ -369,7 +387,9 @@ class BootstrapServer:
         while True:
             await asyncio.sleep(interval)
             try:
-                self.table.expire(time.monotonic())
+                now = time.monotonic()
+                self.table.expire(now)
+                self.dp_ranks.expire(now)
             except Exception:  # never let the sweep die; reads still expire lazily
                 _log.exception("bootstrap: expiry sweep failed")
 
@@ -431,6 +451,26 @@ class BootstrapServer:
         engine = _engine_param(request.match_info["engine"])
         rank = _int_param("rank", request.match_info["rank"], MAX_RANKS)
         return _json(self.table.rank(engine, rank, time.monotonic()))
+
+    async def _register_dp_rank(self, request: web.Request) -> web.Response:
+        body = await self._signed_body(request)
+        try:
+            entry = _decode_dp_registration(body)
+        except msgspec.DecodeError as exc:
+            raise RefusedError(400, f"invalid DP rank registration: {exc}") from None
+        self.dp_ranks.register(entry.bootstrap_room, entry.dp_rank, time.monotonic())
+        _log.debug("room %d: DP rank %d", entry.bootstrap_room, entry.dp_rank)
+        return _json(entry)
+
+    async def _query_dp_ranks(self, request: web.Request) -> web.Response:
+        length = request.content_length
+        if length is not None and length > MAX_BODY_BYTES:
+            raise RefusedError(413, f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+        try:
+            query = _decode_dp_query(await request.read())
+        except msgspec.DecodeError as exc:
+            raise RefusedError(400, f"invalid DP rank query: {exc}") from None
+        return _json(self.dp_ranks.lookup(query.bootstrap_rooms, time.monotonic()))
 
     async def _health(self, request: web.Request) -> web.Response:
         health = self.table.health(time.monotonic())

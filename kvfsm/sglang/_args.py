@@ -64,6 +64,7 @@ _GETTERS: dict[str, str] = {
     "dp_size": "get_parallel",
     "pp_size": "get_parallel",
     "enable_dp_attention": "get_parallel",
+    "load_balance_method": "get_parallel",
     "device": "get_device",
 }
 
@@ -95,6 +96,8 @@ class ServerConfig:
     dp_size: int = 1
     pp_size: int = 1
     enable_dp_attention: bool = False
+    #: How SGLang's DP controller picks a request's DP rank (``--load-balance-method``).
+    load_balance_method: str | None = "auto"
     #: SGLang's ``--device`` (``cuda``, ``cpu``, ...), None when unknown.
     device: str | None = None
 

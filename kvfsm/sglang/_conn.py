@@ -22,6 +22,7 @@ and how it is met (SGLang's prefill and decode schedulers, ``disaggregation/pref
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -36,6 +37,7 @@ from kvfsm.sglang._bases import (
     KVTransferDestination,
     KVTransferMetric,
 )
+from kvfsm.sglang._dp_ranks import prefill_dp_plan
 from kvfsm.sglang._legs import Legs
 from kvfsm.states import TERMINAL, Part
 from kvfsm.states import KVPoll as RoomStatus
@@ -158,6 +160,22 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         # polls (poll_pp_consensus). A pipeline pairs only with equal attention TP, so leg 0
         # is the whole request; its published status is read there, never polled for it.
         mgr.stage_track(bootstrap_room, self._sender)
+        # Its DP rank: registered for decode to find when this instance does not pick DP ranks
+        # by room id; a request sent to the wrong rank for the room fails (``_dp_ranks``).
+        self._dp_registration: concurrent.futures.Future[None] | None = None
+        topo = mgr.topology
+        plan = prefill_dp_plan(
+            room=bootstrap_room,
+            dp_size=topo.dp_size,
+            dp_rank=topo.dp_rank,
+            by_room=mgr.dp_by_room,
+            force=mgr.force_dp_query,
+            rank_named=req_has_disagg_prefill_dp_rank,
+        )
+        if plan.failure is not None:
+            self._legs.reject(plan.failure)
+        elif plan.register:
+            self._dp_registration = mgr.register_dp_rank(bootstrap_room)
 
     def pop_decode_prefix_len(self) -> int:
         """Prompt tokens decode already holds (its radix cache), which prefill must not send:
@@ -223,6 +241,8 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         return num_pages > 0 or last_chunk
 
     def poll(self) -> int:
+        if self._dp_registration is not None and self._dp_registration.done():
+            self._registered()
         if not self._spawned:
             self._spawn_legs()
         status = self._legs.poll()
@@ -251,6 +271,22 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         super().clear()
         if not already:
             self.kv_mgr.stage_release(self.bootstrap_room, self._sender)
+
+    def _registered(self) -> None:
+        """The DP-rank registration ended: if it failed, decode cannot find this request's
+        prefill rank, so the request fails here at once, with the registry's answer."""
+        registration, self._dp_registration = self._dp_registration, None
+        assert registration is not None
+        error = (
+            concurrent.futures.CancelledError("the kvfsm manager is closing")
+            if registration.cancelled()
+            else registration.exception()
+        )
+        if error is not None:
+            self._legs.reject(
+                f"registering its prefill DP rank {self.kv_mgr.topology.dp_rank} failed, so "
+                f"decode cannot find it: {type(error).__name__}: {error}"
+            )
 
     def _spawn_legs(self) -> None:
         """Once leg 0's destination arrived it says how many decode ranks this request goes

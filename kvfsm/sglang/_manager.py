@@ -17,6 +17,7 @@ meaning:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -39,6 +40,7 @@ from kvfsm.sglang._args import (
     mode_name,
 )
 from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
+from kvfsm.sglang._dp_ranks import dp_by_room, force_query
 from kvfsm.sglang._settings import manager_config
 from kvfsm.sglang._states import StateMap
 from kvfsm.states import KVPoll as RoomStatus
@@ -53,6 +55,19 @@ if TYPE_CHECKING:
 __all__ = ["KvfsmKVManager", "PrefillInfo"]
 
 _log = logging.getLogger("kvfsm.sglang")
+
+
+#: How long a prefill rank retries registering a room's DP rank while the registry is
+#: unreachable (SGLang's own registration gives up after one 5 s request).
+DP_REGISTER_WAIT_S = 5.0
+
+
+def _executor_threads() -> int:
+    """SGLang's ``SGLANG_DISAGGREGATION_THREAD_POOL_SIZE`` when set, else 4."""
+    raw = os.environ.get("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return 4
 
 
 class PrefillInfo(NamedTuple):
@@ -111,6 +126,12 @@ class KvfsmKVManager(BaseKVManager):
                 f"pipeline parallelism on decode (pp_size={self.topology.pp_size}) is not "
                 "supported by kvfsm (prefill may use it)"
             )
+        #: Whether this instance serves room r on DP rank r % dp_size (else each room's DP
+        #: rank is registered for decode to ask: ``_dp_ranks``), and whether SGLang was told
+        #: to ask always (``SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK``).
+        self.dp_by_room = dp_by_room(self.server_config.load_balance_method, self.mode)
+        self.force_dp_query = force_query()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.layout = layout_from_kv_args(args, self.server_config.device)
         #: Its state types, and which layout rows a request's ``state_indices`` name.
         self.states = StateMap.from_kv_args(args).placed(self.layout.state_type_rows())
@@ -196,6 +217,7 @@ class KvfsmKVManager(BaseKVManager):
             pp_rank=topo.pp_rank,
             pp_size=topo.pp_size,
             stage_root=topo.rank_of(topo.dp_rank, 0, topo.tp_rank),
+            dp_by_room=self.dp_by_room,
             host=advertised_host(self.config.channel.host, self.bootstrap_url),
             config=self.config,
         )
@@ -288,6 +310,32 @@ class KvfsmKVManager(BaseKVManager):
         except ValueError as exc:
             return f"unequal attention TP ({theirs} to {mine}): {exc}"
 
+    def register_dp_rank(self, room: int) -> concurrent.futures.Future[None] | None:
+        """Prefill: publish that ``room`` runs on this rank's DP rank, for decode's scheduler to
+        find (``/query_dp_ranks``). Returns at once; the registration runs on kvfsm's loop
+        (``PrefillManager.register_dp_rank``), for up to ``DP_REGISTER_WAIT_S``. Only the
+        first attention-TP rank of the first stage registers (the others would say the same):
+        the others return None."""
+        if self.topology.tp_rank or self.topology.pp_rank:
+            return None
+        prefill, engine = self.kvfsm, self.kvfsm.engine
+        assert isinstance(prefill, PrefillManager)
+        assert engine is not None
+        coro = prefill.register_dp_rank(room, wait_s=DP_REGISTER_WAIT_S)
+        return asyncio.run_coroutine_threadsafe(coro, engine.loop)
+
+    def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads decode's scheduler runs its DP-rank lookups on (``/query_dp_ranks``,
+        SGLang's ``prefetch_prefill_dp_rank_queries``): SGLang's common backend lends its own
+        executor for them, so every backend must have one. Made on first use, shut down with
+        the manager."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=_executor_threads(), thread_name_prefix="kvfsm-sglang-http"
+                )
+            return self._executor
+
     def register_to_bootstrap(self) -> None:
         """Prefill ranks register when built and keep refreshing; nothing to do on demand."""
 
@@ -323,7 +371,10 @@ class KvfsmKVManager(BaseKVManager):
         try:
             info = await self._client(addr).rank(ENGINE, 0)
             self.prefill_info_table[addr] = PrefillInfo(
-                info.dp_size, info.tp_size, pp_size=info.pp_size
+                info.dp_size,
+                info.tp_size,
+                follow_bootstrap_room=info.dp_by_room,
+                pp_size=info.pp_size,
             )
         except Exception as exc:
             _log.warning("prefill instance %s: parallel info not available yet: %s", addr, exc)
@@ -429,6 +480,10 @@ class KvfsmKVManager(BaseKVManager):
 
     def close(self) -> None:
         """Stop the rank: abort live rooms, let them settle, release NIXL. Idempotent."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
         engine = self.kvfsm.engine
         if engine is not None and not self._closed:
             self._closed = True

@@ -57,6 +57,8 @@ LAYERS, PAGES, PAGE_BYTES, PAGE_TOKENS = 2, 96, 1024, 16
 #: Bytes of one head of one token: with one head per rank (the default), a page is PAGE_BYTES.
 HEAD_BYTES = PAGE_BYTES // PAGE_TOKENS
 AUX_ROWS, STATE_ROWS, STATE_ROW_BYTES = 24, 24, 256
+#: Generations between DP groups' prefill fills (a scenario's generations stay below it).
+DP_GENERATIONS = 1000
 
 
 @dataclass(frozen=True)
@@ -327,15 +329,19 @@ class RankBuffers:
         return args
 
 
-def server_args(port: int, tp_size: int) -> SimpleNamespace:
-    """The ServerArgs fields the adapter reads."""
+def server_args(
+    port: int, tp_size: int, dp_size: int = 1, load_balance_method: str = "auto"
+) -> SimpleNamespace:
+    """The ServerArgs fields the adapter reads; ``dp_size > 1``: DP attention, ``tp_size``
+    ranks in ``dp_size`` groups."""
     return SimpleNamespace(
         host="127.0.0.1",
         disaggregation_bootstrap_port=port,
         tp_size=tp_size,
-        dp_size=1,
+        dp_size=dp_size,
         pp_size=1,
-        enable_dp_attention=False,
+        enable_dp_attention=dp_size > 1,
+        load_balance_method=load_balance_method,
         dist_init_addr=None,
     )
 
@@ -352,6 +358,9 @@ class Instance:
     head_bytes: int = HEAD_BYTES
     mla: bool = False
     generation: int = 0
+    #: Data-parallel groups (DP attention): ``buffers`` and ``managers`` hold ``dp`` blocks of
+    #: attention-TP ranks, one per DP rank.
+    dp: int = 1
 
     @classmethod
     def start(
@@ -367,6 +376,8 @@ class Instance:
         head_counts: HeadCounts = "before",
         state: bool | tuple[StateSpec, ...] = True,
         layers: int = LAYERS,
+        dp_size: int = 1,
+        load_balance_method: str = "auto",
     ) -> Instance:
         """``heads``: the model's KV heads, split over the ranks as SGLang does
         (:func:`rank_heads`); default one per rank, so a page is ``PAGE_BYTES`` per buffer.
@@ -374,21 +385,24 @@ class Instance:
         ``head_counts``: when the MHA head counts land in ``KVArgs``: "before" the manager is
         built (SGLang's prefill), "after" it (SGLang's decode with heterogeneous-TP staging), or
         "never" (SGLang's decode without staging). ``state``: with a hybrid-state pool (one
-        Mamba-like state type), none, or the given state types. ``layers``: the model's."""
+        Mamba-like state type), none, or the given state types. ``layers``: the model's.
+        ``dp_size``: DP attention with ``tp_size`` attention-TP ranks per DP rank (SGLang's
+        ``--tp tp_size*dp_size --dp dp_size --enable-dp-attention``); each DP group's prefill
+        fill is its own generation (:meth:`dp_group`), so bytes from the wrong DP rank show.
+        ``load_balance_method``: SGLang's ``--load-balance-method``."""
         total = 1 if mla else (tp_size if heads is None else heads)
-        fill = generation if mode == "prefill" else None
         buffers = [
             RankBuffers.make(
-                fill,
-                rank=r,
-                heads=[0] if mla else rank_heads(r, tp_size, total),
+                generation + DP_GENERATIONS * (r // tp_size) if mode == "prefill" else None,
+                rank=r % tp_size,
+                heads=[0] if mla else rank_heads(r % tp_size, tp_size, total),
                 total_heads=total,
                 head_bytes=head_bytes,
                 mla=mla,
                 state=state,
                 layers=layers,
             )
-            for r in range(tp_size)
+            for r in range(tp_size * dp_size)
         ]
         managers: list[KvfsmKVManager] = []
         try:
@@ -398,7 +412,7 @@ class Instance:
                     KvfsmKVManager(
                         args,
                         DisaggregationMode(mode),
-                        server_args(port, tp_size),
+                        server_args(port, tp_size * dp_size, dp_size, load_balance_method),
                         mla,
                     )
                 )
@@ -408,11 +422,26 @@ class Instance:
             for m in managers:
                 m.close()
             raise
-        return cls(mode, buffers, managers, total, head_bytes, mla, generation)
+        return cls(mode, buffers, managers, total, head_bytes, mla, generation, dp_size)
 
     @property
     def tp(self) -> int:
-        return len(self.buffers)
+        """Attention-TP ranks (of each DP group)."""
+        return len(self.buffers) // self.dp
+
+    def dp_group(self, dp_rank: int) -> Instance:
+        """The ranks of DP rank ``dp_rank``, as an instance of their own (a request runs on one
+        DP rank: its bytes are checked against that group's)."""
+        tp = self.tp
+        return Instance(
+            self.mode,
+            self.buffers[dp_rank * tp : (dp_rank + 1) * tp],
+            self.managers[dp_rank * tp : (dp_rank + 1) * tp],
+            self.heads,
+            self.head_bytes,
+            self.mla,
+            self.generation + DP_GENERATIONS * dp_rank,
+        )
 
     def holder(self, head: int) -> tuple[int, int]:
         """The lowest rank holding global ``head``, and the head's index in that rank's rows."""
@@ -495,6 +524,10 @@ class Request:
     prefix_dst: list[int] = field(default_factory=list)
     #: Prompt tokens in the prompt's last page (1..PAGE_TOKENS).
     tail_tokens: int = PAGE_TOKENS
+    #: The prefill DP rank SGLang's DP controller ran it on, and whether the router named it
+    #: (``disagg_prefill_dp_rank``: then decode knows it without asking).
+    prefill_dp: int = 0
+    dp_named: bool = False
     # -- progress ----------------------------------------------------------------------------
     senders: list[KvfsmKVSender] = field(default_factory=list)
     receivers: list[KvfsmKVReceiver] = field(default_factory=list)
@@ -693,7 +726,7 @@ class PrefillScheduler:
                 mgr=m,
                 bootstrap_addr=self.addr,
                 bootstrap_room=req.room,
-                req_has_disagg_prefill_dp_rank=False,
+                req_has_disagg_prefill_dp_rank=req.dp_named,
             )
             for m in self.instance.managers
         ]
@@ -794,6 +827,11 @@ class DecodeScheduler:
         self.prefill_progress: Callable[[Request], int] = lambda req: 0
         #: _commit_transfer_to_req: runs before the aux slot is cleared.
         self.on_commit: Callable[[Request], None] = lambda req: None
+        #: Each ready request's prefill DP rank (``_resolve_pending_reqs``); a request left out
+        #: stays pending. Default: DP rank 0 (a prefill instance without DP).
+        self.dp_ranks: Callable[[list[Request]], dict[int, int]] = lambda reqs: {
+            req.room: 0 for req in reqs
+        }
 
     def add(self, req: Request) -> None:
         req.receivers = [
@@ -826,14 +864,17 @@ class DecodeScheduler:
 
     def step(self) -> None:
         managers = self.instance.managers
-        # _resolve_pending_reqs: fast path once every rank knows the prefill instance.
+        # _resolve_pending_reqs: once every rank knows the prefill instance, each request's
+        # prefill DP rank (computed, named, or asked of the registry), then init.
+        known = all(m.prefill_info_table.get(self.addr) is not None for m in managers)
+        ranks = self.dp_ranks(self.pending) if known and self.pending else {}
         for req in list(self.pending):
-            if all(m.prefill_info_table.get(self.addr) is not None for m in managers):
+            if req.room in ranks:
                 self.pending.remove(req)
                 for recv in req.receivers:
-                    self.check.call("receiver init", recv.init, 0)
+                    self.check.call("receiver init", recv.init, ranks[req.room])
                 self.prealloc.append(req)
-            elif time.monotonic() - self.last_ensure > 0.05:
+            elif not known and time.monotonic() - self.last_ensure > 0.05:
                 # upstream retries every 1 s; the replay is faster to keep scenarios short
                 self.last_ensure = time.monotonic()
                 for m in managers:

@@ -160,6 +160,97 @@ async def test_delete(client: BootstrapClient) -> None:
     assert (await client.health()).engines == {}
 
 
+# -- rooms' DP ranks (SGLang's routes) -------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_dp_ranks_registered_are_answered_in_sglangs_shape(
+    server: BootstrapServer, client: BootstrapClient, http: aiohttp.ClientSession
+) -> None:
+    await client.register_dp_rank(11, 1)
+    await client.register_dp_rank(2**63 - 1, 0)
+    await client.register_dp_rank(11, 0)  # the room id reused: the latest rank wins
+    assert await client.query_dp_ranks([11, 12, 2**63 - 1]) == {11: 0, 2**63 - 1: 0}
+    # What SGLang's decode scheduler sends and reads (CommonKVReceiver.query_prefill_dp_ranks).
+    query = {"bootstrap_rooms": [11, 12]}
+    async with http.post(f"{server.url}/query_dp_ranks", json=query) as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"11": 0}
+    # And what SGLang's prefill sends to register one.
+    entry = {"bootstrap_room": 12, "dp_rank": 3}
+    async with http.post(f"{server.url}/register_dp_rank", json=entry) as resp:
+        assert resp.status == 200
+        assert await resp.json() == entry
+    assert len(server.dp_ranks) == 3
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("route", "body", "message"),
+    [
+        ("register_dp_rank", {"bootstrap_room": -1, "dp_rank": 0}, "invalid DP rank registration"),
+        ("register_dp_rank", {"bootstrap_room": 2**63, "dp_rank": 0}, "invalid DP rank"),
+        ("register_dp_rank", {"bootstrap_room": 1, "dp_rank": "0"}, "Expected `int`"),
+        ("register_dp_rank", {"bootstrap_room": 1}, "missing required field `dp_rank`"),
+        ("register_dp_rank", {"bootstrap_room": 1, "dp_rank": 0, "x": 1}, "unknown field"),
+        ("query_dp_ranks", {"bootstrap_rooms": 5}, "invalid DP rank query"),
+        ("query_dp_ranks", {"bootstrap_rooms": [1, "a"]}, "invalid DP rank query"),
+        ("query_dp_ranks", {"bootstrap_rooms": list(range(70_000))}, "length <= 65536"),
+        ("query_dp_ranks", {}, "missing required field `bootstrap_rooms`"),
+    ],
+)
+async def test_bad_dp_rank_bodies_get_a_400_naming_the_field(
+    server: BootstrapServer,
+    http: aiohttp.ClientSession,
+    route: str,
+    body: dict[str, object],
+    message: str,
+) -> None:
+    async with http.post(f"{server.url}/{route}", json=body) as resp:
+        assert resp.status == 400
+        assert message in (await resp.json())["error"]
+    assert len(server.dp_ranks) == 0
+    # Wrong methods are 405, as on every route.
+    async with http.get(f"{server.url}/{route}") as resp:
+        assert resp.status == 405
+
+
+@pytest.mark.asyncio
+async def test_dp_rank_registrations_are_signed_writes_and_queries_unsigned_reads(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with (
+        BootstrapServer(expected_ranks=1, secret=SECRET) as server,
+        BootstrapClient(server.url, secret=SECRET) as signed,
+        BootstrapClient(server.url) as unsigned,
+    ):
+        with pytest.raises(UnauthorizedError, match="requires signed writes"):
+            await unsigned.register_dp_rank(5, 1)
+        async with http.post(
+            f"{server.url}/register_dp_rank", json={"bootstrap_room": 5, "dp_rank": 1}
+        ) as resp:
+            assert resp.status == 401
+        assert len(server.dp_ranks) == 0
+        await signed.register_dp_rank(5, 1)
+        # SGLang's decode asks without a signature.
+        assert await unsigned.query_dp_ranks([5]) == {5: 1}
+
+
+@pytest.mark.asyncio
+async def test_the_sweep_expires_dp_ranks_too() -> None:
+    async with BootstrapServer(expected_ranks=1, ttl_s=0.5) as server:
+        server.dp_ranks.ttl_s = 0.2
+        async with BootstrapClient(server.url) as client:
+            await client.register_dp_rank(1, 0)
+            assert len(server.dp_ranks) == 1
+            await wait_until(
+                lambda: len(server.dp_ranks) == 0,
+                timeout=30.0,
+                interval=0.02,
+                message="the sweep to expire the DP rank",
+            )
+
+
 # -- auth ------------------------------------------------------------------------------------------
 
 

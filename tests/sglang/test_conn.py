@@ -706,6 +706,24 @@ def test_manager_surface_the_scheduler_reads(pair: Pair) -> None:
         pair.dm.new_sender(1)
 
 
+def test_decode_lends_the_scheduler_an_executor_and_shuts_it_down_on_close(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """SGLang's decode scheduler runs its DP-rank lookups on the manager's executor
+    (``prefetch_prefill_dp_rank_queries`` calls ``_ensure_prefill_recompute_executor()``): one
+    per manager, made on first use, usable, and gone with the manager."""
+    keep: list[RankBuffers] = []  # the pools the manager registered live as long as it
+    mgr = _stateless("decode", bootstrap.port, keep)
+    try:
+        executor = mgr._ensure_prefill_recompute_executor()
+        assert mgr._ensure_prefill_recompute_executor() is executor
+        assert executor.submit(lambda: 6 * 7).result(timeout=10) == 42
+    finally:
+        mgr.close()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        executor.submit(lambda: None)
+
+
 def test_conn_surface_the_scheduler_reads(pair: Pair) -> None:
     room = next(_rooms)
     sender, receiver = pair.sender(room), pair.receiver(room)
