@@ -389,6 +389,7 @@ class PrefillManager(_Manager):
         pp_size: int = 1,
         stage_root: int | None = None,
         dp_by_room: bool = True,
+        http_port: int = 0,
         host: str | None = None,
         config: ManagerConfig | None = None,
         name: str | None = None,
@@ -399,7 +400,8 @@ class PrefillManager(_Manager):
 
         ``dp_by_room`` (published to decode): room ``r`` is served by DP rank
         ``r % dp_size``. False: something else picks the DP rank, and each room's is
-        registered (:meth:`register_dp_rank`) for decode to look up."""
+        registered (:meth:`register_dp_rank`) for decode to look up. ``http_port`` (published):
+        the engine's serving HTTP port, where a decode asks for a request's recompute."""
         super().__init__(
             "prefill",
             layout,
@@ -444,6 +446,7 @@ class PrefillManager(_Manager):
                 pp_rank=pp_rank,
                 pp_size=pp_size,
                 dp_by_room=dp_by_room,
+                http_port=http_port,
                 host=host,
                 interval_s=self.config.register_interval_s,
             )

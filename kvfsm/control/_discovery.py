@@ -49,6 +49,7 @@ class Registration:
         pp_rank: int = 0,
         pp_size: int = 1,
         dp_by_room: bool = True,
+        http_port: int = 0,
         host: str | None = None,
         interval_s: float = 5.0,
     ) -> None:
@@ -65,6 +66,7 @@ class Registration:
             "dp_size": dp_size,
             "pp_size": pp_size,
             "dp_by_room": dp_by_room,
+            "http_port": http_port,
         }
         #: Pipeline stage 0: the port its stage hub listens on, once bound (``_stages``).
         self.stage_port = 0

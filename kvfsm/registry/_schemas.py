@@ -81,6 +81,9 @@ class RankInfo(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True
     #: it); False, a balancer picks it and the serving rank registers it
     #: (``POST /register_dp_rank``), so decode asks (``POST /query_dp_ranks``).
     dp_by_room: bool = True
+    #: The HTTP port of the engine's serving frontend on ``host`` (0: none published): where a
+    #: decode asks prefill to recompute a request it retracted (SGLang's re-bootstrap).
+    http_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     #: Pipeline stage 0 only (``pp_size > 1``): where the other stages of its pipeline report
     #: their rooms' statuses (``_stages``); 0 otherwise.
     stage_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0

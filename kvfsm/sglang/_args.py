@@ -58,6 +58,7 @@ def mode_name(mode: Any) -> str:
 #: (disaggregation/common/conn.py, nixl/conn.py).
 _GETTERS: dict[str, str] = {
     "host": "get_serving",
+    "port": "get_serving",
     "disaggregation_bootstrap_port": "get_disagg",
     "dist_init_addr": "get_parallel",
     "tp_size": "get_parallel",
@@ -90,6 +91,9 @@ class ServerConfig:
     """The SGLang configuration kvfsm reads, resolved as SGLang's own backends see it."""
 
     host: str | None = "127.0.0.1"
+    #: The server's HTTP port (``--port``): where a decode asks this prefill to recompute a
+    #: retracted request (SGLang's re-bootstrap ``/generate``).
+    port: int | None = None
     disaggregation_bootstrap_port: int = 8998
     dist_init_addr: str | None = None
     tp_size: int = 1

@@ -341,6 +341,16 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
         mgr.track(room, self._legs)
         if bootstrap_room is None:
             self._legs.reject("no bootstrap_room: the request cannot be matched to a prefill")
+        #: Set from kvfsm's loop when the prefill recompute of a re-bootstrapped request
+        #: failed (``kv_mgr.submit_prefill_recompute``); applied on the scheduler thread.
+        self.recompute_failure: str | None = None
+
+    def poll(self) -> int:
+        failure = self.recompute_failure
+        if failure is not None:
+            self.recompute_failure = None
+            self._legs.reject(failure)  # a no-op once the room ended (a late answer)
+        return self._room.poll()
 
     @property
     def conclude_state(self) -> int | None:

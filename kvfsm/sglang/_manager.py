@@ -25,6 +25,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import aiohttp
+
 from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.registry import BootstrapClient
@@ -62,6 +64,13 @@ _log = logging.getLogger("kvfsm.sglang")
 DP_REGISTER_WAIT_S = 5.0
 
 
+def _waiting_timeout_s() -> float:
+    """SGLang's ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (seconds, default 300): how long the
+    recompute of a retracted request may take before its receiver fails."""
+    raw = os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "").strip()
+    return float(raw) if raw.isdigit() and int(raw) > 0 else 300.0
+
+
 def _executor_threads() -> int:
     """SGLang's ``SGLANG_DISAGGREGATION_THREAD_POOL_SIZE`` when set, else 4."""
     raw = os.environ.get("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "").strip()
@@ -79,6 +88,8 @@ class PrefillInfo(NamedTuple):
     follow_bootstrap_room: bool = True
     #: Pipeline stages of the prefill instance: a request is read from every one.
     pp_size: int = 1
+    #: The prefill server's HTTP port (SGLang's re-bootstrap ``/generate``); None: unknown.
+    prefill_http_port: int | None = None
 
 
 class Leg(NamedTuple):
@@ -132,6 +143,7 @@ class KvfsmKVManager(BaseKVManager):
         self.dp_by_room = dp_by_room(self.server_config.load_balance_method, self.mode)
         self.force_dp_query = force_query()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._http: aiohttp.ClientSession | None = None
         self.layout = layout_from_kv_args(args, self.server_config.device)
         #: Its state types, and which layout rows a request's ``state_indices`` name.
         self.states = StateMap.from_kv_args(args).placed(self.layout.state_type_rows())
@@ -218,6 +230,7 @@ class KvfsmKVManager(BaseKVManager):
             pp_size=topo.pp_size,
             stage_root=topo.rank_of(topo.dp_rank, 0, topo.tp_rank),
             dp_by_room=self.dp_by_room,
+            http_port=int(self.server_config.port or 0),
             host=advertised_host(self.config.channel.host, self.bootstrap_url),
             config=self.config,
         )
@@ -324,6 +337,67 @@ class KvfsmKVManager(BaseKVManager):
         coro = prefill.register_dp_rank(room, wait_s=DP_REGISTER_WAIT_S)
         return asyncio.run_coroutine_threadsafe(coro, engine.loop)
 
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
+        """Decode, PD retraction with re-bootstrap: ask the request's prefill server to compute
+        its KV again (``POST /generate`` with SGLang's ``payload``: the prompt and the tokens
+        decoded so far, the same ``bootstrap_room``), which it then sends into the pages this
+        new receiver named. Returns at once: the request runs on kvfsm's loop. Only the first
+        attention-TP rank asks (the prefill server sends every decode rank its share), as
+        SGLang's common backend elects. An address without a published HTTP port, an error
+        answer or no answer within ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` fail the
+        receiver with the reason, unless its transfer already succeeded."""
+        if self.topology.tp_rank or self.topology.pp_rank:
+            return
+        rid = payload.get("rid")
+        info = self.prefill_info_table.get(kv_receiver.bootstrap_addr)
+        port = None if info is None else info.prefill_http_port
+        engine = self.kvfsm.engine
+        if port is None or engine is None:
+            kv_receiver.recompute_failure = (
+                f"PD retract rebootstrap for rid={rid}: no /generate URL for prefill "
+                f"{kv_receiver.bootstrap_addr} (it published no HTTP port)"
+                if engine is not None
+                else f"PD retract rebootstrap for rid={rid}: the kvfsm manager is closed"
+            )
+            return
+        host = kv_receiver.bootstrap_addr.rsplit(":", 1)[0]
+        url = f"http://{host}:{port}/generate"
+        future = asyncio.run_coroutine_threadsafe(self._recompute(url, payload), engine.loop)
+
+        def done(future: concurrent.futures.Future[str | None]) -> None:
+            failure = (
+                f"PD retract rebootstrap for rid={rid}: the kvfsm manager closed first"
+                if future.cancelled()
+                else future.result()
+            )
+            if failure is not None:
+                kv_receiver.recompute_failure = failure
+
+        future.add_done_callback(done)
+
+    async def _recompute(self, url: str, payload: dict[str, Any]) -> str | None:
+        """POST the recompute; None once the prefill server answered it, else why not."""
+        rid = payload.get("rid")
+        if self._clients_closed:
+            return f"PD retract rebootstrap for rid={rid}: the kvfsm manager is closed"
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=_waiting_timeout_s())
+        try:
+            async with self._http.post(url, json=payload, timeout=timeout) as resp:
+                if resp.status < 400:
+                    return None
+                body = (await resp.text())[:512]
+                return (
+                    f"PD retract rebootstrap /generate failed for rid={rid} "
+                    f"(status={resp.status}): {body}"
+                )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return (
+                f"PD retract rebootstrap /generate request errored for rid={rid}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+
     def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """The threads decode's scheduler runs its DP-rank lookups on (``/query_dp_ranks``,
         SGLang's ``prefetch_prefill_dp_rank_queries``): SGLang's common backend lends its own
@@ -375,6 +449,7 @@ class KvfsmKVManager(BaseKVManager):
                 info.tp_size,
                 follow_bootstrap_room=info.dp_by_room,
                 pp_size=info.pp_size,
+                prefill_http_port=info.http_port or None,
             )
         except Exception as exc:
             _log.warning("prefill instance %s: parallel info not available yet: %s", addr, exc)
@@ -471,6 +546,9 @@ class KvfsmKVManager(BaseKVManager):
 
     async def _close_clients(self) -> None:
         self._clients_closed = True
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close()
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             try:

@@ -330,12 +330,17 @@ class RankBuffers:
 
 
 def server_args(
-    port: int, tp_size: int, dp_size: int = 1, load_balance_method: str = "auto"
+    port: int,
+    tp_size: int,
+    dp_size: int = 1,
+    load_balance_method: str = "auto",
+    http_port: int | None = None,
 ) -> SimpleNamespace:
     """The ServerArgs fields the adapter reads; ``dp_size > 1``: DP attention, ``tp_size``
-    ranks in ``dp_size`` groups."""
+    ranks in ``dp_size`` groups. ``http_port``: the server's ``--port``."""
     return SimpleNamespace(
         host="127.0.0.1",
+        port=http_port,
         disaggregation_bootstrap_port=port,
         tp_size=tp_size,
         dp_size=dp_size,
@@ -378,6 +383,7 @@ class Instance:
         layers: int = LAYERS,
         dp_size: int = 1,
         load_balance_method: str = "auto",
+        http_port: int | None = None,
     ) -> Instance:
         """``heads``: the model's KV heads, split over the ranks as SGLang does
         (:func:`rank_heads`); default one per rank, so a page is ``PAGE_BYTES`` per buffer.
@@ -389,7 +395,8 @@ class Instance:
         ``dp_size``: DP attention with ``tp_size`` attention-TP ranks per DP rank (SGLang's
         ``--tp tp_size*dp_size --dp dp_size --enable-dp-attention``); each DP group's prefill
         fill is its own generation (:meth:`dp_group`), so bytes from the wrong DP rank show.
-        ``load_balance_method``: SGLang's ``--load-balance-method``."""
+        ``load_balance_method``: SGLang's ``--load-balance-method``; ``http_port``: its
+        ``--port`` (what prefill publishes for re-bootstrap recomputes)."""
         total = 1 if mla else (tp_size if heads is None else heads)
         buffers = [
             RankBuffers.make(
@@ -412,7 +419,9 @@ class Instance:
                     KvfsmKVManager(
                         args,
                         DisaggregationMode(mode),
-                        server_args(port, tp_size * dp_size, dp_size, load_balance_method),
+                        server_args(
+                            port, tp_size * dp_size, dp_size, load_balance_method, http_port
+                        ),
                         mla,
                     )
                 )
@@ -528,6 +537,9 @@ class Request:
     #: (``disagg_prefill_dp_rank``: then decode knows it without asking).
     prefill_dp: int = 0
     dp_named: bool = False
+    #: A request decode retracted and bootstraps again: SGLang's re-bootstrap payload, which
+    #: each decode rank hands ``submit_prefill_recompute`` right after ``send_metadata``.
+    rebootstrap: dict[str, Any] | None = None
     # -- progress ----------------------------------------------------------------------------
     senders: list[KvfsmKVSender] = field(default_factory=list)
     receivers: list[KvfsmKVReceiver] = field(default_factory=list)
@@ -906,6 +918,14 @@ class DecodeScheduler:
                         # _send_kv_metadata: only the pages past the prefix (decode.py:1642)
                         decode_prefix_len=req.prefix_tokens,
                     )
+                if req.rebootstrap is not None:  # _send_kv_metadata, policy "early"
+                    for m, recv in zip(managers, req.receivers, strict=True):
+                        self.check.call(
+                            "submit_prefill_recompute",
+                            m.submit_prefill_recompute,
+                            recv,
+                            req.rebootstrap,
+                        )
                 self.transfer.append(req)
         # pop_transferred with the metadata gate.
         for req in list(self.transfer):
