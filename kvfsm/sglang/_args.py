@@ -60,6 +60,7 @@ _GETTERS: dict[str, str] = {
     "host": "get_serving",
     "port": "get_serving",
     "disaggregation_bootstrap_port": "get_disagg",
+    "disaggregation_decode_allocation_policy": "get_disagg",
     "dist_init_addr": "get_parallel",
     "tp_size": "get_parallel",
     "dp_size": "get_parallel",
@@ -100,6 +101,8 @@ class ServerConfig:
     dp_size: int = 1
     pp_size: int = 1
     enable_dp_attention: bool = False
+    #: When decode reserves a request's pages (``--disaggregation-decode-allocation-policy``).
+    disaggregation_decode_allocation_policy: str | None = "early"
     #: How SGLang's DP controller picks a request's DP rank (``--load-balance-method``).
     load_balance_method: str | None = "auto"
     #: SGLang's ``--device`` (``cuda``, ``cpu``, ...), None when unknown.

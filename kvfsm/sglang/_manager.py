@@ -132,6 +132,12 @@ class KvfsmKVManager(BaseKVManager):
         #: SGLang's configuration as its own backends read it (runtime context first).
         self.server_config = ServerConfig.read(server_args)
         self.topology = Topology.of(args, self.server_config)
+        policy = self.server_config.disaggregation_decode_allocation_policy or "early"
+        if policy != "early":
+            raise UnsupportedError(
+                f"--disaggregation-decode-allocation-policy {policy} is not supported by kvfsm "
+                "(decode reserves a request's pages when it bootstraps: policy early)"
+            )
         if self.mode != "prefill" and self.topology.pp_size > 1:
             raise UnsupportedError(
                 f"pipeline parallelism on decode (pp_size={self.topology.pp_size}) is not "

@@ -34,6 +34,7 @@ from kvfsm.sglang import (
     KvfsmKVSender,
     SGLangTransferError,
 )
+from kvfsm.sglang._args import UnsupportedError
 from kvfsm.sglang._bases import DisaggregationMode, KVPoll, KVTransferDestination
 from kvfsm.sglang._conn import prefix_problem
 from kvfsm.sglang._manager import PrefillInfo
@@ -704,6 +705,17 @@ def test_manager_surface_the_scheduler_reads(pair: Pair) -> None:
         pair.pm.new_receiver(1)
     with pytest.raises(RuntimeError, match="no senders"):
         pair.dm.new_sender(1)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_the_deferred_decode_allocation_policy_is_refused_by_name(
+    bootstrap: KvfsmKVBootstrapServer, mode: str
+) -> None:
+    buffers = RankBuffers.make(None)
+    args = server_args(bootstrap.port, 1)
+    args.disaggregation_decode_allocation_policy = "prefill_complete"
+    with pytest.raises(UnsupportedError, match="allocation-policy prefill_complete is not"):
+        KvfsmKVManager(buffers.kv_args(0), DisaggregationMode(mode), args, False)
 
 
 def test_decode_lends_the_scheduler_an_executor_and_shuts_it_down_on_close(
