@@ -19,7 +19,14 @@ import os
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["FORCE_QUERY_ENV", "DpPlan", "dp_by_room", "force_query", "prefill_dp_plan"]
+__all__ = [
+    "FORCE_QUERY_ENV",
+    "DpPlan",
+    "dp_by_room",
+    "force_flag",
+    "force_query",
+    "prefill_dp_plan",
+]
 
 FORCE_QUERY_ENV: Final = "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"
 _FOLLOW: Final = "follow_bootstrap_room"
@@ -28,15 +35,20 @@ _TRUE: Final = frozenset({"true", "1", "yes", "y"})
 _FALSE: Final = frozenset({"false", "0", "no", "n", ""})
 
 
-def force_query() -> bool:
-    """``SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK``, read as SGLang reads booleans; a
-    value SGLang would not read as one is refused, naming the variable."""
-    raw = os.environ.get(FORCE_QUERY_ENV, "").strip().lower()
+def force_flag(variable: str) -> bool:
+    """A boolean SGLang environment variable, read as SGLang reads them; a value SGLang would
+    not read as one is refused, naming the variable."""
+    raw = os.environ.get(variable, "").strip().lower()
     if raw in _TRUE:
         return True
     if raw in _FALSE:
         return False
-    raise ValueError(f"{FORCE_QUERY_ENV}={raw!r}: expected true/false, 1/0, yes/no")
+    raise ValueError(f"{variable}={raw!r}: expected true/false, 1/0, yes/no")
+
+
+def force_query() -> bool:
+    """``SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`` (:func:`force_flag`)."""
+    return force_flag(FORCE_QUERY_ENV)
 
 
 def dp_by_room(load_balance_method: str | None, mode: str) -> bool:

@@ -42,7 +42,7 @@ from kvfsm.sglang._args import (
     mode_name,
 )
 from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
-from kvfsm.sglang._dp_ranks import dp_by_room, force_query
+from kvfsm.sglang._dp_ranks import dp_by_room, force_flag, force_query
 from kvfsm.sglang._settings import manager_config
 from kvfsm.sglang._states import StateMap
 from kvfsm.states import KVPoll as RoomStatus
@@ -132,6 +132,14 @@ class KvfsmKVManager(BaseKVManager):
         #: SGLang's configuration as its own backends read it (runtime context first).
         self.server_config = ServerConfig.read(server_args)
         self.topology = Topology.of(args, self.server_config)
+        if self.mode == "decode" and force_flag("SGLANG_DISAGG_STAGING_BUFFER"):
+            # SGLang's decode then builds its staging handler from the backend's staging
+            # allocator, which kvfsm has none of: it writes each head slice where it belongs
+            # (head-sliced descriptors), so unequal TP needs no staging buffer.
+            raise UnsupportedError(
+                "SGLANG_DISAGG_STAGING_BUFFER=1 is not supported by kvfsm on decode: kvfsm "
+                "writes unequal-TP head slices in place, without staging buffers; unset it"
+            )
         policy = self.server_config.disaggregation_decode_allocation_policy or "early"
         if policy != "early":
             raise UnsupportedError(

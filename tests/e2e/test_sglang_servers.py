@@ -332,6 +332,52 @@ def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
     assert asyncio.run(generate_all(rig.router.url, check)) == rig.reference_outputs(check)
 
 
+#: Requests decoding when decode is paused with retraction, and the tokens each generates.
+RETRACTED, RETRACT_MAX_NEW = 6, 160
+
+
+def test_retracted_requests_are_recomputed_by_prefill_and_finish_exact(rig: Rig) -> None:
+    """SGLang's ``/pause_generation`` with ``mode: retract`` on decode drops the KV of every
+    running request; ``/continue_generation`` bootstraps each again under its room and kvfsm
+    asks prefill to recompute it (``submit_prefill_recompute``: ``/generate`` on the HTTP port
+    prefill published). Every request must still finish with the reference's tokens, and both
+    servers must show a second room per request."""
+    rng = random.Random(SEED + 5)
+    prompts = [prompt(rng, 40, 120) for _ in range(RETRACTED)]
+    want = asyncio.run(generate_all(rig.reference.url, prompts, RETRACT_MAX_NEW))
+    before = {s.name: kvfsm_stats(s)["rooms"] for s in (rig.prefill, rig.decode)}
+
+    def decoding() -> bool:
+        """Every request's first transfer succeeded: all are decoding now."""
+        done = kvfsm_stats(rig.decode)["rooms"]["succeeded"]
+        return bool(done >= before["decode"]["succeeded"] + RETRACTED)
+
+    async def run() -> list[Any]:
+        async with session() as s:
+            tasks = [
+                asyncio.ensure_future(generate(s, rig.router.url, p, RETRACT_MAX_NEW))
+                for p in prompts
+            ]
+            await asyncio.to_thread(
+                wait_until_sync, decoding, timeout=120, interval=0.02, message="decoding"
+            )
+            for path, payload in (
+                ("/pause_generation", {"mode": "retract"}),
+                ("/continue_generation", {}),
+            ):
+                async with s.post(rig.decode.url + path, json=payload) as resp:
+                    assert resp.status == 200, (path, resp.status, await resp.text())
+            return await asyncio.gather(*tasks)
+
+    got = asyncio.run(run())
+    after = {s.name: kvfsm_stats(s)["rooms"] for s in (rig.prefill, rig.decode)}
+    spawned = {n: after[n]["spawned"] - before[n]["spawned"] for n in after}
+    FIGURES["retraction_rooms_spawned"] = spawned
+    # A second room per request on each side: the retraction really happened and was served.
+    assert spawned == {"prefill": 2 * RETRACTED, "decode": 2 * RETRACTED}, spawned
+    assert got == want
+
+
 #: Requests in flight when decode is killed: they fit decode's pool at once (12 x 500 tokens <
 #: 8192), so decode claims them all on arrival.
 LOAD = 12
