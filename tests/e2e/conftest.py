@@ -1,13 +1,24 @@
-"""The e2e suite keeps its servers' logs when a test fails (and removes them when all passed):
-this hook records failures so the module's fixtures can tell."""
+"""The e2e suite's shared servers, and its log keeping: servers' logs are kept when a test
+failed (and removed when all passed); the hook below records failures so the fixtures can
+tell."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import shutil
+from collections.abc import Generator, Iterator
 
 import pytest
 
-from tests.e2e.servers import FAILED
+from tests.e2e.servers import (
+    ARM_ENV,
+    FAILED,
+    SharedPrefill,
+    free_port,
+    prefill_flags,
+    sglang_server,
+    stop_all,
+    write_model,
+)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -18,3 +29,40 @@ def pytest_runtest_makereport(
     report = outcome.get_result()
     if report.failed and item.parent is not None:
         item.parent.stash[FAILED] = True
+        item.session.stash[FAILED] = True
+
+
+@pytest.fixture(scope="session")
+def llama(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedPrefill]:
+    """A reference server and a kvfsm prefill server for the test model, started once per
+    pytest worker (the e2e modules run on one: their ``xdist_group``) and shared by its modules:
+    each starts only its own decode server and router next to them. Launched here, waited for
+    by the first module (``SharedPrefill.ready``) while its own servers start too."""
+    log_dir = tmp_path_factory.mktemp("sglang-e2e-shared")
+    model = write_model(log_dir / "model")
+    bootstrap = free_port()
+    corrupt_next = log_dir / "corrupt-next-transfer"
+    reference = sglang_server("reference", model, log_dir)
+    prefill = sglang_server(
+        "prefill",
+        model,
+        log_dir,
+        *prefill_flags(bootstrap),
+        "--enable-metrics",
+        kvfsm=True,
+        env={ARM_ENV: str(corrupt_next)},
+    )
+    try:
+        reference.start()
+        prefill.start()
+        yield SharedPrefill(log_dir, model, reference, prefill, bootstrap, corrupt_next)
+    finally:
+        stop_all([prefill, reference])
+        if request.session.stash.get(FAILED, False):
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"sglang e2e shared servers' logs kept in {log_dir}")
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)

@@ -391,3 +391,33 @@ def metric_sum(text: str, name: str) -> float:
             total += float(match.group(2))
     assert found, f"{name} is not on /metrics"
     return total
+
+
+#: The variable that tells a prefill server where the negative control's arming file is (the
+#: corrupting proxy's ``ARM_ENV``, ``shim/kvfsm_e2e_corrupt.py``).
+ARM_ENV = "KVFSM_E2E_CORRUPT_ARM"
+
+
+@dataclass
+class SharedPrefill:
+    """The servers the e2e modules of one pytest worker share (``conftest.py``'s ``llama``):
+    the test model, a non-disaggregated reference server and a kvfsm prefill server with
+    metrics on, whose next transfer is corrupted while ``corrupt_next`` exists. Each module
+    brings its own decode server and router (they differ: radix cache, kills), launches its
+    decode server, then calls :meth:`ready`."""
+
+    log_dir: Path
+    model: Path
+    reference: Server
+    prefill: Server
+    bootstrap_port: int
+    corrupt_next: Path
+    _ready: bool = False
+
+    def ready(self) -> None:
+        """Wait until both answer (launched by the fixture, which does not wait, so that the
+        first module's own servers start at the same time); at once after the first call."""
+        if not self._ready:
+            for server in (self.reference, self.prefill):
+                server.wait_ready()
+            self._ready = True

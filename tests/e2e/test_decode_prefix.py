@@ -1,6 +1,7 @@
 """Decode prefix caching with real SGLang 0.5.23 servers on this CPU machine: a prefill server, a
 decode server with ``--disaggregation-decode-enable-radix-cache`` (both served by kvfsm), SGLang's
-router, and a non-disaggregated reference server with the same dummy weights.
+router, and a non-disaggregated reference server with the same dummy weights (the reference and
+prefill servers are the pytest worker's shared ones, ``conftest.py``).
 
 Requests go one at a time, so decode's radix cache holds the earlier prompts when the later ones
 come: a prompt that extends an earlier one (decode holds its first part), the same prompt again
@@ -26,16 +27,14 @@ from tests.e2e.servers import (
     DECODE_FLAGS,
     FAILED,
     Server,
+    SharedPrefill,
     body,
-    free_port,
     get_text,
     metric_sum,
     post_json,
-    prefill_flags,
     router,
     sglang_server,
     stop_all,
-    write_model,
 )
 from tests.helpers.waiting import wait_until_sync
 
@@ -65,31 +64,33 @@ def _decode_with_radix_cache(model: Path, log_dir: Path) -> Server:
 
 
 @pytest.fixture(scope="module")
-def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def rig(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    llama: SharedPrefill,
+) -> Iterator[Rig]:
+    """The worker's shared reference and prefill servers (``conftest.py``), with this
+    module's own decode server (radix cache on) and router."""
     log_dir = tmp_path_factory.mktemp("sglang-e2e-prefix")
-    model = write_model(log_dir / "model")
-    bootstrap = free_port()
-    reference = sglang_server("reference", model, log_dir)
-    prefill = sglang_server(
-        "prefill", model, log_dir, *prefill_flags(bootstrap), "--enable-metrics", kvfsm=True
-    )
-    decode = _decode_with_radix_cache(model, log_dir)
-    front = router(log_dir, prefill, bootstrap, decode)
+    decode = _decode_with_radix_cache(llama.model, log_dir)
+    front = router(log_dir, llama.prefill, llama.bootstrap_port, decode)
     started: list[Server] = []
     try:
-        for group in ([reference, prefill, decode], [front]):
-            for server in group:
-                server.start()
-                started.append(server)
-            for server in group:
-                server.wait_ready()
+        # Launched together with the shared servers' start (the first module) and each other:
+        # the router checks its workers' health again every few seconds.
+        for server in (decode, front):
+            started.append(server)
+            server.start()
+        llama.ready()
+        decode.wait_ready()
+        front.wait_ready()
         wait_until_sync(
             lambda: _serves(front),
             timeout=120,
             interval=1.0,
             message="the router to route to the pair",
         )
-        yield Rig(reference, prefill, decode, front)
+        yield Rig(llama.reference, llama.prefill, decode, front)
     finally:
         stop_all(list(reversed(started)))
         if request.node.stash.get(FAILED, False):

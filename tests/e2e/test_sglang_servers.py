@@ -1,8 +1,10 @@
 """Real SGLang 0.5.23 servers on this CPU machine, with kvfsm as their KV transfer backend.
 
-Started once for the module (``servers.py``): a prefill server and a decode server
-(``KVFSM_SGLANG=1``: SGLang's ``nixl`` backend is served by kvfsm), SGLang's router in PD mode in
-front of them, and one non-disaggregated reference server with the same dummy weights. Checks:
+A prefill server and a decode server (``KVFSM_SGLANG=1``: SGLang's ``nixl`` backend is served
+by kvfsm), SGLang's router in PD mode in front of them, and one non-disaggregated reference
+server with the same dummy weights (``servers.py``). The reference and prefill servers are the
+pytest worker's shared ones (``conftest.py``); the decode server and router are this module's.
+Checks:
 
 * greedy output ids through the PD pair equal the reference server's, for every one of 200
   concurrent requests of random prompt lengths;
@@ -10,6 +12,8 @@ front of them, and one non-disaggregated reference server with the same dummy we
   (kvfsm's own NIXL interposition hook, ``shim/kvfsm_e2e_corrupt.py``), gives different output;
 * client disconnects and SGLang's ``/abort_request`` leave no kvfsm room on either server;
 * SGLang's transfer metrics are non-zero with kvfsm;
+* decode retraction (``/pause_generation`` with ``mode: retract``): prefill recomputes every
+  retracted request and each finishes with the reference's tokens;
 * decode killed under load: prefill's rooms all end by peer loss (not by a deadline), and a
   restarted decode serves again through the router.
 """
@@ -17,6 +21,7 @@ front of them, and one non-disaggregated reference server with the same dummy we
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 import time
@@ -33,18 +38,16 @@ from tests.e2e.servers import (
     FAILED,
     LIVENESS_S,
     Server,
+    SharedPrefill,
     body,
-    free_port,
     get_json,
     get_text,
     kvfsm_stats,
     metric_sum,
     post_json,
-    prefill_flags,
     router,
     sglang_server,
     stop_all,
-    write_model,
 )
 from tests.helpers.waiting import wait_until_sync
 
@@ -52,8 +55,6 @@ pytestmark = pytest.mark.timeout(900)
 
 #: What the corrupting proxy (``shim/kvfsm_e2e_corrupt.py``) logs for each transfer it corrupts.
 CORRUPTED = "kvfsm-e2e: corrupted"
-#: The variable that tells the rig's prefill where the arming file is (the shim's ``ARM_ENV``).
-ARM_ENV = "KVFSM_E2E_CORRUPT_ARM"
 
 VOCAB = 512
 MAX_NEW = 8
@@ -111,15 +112,6 @@ class Rig:
     corrupt_next: Path
     started: list[Server] = field(default_factory=list)
 
-    def start_all(self, servers: list[Server]) -> None:
-        # Launched together (each takes ~30 s, mostly imports), then waited for in turn: the
-        # first that dies fails the module at once with its log.
-        for server in servers:
-            server.start()
-            self.started.append(server)
-        for server in servers:
-            server.wait_ready()
-
     def reference_outputs(self, prompts: list[list[int]]) -> list[list[int]]:
         return asyncio.run(generate_all(self.reference.url, prompts))
 
@@ -133,35 +125,44 @@ def _router_serves(rig: Rig) -> bool:
 
 
 @pytest.fixture(scope="module")
-def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def rig(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    llama: SharedPrefill,
+) -> Iterator[Rig]:
+    """The worker's shared reference and prefill servers (``conftest.py``), with this
+    module's own decode server and router."""
     log_dir = tmp_path_factory.mktemp("sglang-e2e")
-    model = write_model(log_dir / "model")
-    bootstrap = free_port()
-    corrupt_next = log_dir / "corrupt-next-transfer"
-    reference = sglang_server("reference", model, log_dir)
-    prefill = sglang_server(
-        "prefill",
-        model,
+    decode = sglang_server("decode", llama.model, log_dir, *DECODE_FLAGS, kvfsm=True)
+    front = router(log_dir, llama.prefill, llama.bootstrap_port, decode)
+    rig = Rig(
         log_dir,
-        *prefill_flags(bootstrap),
-        "--enable-metrics",
-        kvfsm=True,
-        env={ARM_ENV: str(corrupt_next)},
+        llama.model,
+        llama.reference,
+        llama.prefill,
+        decode,
+        front,
+        llama.bootstrap_port,
+        llama.corrupt_next,
     )
-    decode = sglang_server("decode", model, log_dir, *DECODE_FLAGS, kvfsm=True)
-    front = router(log_dir, prefill, bootstrap, decode)
-    rig = Rig(log_dir, model, reference, prefill, decode, front, bootstrap, corrupt_next)
     began = time.monotonic()
     try:
-        rig.start_all([reference, prefill, decode])
-        rig.start_all([front])
+        # Launched together with the shared servers' start (the first module) and each other:
+        # the router checks its workers' health again every few seconds.
+        for server in (decode, front):
+            rig.started.append(server)
+            server.start()
+        llama.ready()
+        decode.wait_ready()
+        front.wait_ready()
         wait_until_sync(
             lambda: _router_serves(rig),
             timeout=120,
             interval=1.0,
             message="the router to route to the pair",
         )
-        FIGURES["startup_s"] = {s.name: round(s.startup_s[0], 1) for s in rig.started}
+        shared = (llama.reference, llama.prefill)
+        FIGURES["startup_s"] = {s.name: round(s.startup_s[0], 1) for s in (*shared, *rig.started)}
         FIGURES["rig_ready_s"] = round(time.monotonic() - began, 1)
         yield rig
     finally:
@@ -333,34 +334,51 @@ def test_disconnects_and_abort_requests_leave_no_kvfsm_room(rig: Rig) -> None:
 
 
 #: Requests decoding when decode is paused with retraction, and the tokens each generates.
-RETRACTED, RETRACT_MAX_NEW = 6, 160
+RETRACTED, RETRACT_MAX_NEW = 6, 64
+
+
+async def _stream(
+    s: aiohttp.ClientSession, url: str, ids: list[int], decoding: asyncio.Event, seen: set[int]
+) -> list[int]:
+    """One streamed request; adds ``id(ids)`` to ``seen`` once decode produced a token for it
+    (its second: the first is prefill's), and sets ``decoding`` when every request did."""
+    out: list[int] = []
+    async with s.post(
+        url + "/generate", json={**body(ids, RETRACT_MAX_NEW), "stream": True}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            out = json.loads(line[len("data:") :])["output_ids"]  # the tokens so far
+            if len(out) >= 2:
+                seen.add(id(ids))
+                if len(seen) == RETRACTED:
+                    decoding.set()
+    return out
 
 
 def test_retracted_requests_are_recomputed_by_prefill_and_finish_exact(rig: Rig) -> None:
     """SGLang's ``/pause_generation`` with ``mode: retract`` on decode drops the KV of every
     running request; ``/continue_generation`` bootstraps each again under its room and kvfsm
     asks prefill to recompute it (``submit_prefill_recompute``: ``/generate`` on the HTTP port
-    prefill published). Every request must still finish with the reference's tokens, and both
-    servers must show a second room per request."""
+    prefill published). The pause comes once every request is decoding (streamed: decode sent
+    a token for each), so all are retracted. Every request must still finish with the
+    reference's tokens, and both servers must show a second room per request."""
     rng = random.Random(SEED + 5)
     prompts = [prompt(rng, 40, 120) for _ in range(RETRACTED)]
     want = asyncio.run(generate_all(rig.reference.url, prompts, RETRACT_MAX_NEW))
     before = {s.name: kvfsm_stats(s)["rooms"] for s in (rig.prefill, rig.decode)}
 
-    def decoding() -> bool:
-        """Every request's first transfer succeeded: all are decoding now."""
-        done = kvfsm_stats(rig.decode)["rooms"]["succeeded"]
-        return bool(done >= before["decode"]["succeeded"] + RETRACTED)
-
-    async def run() -> list[Any]:
+    async def run() -> list[list[int]]:
+        decoding, seen = asyncio.Event(), set[int]()
         async with session() as s:
             tasks = [
-                asyncio.ensure_future(generate(s, rig.router.url, p, RETRACT_MAX_NEW))
+                asyncio.ensure_future(_stream(s, rig.router.url, p, decoding, seen))
                 for p in prompts
             ]
-            await asyncio.to_thread(
-                wait_until_sync, decoding, timeout=120, interval=0.02, message="decoding"
-            )
+            await asyncio.wait_for(decoding.wait(), timeout=120)
             for path, payload in (
                 ("/pause_generation", {"mode": "retract"}),
                 ("/continue_generation", {}),
