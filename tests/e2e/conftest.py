@@ -32,14 +32,16 @@ def pytest_runtest_makereport(
         item.session.stash[FAILED] = True
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def llama(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SharedPrefill]:
-    """A reference server and a kvfsm prefill server for the test model, started once per
-    pytest worker (the e2e modules run on one: their ``xdist_group``) and shared by its modules:
-    each starts only its own decode server and router next to them. Launched here, waited for
-    by the first module (``SharedPrefill.ready``) while its own servers start too."""
+    """A reference server and a kvfsm prefill server for the test model, shared by this
+    package's modules (they run on one pytest worker: their ``xdist_group``): each starts
+    only its own decode server and router next to them. Launched here, waited for by the
+    first module (``SharedPrefill.ready``) while its own servers start too. Stopped after the
+    package's last test: an idle SGLang server on a CPU still keeps a core busy, which would
+    slow every later test of the worker."""
     log_dir = tmp_path_factory.mktemp("sglang-e2e-shared")
     model = write_model(log_dir / "model")
     bootstrap = free_port()

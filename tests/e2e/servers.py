@@ -400,7 +400,7 @@ ARM_ENV = "KVFSM_E2E_CORRUPT_ARM"
 
 @dataclass
 class SharedPrefill:
-    """The servers the e2e modules of one pytest worker share (``conftest.py``'s ``llama``):
+    """The servers the e2e modules share (``conftest.py``'s ``llama``):
     the test model, a non-disaggregated reference server and a kvfsm prefill server with
     metrics on, whose next transfer is corrupted while ``corrupt_next`` exists. Each module
     brings its own decode server and router (they differ: radix cache, kills), launches its

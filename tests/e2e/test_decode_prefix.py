@@ -1,7 +1,7 @@
 """Decode prefix caching with real SGLang 0.5.23 servers on this CPU machine: a prefill server, a
 decode server with ``--disaggregation-decode-enable-radix-cache`` (both served by kvfsm), SGLang's
 router, and a non-disaggregated reference server with the same dummy weights (the reference and
-prefill servers are the pytest worker's shared ones, ``conftest.py``).
+prefill servers are the e2e package's shared ones, ``conftest.py``).
 
 Requests go one at a time, so decode's radix cache holds the earlier prompts when the later ones
 come: a prompt that extends an earlier one (decode holds its first part), the same prompt again

@@ -3,7 +3,7 @@
 A prefill server and a decode server (``KVFSM_SGLANG=1``: SGLang's ``nixl`` backend is served
 by kvfsm), SGLang's router in PD mode in front of them, and one non-disaggregated reference
 server with the same dummy weights (``servers.py``). The reference and prefill servers are the
-pytest worker's shared ones (``conftest.py``); the decode server and router are this module's.
+e2e package's shared ones (``conftest.py``); the decode server and router are this module's.
 Checks:
 
 * greedy output ids through the PD pair equal the reference server's, for every one of 200
