@@ -46,8 +46,9 @@ EOF
 
 COMMON=(--model-path "$WORK/model" --load-format dummy --skip-tokenizer-init --device cpu
     --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.5
-    --max-total-tokens 8192 --disable-radix-cache --host 127.0.0.1
+    --max-total-tokens 8192 --disable-radix-cache --host 127.0.0.1 --sleep-on-idle
     --disaggregation-transfer-backend nixl)
+# --sleep-on-idle: an idle SGLang scheduler on a CPU otherwise spins, a core per server.
 # KVFSM_SGLANG=1: SGLang's "nixl" backend is served by kvfsm. A longer liveness bound than
 # kvfsm's 2 s default: two CPU-bound servers share the cores (docs/sglang.md).
 export KVFSM_SGLANG=1 KVFSM_HEARTBEAT_S=1 KVFSM_LIVENESS_FACTOR=10 KVFSM_LEASE_S=10

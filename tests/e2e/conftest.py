@@ -40,8 +40,7 @@ def llama(
     package's modules (they run on one pytest worker: their ``xdist_group``): each starts
     only its own decode server and router next to them. Launched here, waited for by the
     first module (``SharedPrefill.ready``) while its own servers start too. Stopped after the
-    package's last test: an idle SGLang server on a CPU still keeps a core busy, which would
-    slow every later test of the worker."""
+    package's last test."""
     log_dir = tmp_path_factory.mktemp("sglang-e2e-shared")
     model = write_model(log_dir / "model")
     bootstrap = free_port()
