@@ -23,6 +23,7 @@ _REPO = _TESTS.parent
 XDIST_GROUPS: dict[str, str] = {
     "tests/e2e/test_sglang_servers.py": "sglang-servers",
     "tests/e2e/test_decode_prefix.py": "sglang-servers",
+    "tests/e2e/test_model_shapes.py": "sglang-servers",
     "tests/test_examples.py::test_sglang_cpu_pd_example_runs": "sglang-servers",
 }
 
