@@ -71,7 +71,9 @@ class DpRankTable:
         found: dict[str, int] = {}
         for room in rooms:
             entry = self._rooms.get(room)
-            if entry is not None:
+            # Its own expiry too: expire() stops at the first live entry, and one registered
+            # before a change of ttl_s may stand ahead of shorter-lived ones.
+            if entry is not None and entry[1] > now:
                 found[str(room)] = entry[0]
         return found
 

@@ -133,6 +133,14 @@ def _int_param(name: str, value: str, upper: int) -> int:
     return int(value)
 
 
+async def _body(request: web.Request) -> bytes:
+    """The request's body; 413 before reading one that says it is over ``MAX_BODY_BYTES``."""
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:
+        raise RefusedError(413, f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    return await request.read()
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """Every refusal and every aiohttp error (404, 405, 413...) becomes a JSON error body."""
@@ -394,10 +402,7 @@ class BootstrapServer:
                 _log.exception("bootstrap: expiry sweep failed")
 
     async def _signed_body(self, request: web.Request) -> bytes:
-        length = request.content_length
-        if length is not None and length > MAX_BODY_BYTES:
-            raise RefusedError(413, f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
-        body = await request.read()
+        body = await _body(request)
         if self._secret is not None:
             try:
                 check_request(self._secret, request.method, request.raw_path, body, request.headers)
@@ -463,11 +468,8 @@ class BootstrapServer:
         return _json(entry)
 
     async def _query_dp_ranks(self, request: web.Request) -> web.Response:
-        length = request.content_length
-        if length is not None and length > MAX_BODY_BYTES:
-            raise RefusedError(413, f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
         try:
-            query = _decode_dp_query(await request.read())
+            query = _decode_dp_query(await _body(request))
         except msgspec.DecodeError as exc:
             raise RefusedError(400, f"invalid DP rank query: {exc}") from None
         return _json(self.dp_ranks.lookup(query.bootstrap_rooms, time.monotonic()))

@@ -4,7 +4,6 @@ tell."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Generator, Iterator
 
 import pytest
@@ -14,6 +13,7 @@ from tests.e2e.servers import (
     FAILED,
     SharedPrefill,
     free_port,
+    keep_logs_if_failed,
     prefill_flags,
     sglang_server,
     stop_all,
@@ -61,9 +61,4 @@ def llama(
         yield SharedPrefill(log_dir, model, reference, prefill, bootstrap, corrupt_next)
     finally:
         stop_all([prefill, reference])
-        if request.session.stash.get(FAILED, False):
-            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"sglang e2e shared servers' logs kept in {log_dir}")
-        else:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        keep_logs_if_failed(request, log_dir, request.session.stash.get(FAILED, False))

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -427,3 +428,14 @@ class SharedPrefill:
             for server in (self.reference, self.prefill):
                 server.wait_ready()
             self._ready = True
+
+
+def keep_logs_if_failed(request: pytest.FixtureRequest, log_dir: Path, failed: bool) -> None:
+    """A fixture's teardown: keep ``log_dir`` (and say where) when one of its tests failed,
+    else remove it."""
+    if failed:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"sglang e2e logs kept in {log_dir}")
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)

@@ -14,7 +14,6 @@ tokens past decode's prefix moved.
 from __future__ import annotations
 
 import random
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from tests.e2e.servers import (
     SharedPrefill,
     body,
     get_text,
+    keep_logs_if_failed,
     metric_sum,
     post_json,
     router,
@@ -93,12 +93,7 @@ def rig(
         yield Rig(llama.reference, llama.prefill, decode, front)
     finally:
         stop_all(list(reversed(started)))
-        if request.node.stash.get(FAILED, False):
-            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"sglang e2e logs kept in {log_dir}")
-        else:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        keep_logs_if_failed(request, log_dir, request.node.stash.get(FAILED, False))
 
 
 def _serves(front: Server) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from tests.e2e.servers import (
     Server,
     body,
     free_port,
+    keep_logs_if_failed,
     kvfsm_stats,
     prefill_flags,
     sglang_server,
@@ -72,12 +72,7 @@ def pair(
         yield Pair(*servers, bootstrap)
     finally:
         stop_all(list(reversed(servers)))
-        if request.node.stash.get(FAILED, False):
-            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"sglang e2e logs kept in {log_dir}")
-        else:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        keep_logs_if_failed(request, log_dir, request.node.stash.get(FAILED, False))
 
 
 async def _both(pair: Pair, prompts: list[list[int]]) -> tuple[list[Any], list[Any]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from tests.e2e.servers import (
     body,
     get_json,
     get_text,
+    keep_logs_if_failed,
     kvfsm_stats,
     metric_sum,
     post_json,
@@ -168,14 +168,10 @@ def rig(
     finally:
         stop_all(list(reversed(rig.started)))
         FIGURES["module_s"] = round(time.monotonic() - began, 1)
-        failed = request.node.stash.get(FAILED, False)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line(f"\nsglang e2e figures: {FIGURES}")
-            if failed:
-                reporter.write_line(f"sglang e2e logs kept in {log_dir}")
-        if not failed:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        keep_logs_if_failed(request, log_dir, request.node.stash.get(FAILED, False))
 
 
 # -- the checks ---------------------------------------------------------------------------------

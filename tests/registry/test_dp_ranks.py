@@ -71,3 +71,13 @@ def test_the_default_ttl_is_sglangs_cleanup_interval() -> None:
 def test_bad_arguments_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DpRankTable(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_lookup_never_answers_an_expired_entry_behind_a_live_one() -> None:
+    """Entries registered before ttl_s was shortened stand ahead of shorter-lived ones: the
+    sweep stops at the first live entry, the lookup still judges each by its own expiry."""
+    table = DpRankTable(ttl_s=100.0)
+    table.register(1, 0, now=0.0)  # lives until 100
+    table.ttl_s = 1.0
+    table.register(2, 1, now=0.0)  # lives until 1, behind room 1
+    assert table.lookup([1, 2], now=5.0) == {"1": 0}
