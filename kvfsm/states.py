@@ -142,7 +142,9 @@ class Part(enum.IntEnum):
 
     * ``WHOLE``: the KV (or this leg's head slice of it), the aux row and the state rows. The
       only part when TP is equal; with several legs, exactly one of them.
-    * ``KV``: the KV slice only; another leg of the request carries the aux and state rows.
+    * ``KV``: the KV slice, and the state rows when state is sharded over attention TP (each
+      prefill rank writes its shard; replicated state is written by the ``WHOLE`` leg only);
+      another leg of the request carries the aux row.
     * ``NONE``: nothing. The prefill rank holds no KV this decode rank needs (an MLA replica,
       or a replicated KV head another replica sends): it is SGLang's "dummy" rank for it, and
       its room still runs to Success so every rank's poll reports the same progress.

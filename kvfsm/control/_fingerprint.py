@@ -30,8 +30,11 @@ Rules
 4. **Unequal attention TP must split** (:func:`mismatch`): the model's KV heads split over
    both TPs (one divides the other, ``_slices.HeadShard``); if prefill replicates heads (its
    TP above the head count), decode must declare the head count too, since which replica
-   writes depends on it. State pools (Mamba, ...) are sharded over attention TP as well and
-   move as whole rows, so a model with one pairs only at equal attention TP.
+   writes depends on it. State pools pair as SGLang's NIXL backend pairs them
+   (``_state_plan``): with MLA every type but MiniMax's, whole; without MLA Mamba (its
+   channel shards), SWA (head slices, as KV) and DSA's indexer cache, and the rest are refused
+   by name. A sharded state moves on each leg that moves KV, so a prefill TP that replicates
+   the KV heads cannot feed a smaller decode TP a sharded state: refused by name too.
 5. **A prefill pipeline stage writes its span of layers** (``first_layer``, ``layers``) into
    decode's whole model: the span must lie inside decode's layers, stage 0 must start at
    layer 0 and the last stage must end at decode's last layer (SGLang splits layers into
@@ -61,6 +64,7 @@ from kvfsm.transport import HeadShard, KvPiece, link_piece, targets
 __all__ = [
     "DECLARED_MATCH",
     "MUST_MATCH",
+    "PAIR_UNDER_UNEQUAL_TP",
     "SGLANG_REFUSES_PP",
     "SGLANG_REFUSES_UNEQUAL_TP",
     "SHAPE_RULES",
@@ -101,6 +105,24 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: ``layers`` counts the stage's own layers, ``first_layer`` to ``first_layer + layers``.
     pp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
     first_layer: _Small = 0
+    #: Per state region, in layout order: the channels of its attention-TP-sharded axis this
+    #: rank holds (SGLang's ``state_dim_per_tensor``, Mamba's conv and SSM tensors), 0 for an
+    #: item replicated over attention TP, -1 or missing for a region it declares none for;
+    #: empty: not declared. Read only under unequal TP.
+    state_dims: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=-1, le=1 << 20)], ...],
+        msgspec.Meta(max_length=1 << 12),
+    ] = ()
+    #: Per state region: the whole-model channels of each sub-block of a conv state whose
+    #: sub-blocks are sharded apart (GDN's ``q | k | v``: SGLang's
+    #: ``state_conv_shard_groups``); empty: one block.
+    state_conv: Annotated[
+        tuple[Annotated[tuple[_Small, ...], msgspec.Meta(max_length=16)], ...],
+        msgspec.Meta(max_length=1 << 12),
+    ] = ()
+    #: Per state region: rows of the sharded axis in one item (SGLang's
+    #: ``state_slice_outer_counts``); empty: 1.
+    state_outer: Annotated[tuple[_Small, ...], msgspec.Meta(max_length=1 << 12)] = ()
 
     def __post_init__(self) -> None:
         # (attn_tp or pp < 1: msgspec says so on decode; Python callers get it from here)
@@ -249,16 +271,43 @@ def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     if prefill.attn_tp == decode.attn_tp:
         return None
     problem = None if prefill.mla else _heads_problem(prefill, decode)
-    if problem is None and prefill.state_types:
-        # SGLang shards a request's state (Mamba conv/SSM) over attention TP too; one leg
-        # writes whole state rows, which fit only an equal shard.
-        problem = (
-            "fingerprint mismatch: state pools "
-            f"({', '.join(prefill.state_types)}) with unequal attention TP (prefill "
-            f"{prefill.attn_tp}, decode {decode.attn_tp}) are not supported (state_types, attn_tp)"
-            + _sglang_says(prefill.state_types, SGLANG_REFUSES_UNEQUAL_TP)
+    return problem or _state_split_problem(prefill, decode)
+
+
+#: State types that pair under unequal attention TP without MLA (``_state_plan``: Mamba's
+#: channel shards, SWA's head slices, DSA's per-token indexer cache); with MLA every type but
+#: MiniMax's does, whole.
+PAIR_UNDER_UNEQUAL_TP: Final = frozenset({"mamba", "swa", "dsa"})
+_MINIMAX: Final = frozenset({"minimax_index_k", "minimax_dense_kv"})
+#: Types a prefill rank moves in shards, one shard per leg that moves KV.
+_SHARDED: Final = frozenset({"mamba", "swa"})
+
+
+def _state_split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
+    """Rule 4 for state pools."""
+    types = prefill.state_types
+    if prefill.mla:
+        refused = [t for t in types if t in _MINIMAX]
+    else:
+        refused = [t for t in types if t not in PAIR_UNDER_UNEQUAL_TP]
+    if refused:
+        return (
+            f"fingerprint mismatch: state pools ({', '.join(refused)}) with unequal attention "
+            f"TP (prefill {prefill.attn_tp}, decode {decode.attn_tp}) are not supported "
+            "(state_types, attn_tp)" + _sglang_says(tuple(refused), SGLANG_REFUSES_UNEQUAL_TP)
         )
-    return problem
+    replicated = prefill.attn_tp > decode.attn_tp and prefill.attn_tp > prefill.kv_heads
+    sharded = [t for t in types if t in _SHARDED]
+    if not prefill.mla and sharded and replicated:
+        # Each decode rank's state shards come from every prefill rank of its group, but with
+        # replicated heads some of those ranks write it no KV (another replica does), so they
+        # would have no leg to write the state over.
+        return (
+            f"fingerprint mismatch: sharded state ({', '.join(sharded)}) from prefill attention "
+            f"TP {prefill.attn_tp}, which replicates the model's {prefill.kv_heads} KV heads, "
+            f"into decode attention TP {decode.attn_tp} is not supported (state_types, attn_tp)"
+        )
+    return None
 
 
 #: State types SGLang 0.5.23's NIXL backend itself refuses under unequal attention TP (non-MLA)
@@ -272,6 +321,8 @@ SGLANG_REFUSES_UNEQUAL_TP: Final[dict[str, str]] = {
     "swa_ring": "PD different TP sizes for non-MLA SWA_RING hybrid models",
     "c128_state": "PD different TP sizes for non-MLA C128_STATE hybrid models",
     "request_row": "PD different TP sizes for non-MLA REQUEST_ROW hybrid models",
+    "qsa_pending": "PD different TP sizes for non-MLA QSA_PENDING hybrid models",
+    "qsa_compressed": "PD different TP sizes for non-MLA QSA_COMPRESSED hybrid models",
 }
 SGLANG_REFUSES_PP: Final[dict[str, str]] = {
     "minimax_index_k": "PP>1 not supported for MiniMax state yet",

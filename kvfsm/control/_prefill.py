@@ -28,6 +28,7 @@ from kvfsm.control._frames import (
 )
 from kvfsm.control._plane import ControlPlane, new_stats
 from kvfsm.control._routing import Action, GrantLease, PrefillRouting, RevokeLease
+from kvfsm.control._state_plan import state_link_plan
 from kvfsm.link import AcceptErrors, RawConnection, accept_forever, tune
 from kvfsm.rooms import RoomKey
 from kvfsm.states import ReportOutcome, ReportSettled, Role
@@ -208,7 +209,15 @@ class PrefillControl(ControlPlane):
             plan = link_plan(self.fingerprint, theirs.fingerprint)
             piece = NO_KV if plan == "none" else plan
             assert not isinstance(piece, str)
-            await self.transport.connect_peer(peer_id, theirs.agent_metadata, summary, piece)
+            layout = self.agent.layout
+            state = state_link_plan(
+                self.fingerprint,
+                theirs.fingerprint,
+                layout.state_specs(),
+                summary.state,
+                layout.state_groups,
+            )
+            await self.transport.connect_peer(peer_id, theirs.agent_metadata, summary, piece, state)
         except Exception as exc:
             self.stats["handshakes_refused"] += 1
             reason = clip_reason(

@@ -327,8 +327,10 @@ class RoomCore:
                 return f"aux row {event.aux_index} is negative"
             return None
         if part == Part.KV:
-            if event.aux_index != -1 or event.state:
-                return "a KV-only leg names an aux row or state rows (another leg carries them)"
+            # State rows are allowed: under unequal attention TP each prefill rank writes its
+            # shard of the request's state (the link's state piece says which bytes, if any).
+            if event.aux_index != -1:
+                return "a KV-only leg names an aux row (another leg carries it)"
             return None
         if part == Part.NONE:
             if event.pages or event.state or event.aux_index != -1:

@@ -245,7 +245,18 @@ class DestinationOwners:
                     f"(room {claim.owner.room} gen {claim.owner.generation})"
                 )
             page_idx = _indices(pages)
-        state_idx = _indices(state)
+        # State rows likewise: under unequal attention TP every leg that writes a shard of the
+        # request's state names the same rows; the first to name them takes them.
+        state_idx = _EMPTY
+        if state:
+            named = _indices(state)
+            if not claim.state.size:
+                state_idx = named
+            elif not np.array_equal(named, claim.state):
+                return (
+                    f"state rows: a leg of room {owner.room} names other state rows than the "
+                    "leg that holds them"
+                )
         if aux_index >= 0:
             if claim.aux >= 0:
                 return (
@@ -255,8 +266,6 @@ class DestinationOwners:
             holder = self._aux.get(aux_index)
             if holder is not None:
                 return f"aux row {aux_index} already held by {self._name(holder)}"
-        if state_idx.size and claim.state.size:
-            return "state rows: another leg of the room already holds its state rows"
         problem = self._take(slot, page_idx, state_idx)
         if problem is not None:
             return problem

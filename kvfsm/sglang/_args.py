@@ -220,7 +220,7 @@ def fingerprint_from_kv_args(
     TP. MHA pools hold a K and a V buffer per layer, MLA pools one latent buffer per layer.
     A prefill pipeline stage declares its own layers, from ``prefill_start_layer``."""
     item_lens = list(getattr(args, "kv_item_lens", None) or [])
-    state = StateMap.from_kv_args(args).names
+    states = StateMap.from_kv_args(args)
     page_tokens = int(getattr(args, "page_size", 0) or 0)
     kv_heads = head_bytes = 0
     local = int(getattr(args, "kv_head_num", 0) or 0)
@@ -236,7 +236,10 @@ def fingerprint_from_kv_args(
         dtype=str(getattr(args, "kv_cache_dtype_str", "") or ""),
         page_tokens=page_tokens,
         mla=is_mla,
-        state_types=state,
+        state_types=states.names,
+        state_dims=states.dims,
+        state_conv=states.conv if any(states.conv) else (),
+        state_outer=states.outer if any(o != 1 for o in states.outer) else (),
         attn_tp=attn_tp_size,
         pp=pp_size,
         attn_rank=attn_rank,

@@ -232,7 +232,9 @@ class KvfsmKVSender(_Conn, BaseKVSender):
             if part is Part.WHOLE:
                 room.send(kv_indices, rows)
             elif part is Part.KV:
-                room.send(kv_indices)  # another prefill rank sends decode's state rows
+                # Its shard of sharded state too (the link's state piece says which bytes;
+                # none for state another leg writes whole).
+                room.send(kv_indices, rows)
             elif last:
                 room.send(b"")  # a dummy's last chunk: it ends, having moved nothing
 
@@ -420,8 +422,8 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
             # Every leg names the prefix: each prefill rank skips the same pages.
             if part is Part.WHOLE:
                 room.send_metadata(kv_indices, aux, rows, prefix=prefix)
-            elif part is Part.KV:  # another leg carries the aux and state rows
-                room.send_metadata(kv_indices, -1, None, Part.KV, prefix)
+            elif part is Part.KV:  # another leg carries the aux row; state is sharded by link
+                room.send_metadata(kv_indices, -1, rows, Part.KV, prefix)
             else:  # a dummy: that prefill rank holds none of this rank's heads
                 room.send_metadata(b"", -1, None, Part.NONE, prefix)
 

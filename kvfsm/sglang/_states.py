@@ -34,8 +34,9 @@ fingerprint rules); this module only says what this rank holds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvfsm.sglang._errors import UnsupportedError
@@ -85,6 +86,36 @@ class _Pool:
     rows: int = 0
 
 
+@dataclass(slots=True)
+class _Shards:
+    """SGLang's per-buffer sharding lists, gathered for the buffers kvfsm registers."""
+
+    args: Any
+    dims: list[int | None] = field(default_factory=list)
+    conv: list[tuple[int, ...]] = field(default_factory=list)
+    outer: list[int] = field(default_factory=list)
+
+    def _entry(self, name: str, i: int, k: int) -> Any:
+        lists = getattr(self.args, name, None) or []
+        entry = lists[i] if i < len(lists) else None
+        return entry[k] if entry and k < len(entry) else None
+
+    def add(self, i: int, buffers: int) -> None:
+        for k in range(buffers):
+            dim = self._entry("state_dim_per_tensor", i, k)
+            self.dims.append(None if dim is None else int(dim))
+            conv = self._entry("state_conv_shard_groups", i, k)
+            self.conv.append(tuple(int(g) for g in conv) if conv else ())
+            outer = self._entry("state_slice_outer_counts", i, k)
+            self.outer.append(int(outer) if outer else 1)
+
+    def declared_dims(self) -> tuple[int, ...]:
+        # -1 for a buffer SGLang declares none for (an SWA pool beside Mamba's tensors).
+        if all(d is None for d in self.dims):
+            return ()
+        return tuple(-1 if d is None else d for d in self.dims)
+
+
 @dataclass(frozen=True, slots=True)
 class StateMap:
     """This rank's state types, in ``KVArgs`` order, with the buffers each registers."""
@@ -97,6 +128,13 @@ class StateMap:
     items: tuple[int, ...] = ()
     #: Buffers per registered state type, in order (the layout's ``state_groups``).
     groups: tuple[int, ...] = ()
+    #: Per registered buffer: how SGLang shards it over attention TP (``state_dim_per_tensor``,
+    #: ``state_conv_shard_groups``, ``state_slice_outer_counts``), what the fingerprint
+    #: declares for the state plan of unequal TP. ``dims``: -1 for a buffer without one, empty
+    #: when no buffer has one.
+    dims: tuple[int, ...] = ()
+    conv: tuple[tuple[int, ...], ...] = ()
+    outer: tuple[int, ...] = ()
 
     @classmethod
     def from_kv_args(cls, args: Any) -> StateMap:
@@ -111,6 +149,7 @@ class StateMap:
         pools: list[_Pool] = []
         flat: tuple[list[int], list[int], list[int]] = ([], [], [])
         groups: list[int] = []
+        shards = _Shards(args)
         for i, name in enumerate(names):
             group = list(ptrs[i]) if i < len(ptrs) else []
             if not group:
@@ -132,8 +171,17 @@ class StateMap:
             for target, values in zip(flat, (group, sizes, item), strict=True):
                 target.extend(int(v) for v in values)
             groups.append(len(group))
+            shards.add(i, len(group))
         return cls(
-            len(names), tuple(pools), tuple(flat[0]), tuple(flat[1]), tuple(flat[2]), tuple(groups)
+            len(names),
+            tuple(pools),
+            tuple(flat[0]),
+            tuple(flat[1]),
+            tuple(flat[2]),
+            tuple(groups),
+            shards.declared_dims(),
+            tuple(shards.conv),
+            tuple(shards.outer),
         )
 
     @property
@@ -150,7 +198,7 @@ class StateMap:
             _Pool(p.index, p.name, first, rows)
             for p, (first, rows) in zip(self.pools, type_rows, strict=True)
         )
-        return StateMap(self.types, pools, self.ptrs, self.lens, self.items, self.groups)
+        return dataclasses.replace(self, pools=pools)
 
     def rows(self, state_indices: Sequence[Any] | None) -> list[int] | str | None:
         """The layout rows a request's ``state_indices`` name (one entry per state type, a

@@ -5,16 +5,18 @@ progress loop of an agent that is only written into (decode).
 Exported: what a rank builds its layout from and configures (``Layout``, ``Region``,
 ``MemKind``, ``AgentConfig``, ``TransferConfig``), what the manager and the control channel
 wire together (the agent, the data path, the leases, decode's progress loop, layout summaries),
-and the head-slice plan of unequal TP that the handshake and the SGLang backend share.
+and the head and state slices of unequal TP that the handshake and the SGLang backend share.
 """
 
 from __future__ import annotations
 
 from kvfsm.transport._agent import Agent, AgentConfig
 from kvfsm.transport._fence import Leases
+from kvfsm.transport._geometry import RegionSpec, state_groups
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
 from kvfsm.transport._progress import AgentProgress, ProgressWatch
 from kvfsm.transport._slices import NO_KV, HeadShard, KvPiece, legs, link_piece, targets
+from kvfsm.transport._state_slices import Block, StatePiece
 from kvfsm.transport._transport import NixlTransport, TransferConfig
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "Agent",
     "AgentConfig",
     "AgentProgress",
+    "Block",
     "HeadShard",
     "KvPiece",
     "Layout",
@@ -32,8 +35,11 @@ __all__ = [
     "NixlTransport",
     "ProgressWatch",
     "Region",
+    "RegionSpec",
+    "StatePiece",
     "TransferConfig",
     "legs",
     "link_piece",
+    "state_groups",
     "targets",
 ]

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind
 from kvfsm.transport._nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from kvfsm.transport._slices import NO_KV, KvPiece, check_slice, sliced_descs
+from kvfsm.transport._state_slices import DESTINATION, SOURCE, StatePiece, check_state_piece
 
 __all__ = ["FLUSH_BYTES", "Agent", "AgentConfig", "AgentFencedOutError", "Peer"]
 
@@ -101,8 +102,10 @@ class Peer:
         "local_kv",
         "name",
         "peer_id",
+        "local_state",
         "piece",
         "state",
+        "state_piece",
         "summary",
     )
 
@@ -119,6 +122,8 @@ class Peer:
         piece: KvPiece | None = None,
         local_kv: Any = None,
         flush: tuple[Any, Any] | None = None,
+        state_piece: StatePiece | None = None,
+        local_state: Any = None,
     ) -> None:
         self.peer_id = peer_id
         self.generation = generation
@@ -132,6 +137,12 @@ class Peer:
         #: (buffer, page, row) (``_slices.sliced_descs``) instead of one per (buffer, page).
         self.piece = piece
         self.local_kv = local_kv
+        #: The byte blocks of each state item this agent writes into the peer (unequal
+        #: attention TP: ``_state_slices``); None: whole items. With a piece, ``state`` and
+        #: ``local_state`` list one descriptor per (region, item, block), or are None when the
+        #: piece moves nothing.
+        self.state_piece = state_piece
+        self.local_state = local_state
         #: (local scratch list, remote list) of one ``FLUSH_BYTES`` descriptor each: what a
         #: flush of this generation READs (``Pump``, the ledger's rule 2). None: this peer
         #: cannot be flushed (its held WRITEs then wait for their generation to go).
@@ -243,29 +254,53 @@ class Agent:
             dlist = self._local[key] = self._prep(_LOCAL, descs, self.layout.kv[0].kind)
         return dlist
 
+    def _local_state(self, piece: StatePiece | None) -> Any:
+        """The local list of ``piece``'s blocks of every state item, prepared once per piece
+        (decode ranks fed the same shard share it), released at close; None without a piece
+        or when it moves nothing."""
+        if piece is None or piece.moves_nothing:
+            return None
+        key = f"state/{piece.blocks!r}"
+        dlist = self._local.get(key)
+        if dlist is None:
+            descs = piece.descs(self.layout.state_specs(), SOURCE)
+            dlist = self._local[key] = self._prep(_LOCAL, descs, self.layout.state[0].kind)
+        return dlist
+
     def connect(
         self,
         peer_id: str,
         metadata: bytes,
         summary: LayoutSummary,
         piece: KvPiece | None = None,
+        state_piece: StatePiece | None = None,
     ) -> Peer:
         """Load a remote agent and prepare its lists. Raises ``ValueError`` if a WRITE from this
         layout into ``summary`` is not well-formed (the peer is then not added). With a
         ``piece`` (unequal attention TP) the KV lists address that head slice of every row
-        of every page, and KV pages may differ in size; aux and state rows still must not."""
-        problem = self.layout.compatible_with(summary, sliced=piece is not None)
+        of every page, and KV pages may differ in size; aux rows still must not. With a
+        ``state_piece`` the state lists address its blocks of every state item, and state
+        items may differ in size too."""
+        problem = self.layout.compatible_with(
+            summary, sliced=piece is not None, state_sliced=state_piece is not None
+        )
         if problem is None and piece is not None and piece is not NO_KV:
             try:  # the geometry of both sides against the piece, before NIXL sees anything
                 check_slice(self.layout.kv_specs(), piece.rows, piece.src)
                 check_slice(summary.kv, piece.rows, piece.dst)
             except LayoutError as exc:
                 problem = f"head slice {piece}: {exc}"
+        if problem is None and state_piece is not None:
+            try:
+                check_state_piece(state_piece, self.layout.state_specs(), summary.state)
+            except LayoutError as exc:
+                problem = f"state slice: {exc}"
         if problem is not None:
             raise ValueError(f"peer {peer_id}: layouts are incompatible: {problem}")
         if not self._usable():
             raise AgentFencedOutError(f"peer {peer_id} not connected: {self.abandoned}")
         local_kv = None if piece is None or piece is NO_KV else self._local_kv(piece)
+        local_state = self._local_state(state_piece)
         name = self.nixl.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
@@ -285,8 +320,12 @@ class Agent:
             if summary.aux:
                 aux = self._prep(name, summary.aux_descs(), MemKind(summary.aux_kind))
                 lists.append(aux)
-            if summary.state:
+            if summary.state and state_piece is None:
                 state = self._prep(name, summary.state_descs(), MemKind(summary.state_kind))
+                lists.append(state)
+            elif local_state is not None and state_piece is not None:
+                descs = state_piece.descs(summary.state, DESTINATION)
+                state = self._prep(name, descs, MemKind(summary.state_kind))
                 lists.append(state)
             flush = self._prep(name, *_flush_target(summary))
             lists.append(flush)
@@ -306,6 +345,8 @@ class Agent:
             piece=piece,
             local_kv=local_kv,
             flush=(self._local["flush"], flush),
+            state_piece=state_piece,
+            local_state=local_state,
         )
 
     def abandon(self, reason: str) -> None:

@@ -39,9 +39,11 @@ from kvfsm.states import ChunkDone, ChunkFailed, PostChunk
 from kvfsm.transport._agent import Agent, Peer
 from kvfsm.transport._config import TransportStats
 from kvfsm.transport._fence import FenceError, Leases
+from kvfsm.transport._geometry import state_groups
 from kvfsm.transport._layout import Layout, LayoutError
 from kvfsm.transport._ledger import Action, Deliver, LedgerStats, Record
 from kvfsm.transport._slices import NO_KV, sliced_index
+from kvfsm.transport._state_slices import DESTINATION, SOURCE
 
 __all__ = ["Xfer", "merge", "post_xfer", "prepare"]
 
@@ -229,9 +231,7 @@ def _record(key: RoomKey, command: PostChunk, local: Layout, peer: Peer) -> Xfer
         return None
     piece = peer.piece
     page_bytes = local.page_bytes() if piece is None else piece.page_bytes(len(local.kv))
-    nbytes = (
-        src.size * page_bytes + aux_bytes + (local.state_bytes(src_state) if src_state.size else 0)
-    )
+    nbytes = src.size * page_bytes + aux_bytes + (_state_bytes(local, peer, src_state))
     return Xfer(
         key,
         command.chunk,
@@ -336,7 +336,7 @@ def _parts(agent: Agent, record: Xfer) -> list[_Part]:
             parts.append((peer.local_kv, local_idx, peer.kv, remote_idx))
     if record.src_aux is not None and record.dst_aux is not None:
         parts.append((agent.local("aux"), record.src_aux, peer.aux, record.dst_aux))
-    if record.src_state.size:
+    if record.src_state.size and peer.state_piece is None:
         local_rows = [layout.state_index(int(r)) for r in record.src_state]
         remote_rows = [remote.state_index(int(r)) for r in record.dst_state]
         parts.append(
@@ -347,7 +347,32 @@ def _parts(agent: Agent, record: Xfer) -> list[_Part]:
                 np.concatenate(remote_rows).astype(np.int32),
             )
         )
+    elif record.src_state.size and peer.local_state is not None:
+        # This link's blocks of each state item (unequal attention TP, ``_state_slices``).
+        state_piece = peer.state_piece
+        assert state_piece is not None
+        specs, groups = layout.state_specs(), layout.state_groups
+        theirs = tuple(remote.state), state_groups(remote.state_groups, len(remote.state))
+        local_idx = np.concatenate(
+            [state_piece.index(specs, groups, SOURCE, int(r)) for r in record.src_state]
+        )
+        remote_idx = np.concatenate(
+            [state_piece.index(*theirs, DESTINATION, int(r)) for r in record.dst_state]
+        )
+        if local_idx.size:
+            parts.append((peer.local_state, local_idx, peer.state, remote_idx))
     return parts
+
+
+def _state_bytes(local: Layout, peer: Peer, rows: Indices) -> int:
+    """Bytes the state ``rows`` move to ``peer`` (its blocks of them, with a state piece)."""
+    if not rows.size:
+        return 0
+    piece = peer.state_piece
+    if piece is None:
+        return local.state_bytes(rows)
+    groups = local.state_groups
+    return sum(piece.row_bytes(groups, local.state_type_of(int(r))) for r in rows)
 
 
 def _fenced_reason(leases: Leases, fence: int, part: int, parts: int) -> str:

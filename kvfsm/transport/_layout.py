@@ -124,9 +124,18 @@ def _groups_mismatch(mine: tuple[int, ...], theirs: tuple[int, ...], regions: in
     return None
 
 
-def _mismatch(group: Group, mine: tuple[Region, ...], theirs: Sequence[RegionSpec]) -> str | None:
+def _count_mismatch(
+    group: Group, mine: tuple[Region, ...], theirs: Sequence[RegionSpec]
+) -> str | None:
     if len(mine) != len(theirs):
         return f"{group} region count differs: local {len(mine)}, remote {len(theirs)}"
+    return None
+
+
+def _mismatch(group: Group, mine: tuple[Region, ...], theirs: Sequence[RegionSpec]) -> str | None:
+    counts = _count_mismatch(group, mine, theirs)
+    if counts is not None:
+        return counts
     for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
         if a.item_bytes != b[2]:
             return (
@@ -251,6 +260,10 @@ class Layout(Geometry):
         """The KV regions as a peer's summary lists them."""
         return tuple(r.spec() for r in self.kv)
 
+    def state_specs(self) -> tuple[RegionSpec, ...]:
+        """The state regions as a peer's summary lists them."""
+        return tuple(r.spec() for r in self.state)
+
     def _shape(self, group: Group) -> tuple[int, int]:
         if group == "kv":
             return len(self.kv), self.kv[0].items
@@ -276,7 +289,7 @@ class Layout(Geometry):
         )
 
     def compatible_with(
-        self, remote: LayoutSummary | Layout, *, sliced: bool = False
+        self, remote: LayoutSummary | Layout, *, sliced: bool = False, state_sliced: bool = False
     ) -> str | None:
         """``None`` if a WRITE from this layout into ``remote`` is well-formed, else the reason.
 
@@ -285,7 +298,9 @@ class Layout(Geometry):
         *counts* may differ (each side sizes its own pool), and so may memory kinds (NIXL moves
         DRAM to VRAM and back). ``sliced`` (unequal attention TP: a head slice of each KV page
         moves): KV item sizes may differ, as each side holds its own heads; the slice's own
-        geometry is checked against both (``_slices.sliced_descs``).
+        geometry is checked against both (``_slices.sliced_descs``). ``state_sliced``: the
+        same for state items (``_state_slices``): each side holds its own shard of the state,
+        and only the region counts must agree.
         """
         if isinstance(remote, Layout):
             remote = remote.summary()
@@ -294,7 +309,11 @@ class Layout(Geometry):
         return (
             (None if sliced else _mismatch("kv", self.kv, remote.kv))
             or _mismatch("aux", self.aux, remote.aux)
-            or _mismatch("state", self.state, remote.state)
+            or (
+                _count_mismatch("state", self.state, remote.state)
+                if state_sliced
+                else _mismatch("state", self.state, remote.state)
+            )
             or _groups_mismatch(self.state_groups, remote.state_groups, len(remote.state))
         )
 

@@ -28,6 +28,7 @@ Rules kept here:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from kvfsm.rooms import name_this_thread
 from kvfsm.transport._agent import Agent, Peer
 from kvfsm.transport._layout import LayoutSummary
 from kvfsm.transport._slices import KvPiece
+from kvfsm.transport._state_slices import StatePiece
 
 __all__ = ["PeerSet"]
 
@@ -67,7 +69,7 @@ class PeerSet:
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
         self._attempts: dict[str, bytes] = {}  # metadata of each connection in progress
         self._lost_at: dict[str, float] = {}
-        self._known: dict[str, tuple[bytes, LayoutSummary, KvPiece | None]] = {}
+        self._known: dict[str, tuple[bytes, LayoutSummary, KvPiece | None, StatePiece | None]] = {}
         # Generations in the worker's hands: an old one it is to disconnect, or a new one it
         # connected that the loop has not adopted yet. If the engine stops meanwhile (the loop
         # ends, connect's task is cancelled, a queued job is cancelled by close()), nobody else
@@ -88,11 +90,12 @@ class PeerSet:
         metadata: bytes,
         summary: LayoutSummary,
         piece: KvPiece | None = None,
+        state: StatePiece | None = None,
     ) -> Peer:
         """Connect (or reconnect, as a new generation) the peer ``peer_id``."""
         loop = asyncio.get_running_loop()
         current = self._peers.get(peer_id)
-        if current is not None and self._known.get(peer_id) == (metadata, summary, piece):
+        if current is not None and self._known.get(peer_id) == (metadata, summary, piece, state):
             self._count("peers_kept")
             return current
         while (pending := self._connecting.get(peer_id)) is not None:
@@ -114,7 +117,10 @@ class PeerSet:
                 self._drop(old, f"peer {peer_id} reconnected as a new generation")
                 self._in_worker.append(old)
             peer = await loop.run_in_executor(
-                self._worker, self._reconnect_blocking, old, peer_id, metadata, summary, piece
+                self._worker,
+                functools.partial(
+                    self._reconnect_blocking, old, peer_id, metadata, summary, piece, state=state
+                ),
             )
             self._in_worker.remove(peer)  # adopted: in _peers from here on
         except BaseException as exc:
@@ -128,7 +134,7 @@ class PeerSet:
             del self._connecting[peer_id]
             del self._attempts[peer_id]
         self._peers[peer_id] = peer
-        self._known[peer_id] = (metadata, summary, piece)
+        self._known[peer_id] = (metadata, summary, piece, state)
         self._count("peers_connected")
         future.set_result(peer)
         _log.info("peer %s connected (generation %d)", peer_id, peer.generation)
@@ -167,10 +173,12 @@ class PeerSet:
         metadata: bytes,
         summary: LayoutSummary,
         piece: KvPiece | None,
+        *,
+        state: StatePiece | None,
     ) -> Peer:
         if old is not None:
             self._disconnect_blocking(old)
-        peer = self.agent.connect(peer_id, metadata, summary, piece)
+        peer = self.agent.connect(peer_id, metadata, summary, piece, state)
         self._in_worker.append(peer)
         return peer
 

@@ -64,6 +64,7 @@ from kvfsm.transport._peers import PeerSet
 from kvfsm.transport._poster import Poster
 from kvfsm.transport._pump import Pump
 from kvfsm.transport._slices import KvPiece
+from kvfsm.transport._state_slices import StatePiece
 
 # TransferConfig, TransportStats and ChunkObserver live in _config; re-exported here, where
 # callers have always imported them from.
@@ -339,13 +340,15 @@ class NixlTransport(CommandSink):
         metadata: bytes,
         summary: LayoutSummary,
         piece: KvPiece | None = None,
+        state: StatePiece | None = None,
     ) -> Peer:
         """Connect (or reconnect, as a new generation) the peer ``peer_id``. Loop thread; the
         blocking work runs on the peer set's worker. Concurrent calls for one peer share one
         attempt. ``piece``: the head slice of each KV page this rank writes into the peer
-        (unequal attention TP), None for whole pages."""
+        (unequal attention TP), None for whole pages; ``state``: the blocks of each state item
+        it writes there, None for whole items."""
         self._running_loop()
-        return await self._peers.connect(peer_id, metadata, summary, piece)
+        return await self._peers.connect(peer_id, metadata, summary, piece, state)
 
     def peer(self, peer_id: str) -> Peer | None:
         return self._peers.get(peer_id)

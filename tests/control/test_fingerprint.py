@@ -63,6 +63,8 @@ def test_every_must_match_field_is_covered() -> None:
     # attn_rank says which heads the rank holds (link_plan); pp_rank and first_layer which
     # layers (the layers rule, stage_buffers).
     placed = {"attn_rank", "pp_rank", "first_layer"}
+    # How state is sharded over attention TP: read by the state plan of unequal TP only.
+    placed |= {"state_dims", "state_conv", "state_outer"}
     assert set(Fingerprint.__struct_fields__) == set(OTHER) | shaped | placed
 
 
@@ -228,13 +230,40 @@ def test_replicated_prefill_heads_need_decode_to_declare_them() -> None:
     assert mismatch(_tp(two, 4), _tp(two, 2)) is None
 
 
-def test_state_pools_pair_only_at_equal_attention_tp() -> None:
-    hybrid = msgspec.structs.replace(LLAMA, state_types=("mamba",))
-    assert mismatch(hybrid, hybrid) is None
-    assert mismatch(_tp(hybrid, 4), _tp(hybrid, 2)) == (
-        "fingerprint mismatch: state pools (mamba) with unequal attention TP (prefill 4, decode "
-        "2) are not supported (state_types, attn_tp)"
+@pytest.mark.parametrize("mla", [False, True])
+def test_state_pools_pair_under_unequal_tp_as_sglang_pairs_them(mla: bool) -> None:
+    model = msgspec.structs.replace(LLAMA, mla=mla, kv_heads=0 if mla else 8)
+    for types in (("mamba",), ("swa",), ("dsa",), ("mamba", "swa", "dsa")):
+        hybrid = msgspec.structs.replace(model, state_types=types)
+        assert mismatch(hybrid, hybrid) is None
+        assert mismatch(_tp(hybrid, 4), _tp(hybrid, 2)) is None, types
+        assert mismatch(_tp(hybrid, 2), _tp(hybrid, 4)) is None, types
+    # Whole-row types that SGLang slices only for MLA models.
+    rows = msgspec.structs.replace(model, state_types=("mamba", "swa_ring", "qsa_pending"))
+    reason = mismatch(_tp(rows, 4), _tp(rows, 2))
+    if mla:
+        assert reason is None
+    else:
+        assert reason is not None
+        assert reason.startswith(
+            "fingerprint mismatch: state pools (swa_ring, qsa_pending) with unequal attention TP "
+            "(prefill 4, decode 2) are not supported (state_types, attn_tp); SGLang's own NIXL "
+            "backend refuses it too: "
+        )
+
+
+def test_sharded_state_from_replicated_prefill_heads_is_refused_by_name() -> None:
+    # 2 KV heads over prefill TP 4: ranks 0 and 1 hold head 0, and only rank 0 writes decode
+    # rank 0's KV, but decode rank 0's Mamba channels come from both.
+    two = msgspec.structs.replace(LLAMA, kv_heads=2, state_types=("mamba",))
+    assert mismatch(_tp(two, 4), _tp(two, 2)) == (
+        "fingerprint mismatch: sharded state (mamba) from prefill attention TP 4, which "
+        "replicates the model's 2 KV heads, into decode attention TP 2 is not supported "
+        "(state_types, attn_tp)"
     )
+    assert mismatch(_tp(two, 2), _tp(two, 4)) is None  # one prefill rank per decode rank
+    dsa = msgspec.structs.replace(two, state_types=("dsa",))  # whole items, one writer
+    assert mismatch(_tp(dsa, 4), _tp(dsa, 2)) is None
 
 
 def test_several_state_types_pair_only_when_both_sides_declare_the_same_ones_in_order() -> None:
@@ -259,9 +288,11 @@ def test_a_refusal_sglang_makes_too_says_so_in_its_words() -> None:
     staged = mismatch(stage, minimax)
     assert staged is not None
     assert staged.endswith("refuses it too: PP>1 not supported for MiniMax state yet")
-    # Where SGLang moves the type itself (it slices Mamba), kvfsm's refusal claims no company.
-    mamba = msgspec.structs.replace(LLAMA, state_types=("mamba",))
-    assert "SGLang" not in str(mismatch(_tp(mamba, 4), _tp(mamba, 2)))
+    # Where SGLang moves the type itself, kvfsm's refusal claims no company.
+    mamba = msgspec.structs.replace(LLAMA, kv_heads=2, state_types=("mamba",))
+    refused = mismatch(_tp(mamba, 4), _tp(mamba, 2))
+    assert refused is not None
+    assert "SGLang" not in refused
 
 
 def test_mla_pairs_over_unequal_tp_without_head_counts() -> None:

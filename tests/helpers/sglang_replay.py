@@ -62,6 +62,58 @@ DP_GENERATIONS = 1000
 
 
 @dataclass(frozen=True)
+class Shard:
+    """One state buffer sharded over attention TP as SGLang shards it. An item is ``outer``
+    rows of the buffer's channels, ``per`` bytes each. ``kind``: "channels" (Mamba's conv and
+    SSM tensors: ``channels`` whole-model channels split into contiguous shares, each sub-block
+    of ``conv`` apart when given, as GDN's ``q | k | v``); "heads" (an SWA page: ``PAGE_TOKENS``
+    rows of the rank's KV heads, split as the KV heads are); "replicated" (every rank holds
+    all ``channels``: SGLang's ``state_dim_per_tensor`` 0). Bytes are a function of the
+    whole-model channel, so each side's check knows what its shard must hold."""
+
+    kind: str
+    channels: int
+    per: int
+    outer: int = 1
+    conv: tuple[int, ...] = ()
+
+    def channel_map(self, rank: int, tp: int, heads: Sequence[int]) -> np.ndarray:
+        """The whole-model channel of each of rank ``rank``'s channels, in its item's order."""
+        if self.kind == "heads":
+            return np.asarray(heads, np.uint64)
+        if self.kind == "replicated":
+            return np.arange(self.channels, dtype=np.uint64)
+        out: list[int] = []
+        base = 0
+        for full in self.conv or (self.channels,):
+            share = full // tp
+            out.extend(range(base + rank * share, base + (rank + 1) * share))
+            base += full
+        return np.asarray(out, np.uint64)
+
+    def rows(self) -> int:
+        return PAGE_TOKENS if self.kind == "heads" else self.outer
+
+    def fill(
+        self, seed: int, buffer: int, items: Sequence[int], channels: np.ndarray
+    ) -> np.ndarray:
+        """``[len(items), item bytes]``: what items ``items`` of state buffer ``buffer`` hold
+        on a rank holding ``channels`` (prefill's fill; decode's expectation)."""
+        return _hash_bytes(
+            np.asarray(seed, np.uint64).reshape(1, 1, 1, 1, 1),
+            np.asarray(0xBEEF00 + buffer, np.uint64).reshape(1, 1, 1, 1, 1),
+            np.asarray(items, np.uint64).reshape(-1, 1, 1, 1, 1),
+            np.arange(self.rows(), dtype=np.uint64).reshape(1, -1, 1, 1, 1),
+            channels.reshape(1, 1, -1, 1, 1),
+            np.arange(self.per, dtype=np.uint64).reshape(1, 1, 1, -1, 1),
+        ).reshape(len(items), self.rows() * len(channels) * self.per)
+
+    def dims(self, channels: np.ndarray) -> int | None:
+        """SGLang's ``state_dim_per_tensor`` for it (None: SGLang declares none)."""
+        return {"channels": len(channels), "replicated": 0}.get(self.kind)
+
+
+@dataclass(frozen=True)
 class StateSpec:
     """One SGLang state type of the replayed model: its name, its buffers' item sizes (one
     buffer each), items per buffer, and which of a request's items it names: ``"slot"`` its one
@@ -73,6 +125,9 @@ class StateSpec:
     items: int = STATE_ROWS
     names: str = "slot"
     window: int = 2
+    #: How each buffer is sharded over attention TP (:class:`Shard`); empty: every rank holds
+    #: bytes of its own (``item_bytes``), which pair only at equal TP or from one writer.
+    shards: tuple[Shard, ...] = ()
 
     def indices(self, req: Request, side: str) -> list[int]:
         if self.names == "slot":
@@ -195,6 +250,10 @@ class RankBuffers:
     #: The model's state types; empty: no hybrid state (SGLang's KVArgs have no state
     #: buffers) and no state rows move.
     specs: tuple[StateSpec, ...] = MAMBA_ONLY
+    #: Prefill's fill generation (None on decode), and the whole-model channels this rank
+    #: holds of each sharded state buffer (per spec, per buffer; None for unsharded ones).
+    seed: int | None = None
+    channels: list[list[np.ndarray | None]] = field(default_factory=list)
 
     @property
     def has_state(self) -> bool:
@@ -212,6 +271,7 @@ class RankBuffers:
         mla: bool = False,
         state: bool | tuple[StateSpec, ...] = True,
         layers: int = LAYERS,
+        tp: int = 1,
     ) -> RankBuffers:
         """``seed``: the prefill fill's generation (KV bytes by :func:`kv_bytes`, the same on
         every replica; state rows also by rank, so a rank mix-up shows); None: zeros
@@ -227,10 +287,26 @@ class RankBuffers:
                 for i in range(n_kv)
             ]
         states, n = [], 0
+        maps: list[list[np.ndarray | None]] = []
         for spec in specs:
             group = []
+            maps.append([])
+            if spec.shards:
+                for k, shard in enumerate(spec.shards):
+                    chans = shard.channel_map(rank, tp, heads)
+                    maps[-1].append(chans)
+                    width = shard.rows() * len(chans) * shard.per
+                    group.append(
+                        np.zeros((spec.items, width), np.uint8)
+                        if seed is None
+                        else shard.fill(seed, n + k, range(spec.items), chans)
+                    )
+                n += len(spec.shards)
+                states.append(group)
+                continue
             for size in spec.item_bytes:
                 n += 1
+                maps[-1].append(None)
                 if seed is None:
                     group.append(np.zeros((spec.items, size), np.uint8))
                     continue
@@ -253,6 +329,8 @@ class RankBuffers:
             head_bytes=head_bytes,
             mla=mla,
             specs=specs,
+            seed=seed,
+            channels=maps,
         )
 
     def head_view(self, buffer: int) -> np.ndarray:
@@ -274,7 +352,10 @@ class RankBuffers:
 
     def state_bytes(self, req: Request) -> int:
         """Bytes of ``req``'s state items on this rank, over every state type."""
-        return sum(len(spec.indices(req, "dst")) * sum(spec.item_bytes) for spec in self.specs)
+        return sum(
+            len(spec.indices(req, "dst")) * sum(b.shape[1] for b in group)
+            for spec, group in zip(self.specs, self.states, strict=True)
+        )
 
     def take_state(self, req: Request, src: RankBuffers) -> None:
         """Copy ``req``'s state items from ``src`` (prefill) here, as a correct delivery does."""
@@ -285,11 +366,21 @@ class RankBuffers:
     def state_differs(self, req: Request, src: RankBuffers) -> list[str]:
         """The state types whose items of ``req`` here differ from ``src``'s (prefill's)."""
         bad = []
-        for spec, mine, theirs in zip(self.specs, self.states, src.states, strict=True):
+        n = 0
+        for k, (spec, mine, theirs) in enumerate(
+            zip(self.specs, self.states, src.states, strict=True)
+        ):
             s_idx, d_idx = spec.indices(req, "src"), spec.indices(req, "dst")
             for b, (d_buf, s_buf) in enumerate(zip(mine, theirs, strict=True)):
-                if not np.array_equal(s_buf[s_idx], d_buf[d_idx]):
+                chans = self.channels[k][b] if spec.shards else None
+                if chans is not None and src.seed is not None:
+                    # This rank's shard of the whole-model item, whoever wrote which part.
+                    want = spec.shards[b].fill(src.seed, n + b, s_idx, chans)
+                else:
+                    want = s_buf[s_idx]
+                if not np.array_equal(want, d_buf[d_idx]):
                     bad.append(f"{spec.name} buffer {b}")
+            n += len(mine)
         return bad
 
     def set_head_counts(self, args: KVArgs) -> None:
@@ -322,6 +413,18 @@ class RankBuffers:
         args.state_data_ptrs = [[b.ctypes.data for b in group] for group in self.states]
         args.state_data_lens = [[b.nbytes for b in group] for group in self.states]
         args.state_item_lens = [[b.shape[1] for b in group] for group in self.states]
+        # How SGLang describes sharded state (its HybridLinearKVPool's lists; [] per type
+        # where it declares none).
+        args.state_dim_per_tensor = [
+            [d for sh, c in zip(spec.shards, maps, strict=True) if (d := sh.dims(c)) is not None]
+            if spec.shards
+            else []
+            for spec, maps in zip(self.specs, self.channels, strict=True)
+        ]
+        args.state_conv_shard_groups = [
+            [list(sh.conv) or None for sh in spec.shards] for spec in self.specs
+        ]
+        args.state_slice_outer_counts = [[sh.outer for sh in spec.shards] for spec in self.specs]
         args.gpu_id = 0
         args.page_size = PAGE_TOKENS
         args.system_dp_rank = 0
@@ -408,6 +511,7 @@ class Instance:
                 mla=mla,
                 state=state,
                 layers=layers,
+                tp=tp_size,
             )
             for r in range(tp_size * dp_size)
         ]

@@ -362,9 +362,9 @@ PART_RULES = [
     (WHOLE, b"", 0, b"", None),  # a request of no pages still has its aux row
     (WHOLE, DST, -1, b"", "aux row -1 is negative"),
     (KV, DST, -1, b"", None),
-    (KV, DST, 5, b"", "a KV-only leg names an aux row or state rows"),
-    (KV, DST, -1, pages(1), "a KV-only leg names an aux row or state rows"),
-    (KV, DST, -2, b"", "a KV-only leg names an aux row or state rows"),
+    (KV, DST, -1, pages(1), None),  # its shard of sharded state (unequal attention TP)
+    (KV, DST, 5, b"", "a KV-only leg names an aux row"),
+    (KV, DST, -2, pages(1), "a KV-only leg names an aux row"),
     (NONE, b"", -1, b"", None),
     (NONE, pages(3), -1, b"", "a dummy leg names destinations"),
     (NONE, b"", 0, b"", "a dummy leg names destinations"),

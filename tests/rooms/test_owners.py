@@ -182,10 +182,13 @@ def test_aux_and_state_rows_are_taken_by_one_leg_of_a_group_only() -> None:
     )
     assert owners.claim(A, pages(9), 7) is None  # row 7 was not taken by the refused leg
     assert owners.claim(LEG2, pages(1, 2), -1, pages(5), group=4) == (
-        "state rows: another leg of the room already holds its state rows"
+        "state rows: a leg of room 30 names other state rows than the leg that holds them"
     )
     assert owners.claim(B, pages(10), 2, pages(5)) is None  # nor state row 5
     assert LEG2 not in owners
+    # A leg writing its shard of sharded state (unequal attention TP) names the same rows.
+    assert owners.claim(LEG2, pages(1, 2), -1, pages(3, 4), group=4) is None
+    assert LEG2 in owners
 
 
 def test_a_group_leg_cannot_take_an_aux_or_state_row_another_room_holds() -> None:
@@ -431,7 +434,13 @@ class GroupedOwnersMachine(RuleBasedStateMachine):
                 and (not takes_pages or self._valid(page_list))
                 and not (takes_pages and set(page_list) & held_pages.keys())
                 and (aux < 0 or (shared.aux < 0 and aux_ok))
-                and (not state_list or (not shared.state and state_ok))
+                # A leg names the group's state rows again (its shard of sharded state), or
+                # takes them when no leg has.
+                and (
+                    not state_list
+                    or state_list == shared.state
+                    or (not shared.state and state_ok)
+                )
             )
         else:
             ok = (

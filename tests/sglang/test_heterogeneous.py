@@ -16,8 +16,9 @@ What the adapter does (the feature's contract):
   replica writes a replicated head is the adapter's choice: the rig learns it from the
   rank-specific aux row and ties it to the byte counts (MLA) and to one rank per decode rank.
 * Refused with a reason, per request or at the handshake: TPs neither of which divides the
-  other ("attention TP"), state pools with unequal TP ("state pools": they are TP-sharded and
-  move as whole rows), prefill heads the handshake cannot plan without head counts.
+  other ("attention TP"), a Mamba state with unequal TP whose shards SGLang does not describe
+  ("state_dim_per_tensor"; described ones move shard by shard: ``test_state_sharding.py``),
+  prefill heads the handshake cannot plan without head counts.
 
 The rig fills prefill KV by global head (:func:`~tests.helpers.sglang_replay.kv_bytes`), so
 replicas agree and decode's check knows what every head slice must hold
@@ -79,8 +80,9 @@ class Shape:
     #: manager, as SGLang's does): "never" and "after" are SGLang's decode without and with
     #: heterogeneous-TP staging.
     decode_head_counts: HeadCounts = "before"
-    #: A hybrid-state pool on both sides. Default: at equal TP only (state pools are sharded
-    #: over attention TP and move as whole rows: kvfsm pairs them at equal TP only).
+    #: A hybrid-state pool on both sides (the replay's default Mamba-like type, without a
+    #: description of its shards). Default: at equal TP only; sharded state under unequal TP
+    #: is ``test_state_sharding.py``'s.
     state: bool | None = None
 
     @property
@@ -119,10 +121,10 @@ MLA = [
     Shape(2, 4, mla=True),
 ]
 #: Shapes kvfsm refuses, with what the reason names: attention TPs neither of which divides
-#: the other; a state pool with unequal attention TP.
+#: the other; a Mamba state with unequal attention TP and no description of its shards.
 REFUSED = [
     (Shape(2, 3, heads=6), "attention TP"),
-    (Shape(2, 1, heads=4, state=True), "state pools"),
+    (Shape(2, 1, heads=4, state=True), "state_dim_per_tensor"),
 ]
 
 
