@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import random
@@ -352,25 +353,57 @@ DECODE_FLAGS = [
 
 
 def router(log_dir: Path, prefill: Server, bootstrap_port: int, decode: Server) -> Server:
+    # The suite aborts and kills requests on purpose: a router that retried them would send
+    # new rooms behind the test's back, and one that opened its circuit to a worker after
+    # those failures would refuse the checks that follow. Neither is kvfsm's.
+    return pd_router(log_dir, [(prefill, bootstrap_port)], [decode], retries=False)
+
+
+def pd_router(
+    log_dir: Path,
+    prefills: list[tuple[Server, int]],
+    decodes: list[Server],
+    *extra: str,
+    retries: bool,
+) -> Server:
+    """SGLang's router in PD mode in front of ``prefills`` (each with its bootstrap port) and
+    ``decodes``; its circuit breaker off (a worker's failures caused by its peer would open
+    the circuit to it); ``retries`` as the caller says."""
     port = free_port()
     argv = [
         sys.executable, "-m", "sglang_router.launch_router",
         "--pd-disaggregation",
-        "--prefill", prefill.url, str(bootstrap_port),
-        "--decode", decode.url,
+        *(a for p, bootstrap in prefills for a in ("--prefill", p.url, str(bootstrap))),
+        *(a for d in decodes for a in ("--decode", d.url)),
         "--host", "127.0.0.1",
         "--port", str(port),
-        # The suite aborts and kills requests on purpose: a router that retried them would
-        # send new rooms behind the test's back, and one that opened its circuit to a worker
-        # after those failures would refuse the checks that follow. Neither is kvfsm's.
-        "--disable-retries",
+        *([] if retries else ["--disable-retries"]),
         "--disable-circuit-breaker",
         # Health checks every 5 s (default 60 s), so a restarted decode is routed to again
         # within seconds; a long timeout, as a loaded CPU server answers /health slowly.
         "--health-check-interval-secs", "5",
         "--health-check-timeout-secs", "60",
+        *extra,
     ]  # fmt: skip
     return Server("router", argv, port, log_dir, ready_path="/health")
+
+
+def router_serves(front: Server) -> bool:
+    """Whether the router answers a short greedy request with its tokens (it routes only to
+    workers its health checks have seen)."""
+    try:
+        out = post_json(front.url + "/generate", body([5, 6, 7, 8], 2), timeout=60)
+    except OSError:
+        return False
+    return isinstance(out, dict) and len(out.get("output_ids", [])) == 2
+
+
+def router_workers(front: Server) -> list[dict[str, Any]]:
+    """The router's workers as it sees them (``/workers``: each one's ``url``,
+    ``worker_type`` and ``is_healthy``). It adds the workers it was started with only once
+    their first health check passed, so the list grows after the router is up."""
+    workers: list[dict[str, Any]] = get_json(front.url + "/workers")["workers"]
+    return workers
 
 
 def kvfsm_stats(server: Server) -> dict[str, Any]:
@@ -439,3 +472,55 @@ def keep_logs_if_failed(request: pytest.FixtureRequest, log_dir: Path, failed: b
             reporter.write_line(f"sglang e2e logs kept in {log_dir}")
     else:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+, in ')
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+
+
+def tracebacks(log: str) -> list[tuple[list[Path], str]]:
+    """Each Python traceback in a server's log, as (its frames' files, outermost first; the
+    exception line that ends it)."""
+    found: list[tuple[list[Path], str]] = []
+    frames: list[Path] | None = None
+    for line in log.splitlines():
+        if "Traceback (most recent call last):" in line:
+            frames = []
+            continue
+        if frames is None:
+            continue
+        match = _FRAME.match(line)
+        if match:
+            frames.append(Path(match.group(1)).resolve())
+        elif _RAISED.match(line):
+            found.append((frames, line.strip()))
+            frames = None
+    return found
+
+
+def package_dir(name: str) -> Path:
+    """Where an installed package's files are, found without importing it (SGLang's import
+    takes seconds)."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None, name
+    assert spec.submodule_search_locations, name
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def assert_raised_in_sglang(log: str, error: str, origin: str) -> None:
+    """``log`` has a traceback ending with ``error`` (its exception line starts so), and in
+    each such traceback the deepest frame inside the ``sglang`` package is SGLang's file
+    ``origin`` (relative to the package), every frame below it is torch's (SGLang calls torch,
+    which may raise for it), and no frame at all is kvfsm's."""
+    sglang, torch, kvfsm = (package_dir(name) for name in ("sglang", "torch", "kvfsm"))
+    tail = "\n".join(log.splitlines()[-30:])
+    failing = [frames for frames, raised in tracebacks(log) if raised.startswith(error)]
+    assert failing, f"no traceback ends with {error!r}; the log ends:\n{tail}"
+    for frames in failing:
+        shown = [str(p) for p in frames]
+        assert not [p for p in frames if p.is_relative_to(kvfsm)], ("a kvfsm frame", shown)
+        inside = [i for i, p in enumerate(frames) if p.is_relative_to(sglang)]
+        assert inside, ("no SGLang frame", shown)
+        assert frames[inside[-1]] == sglang / origin, ("raised elsewhere", shown)
+        below = frames[inside[-1] + 1 :]
+        assert all(p.is_relative_to(torch) for p in below), ("a frame below SGLang's", shown)
