@@ -25,6 +25,7 @@ XDIST_GROUPS: dict[str, str] = {
     "tests/e2e/test_decode_prefix.py": "sglang-servers",
     "tests/e2e/test_model_shapes.py": "sglang-servers",
     "tests/e2e/test_unservable_shapes.py": "sglang-servers",
+    "tests/e2e/test_kv_checksum.py": "sglang-servers",
     "tests/test_examples.py::test_sglang_cpu_pd_example_runs": "sglang-servers",
 }
 

@@ -398,6 +398,15 @@ def router_serves(front: Server) -> bool:
     return isinstance(out, dict) and len(out.get("output_ids", [])) == 2
 
 
+def healthy(server: Server) -> bool:
+    """Whether ``server`` answers ``/health`` with 200 now."""
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def router_workers(front: Server) -> list[dict[str, Any]]:
     """The router's workers as it sees them (``/workers``: each one's ``url``,
     ``worker_type`` and ``is_healthy``). It adds the workers it was started with only once

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,6 +38,7 @@ from tests.e2e.servers import (
     Server,
     assert_raised_in_sglang,
     free_port,
+    healthy,
     keep_logs_if_failed,
     prefill_flags,
     sglang_server,
@@ -84,14 +83,6 @@ class Outcome:
     exited_after_s: float
 
 
-def _healthy(server: Server) -> bool:
-    try:
-        with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def outcomes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -119,7 +110,7 @@ def outcomes(
                 continue
             if server.proc.poll() is not None:
                 exits[case] = time.monotonic() - began
-            elif _healthy(server):
+            elif healthy(server):
                 served.add(case)
         return len(exits) == len(servers)
 
