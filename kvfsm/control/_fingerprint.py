@@ -39,8 +39,11 @@ Rules
    decode's whole model: the span must lie inside decode's layers, stage 0 must start at
    layer 0 and the last stage must end at decode's last layer (SGLang splits layers into
    contiguous spans in stage order, so the stages then cover decode's layers exactly, whatever
-   their sizes). Pipeline parallelism pairs only with equal attention TP and no state pools
-   (the combinations are refused by name, not guessed at).
+   their sizes). Pipeline parallelism pairs only with equal attention TP, and with state
+   pools only when both sides name the model layer of every state buffer (SGLang's
+   ``state_layer_ids``): a stage's state buffers then pair with decode's by layer
+   (:func:`stage_state`). MiniMax's state and state without layer ids are refused by name, as
+   SGLang's NIXL backend refuses them.
 6. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
    version may not even have one.
 
@@ -73,6 +76,7 @@ __all__ = [
     "link_slot",
     "mismatch",
     "stage_buffers",
+    "stage_state",
 ]
 
 _Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
@@ -123,6 +127,13 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Per state region: rows of the sharded axis in one item (SGLang's
     #: ``state_slice_outer_counts``); empty: 1.
     state_outer: Annotated[tuple[_Small, ...], msgspec.Meta(max_length=1 << 12)] = ()
+    #: Per state region: the model layer it belongs to (SGLang's ``state_layer_ids``), -1
+    #: where none is declared; empty: none. A pipeline stage's state regions pair with
+    #: decode's by layer (:func:`stage_state`).
+    state_layers: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=-1, le=1 << 20)], ...],
+        msgspec.Meta(max_length=1 << 12),
+    ] = ()
 
     def __post_init__(self) -> None:
         # (attn_tp or pp < 1: msgspec says so on decode; Python callers get it from here)
@@ -176,9 +187,14 @@ def mismatch(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     for name, label in MUST_MATCH:
         mine, theirs = getattr(prefill, name), getattr(decode, name)
         if mine != theirs:
+            stage = (
+                f" (prefill pipeline stage {prefill.pp_rank} must hold buffers of every state type)"
+                if name == "state_types" and prefill.pp > 1
+                else ""
+            )
             return (
                 f"fingerprint mismatch: {label} ({name}): prefill has {_show(mine)}, "
-                f"decode has {_show(theirs)}"
+                f"decode has {_show(theirs)}{stage}"
             )
     for name, label in DECLARED_MATCH:
         mine, theirs = getattr(prefill, name), getattr(decode, name)
@@ -232,13 +248,64 @@ def _stage_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
             f"attention TP (prefill {prefill.attn_tp}, decode {decode.attn_tp}) is not "
             "supported (pp, attn_tp)"
         )
-    if prefill.state_types:
+    refused = [t for t in prefill.state_types if t in SGLANG_REFUSES_PP]
+    if refused:
         return (
             f"fingerprint mismatch: prefill pipeline parallelism (pp {prefill.pp}) with state "
-            f"pools ({', '.join(prefill.state_types)}) is not supported (pp, state_types)"
-            + _sglang_says(prefill.state_types, SGLANG_REFUSES_PP)
+            f"pools ({', '.join(refused)}) is not supported (pp, state_types)"
+            + _sglang_says(tuple(refused), SGLANG_REFUSES_PP)
         )
+    if prefill.state_types:
+        for side, fp in (("prefill", prefill), ("decode", decode)):
+            if not fp.state_layers or min(fp.state_layers) < 0:
+                return (
+                    f"fingerprint mismatch: prefill pipeline parallelism (pp {prefill.pp}) with "
+                    f"state pools ({', '.join(prefill.state_types)}) needs the model layer of "
+                    f"every state buffer (SGLang's state_layer_ids), and {side} does not "
+                    f"declare them all (pp, state_layers); SGLang's own NIXL backend refuses it "
+                    "too: PP-heterogeneous transfer requires layer ids on both peers"
+                )
     return None
+
+
+def stage_state(
+    prefill: Fingerprint,
+    decode: Fingerprint,
+    local_groups: tuple[int, ...],
+    remote_groups: tuple[int, ...],
+) -> tuple[int, ...] | str | None:
+    """For a pair that passed :func:`mismatch`: which of decode's state regions
+    (``remote_groups`` of them per state type) each of a prefill pipeline stage's state regions
+    (``local_groups`` per type) lands in; None without pipeline parallelism or state; or why
+    they cannot pair. Regions pair by model layer within their state type, occurrences in order
+    (a layer has several state tensors: Mamba's conv and SSM), as SGLang's
+    ``build_transfer_entry_pairs`` pairs them."""
+    if prefill.pp == 1 or not local_groups:
+        return None
+    mine, theirs = prefill.state_layers, decode.state_layers
+    if len(mine) != sum(local_groups) or len(theirs) != sum(remote_groups):
+        return (
+            f"prefill pipeline stage {prefill.pp_rank}: {len(mine)} state layer ids for "
+            f"{sum(local_groups)} state buffers, decode {len(theirs)} for {sum(remote_groups)}"
+        )
+    decode_types = [t for t, n in enumerate(remote_groups) for _ in range(n)]
+    picked: list[int] = []
+    start = 0
+    for t, count in enumerate(local_groups):
+        free: dict[int, list[int]] = {}
+        for j, layer in enumerate(theirs):
+            if decode_types[j] == t:
+                free.setdefault(layer, []).append(j)
+        for layer in mine[start : start + count]:
+            if not free.get(layer):
+                name = prefill.state_types[t] if t < len(prefill.state_types) else t
+                return (
+                    f"prefill pipeline stage {prefill.pp_rank}: decode has no {name} state "
+                    f"buffer left for model layer {layer}"
+                )
+            picked.append(free[layer].pop(0))
+        start += count
+    return tuple(picked)
 
 
 def stage_buffers(

@@ -14,7 +14,13 @@ import msgspec
 from anyio.abc import SocketStream
 
 from kvfsm.control._channel import PEER_ERRORS, ChannelConfig, Link, Sealer
-from kvfsm.control._fingerprint import Fingerprint, link_plan, link_slot, stage_buffers
+from kvfsm.control._fingerprint import (
+    Fingerprint,
+    link_plan,
+    link_slot,
+    stage_buffers,
+    stage_state,
+)
 from kvfsm.control._frames import (
     PROTOCOL_VERSION,
     Error,
@@ -32,7 +38,7 @@ from kvfsm.control._state_plan import state_link_plan
 from kvfsm.link import AcceptErrors, RawConnection, accept_forever, tune
 from kvfsm.rooms import RoomKey
 from kvfsm.states import ReportOutcome, ReportSettled, Role
-from kvfsm.transport import NO_KV, Agent, LayoutSummary, Leases, NixlTransport
+from kvfsm.transport import NO_KV, Agent, LayoutSummary, Leases, NixlTransport, state_groups
 
 __all__ = ["PrefillControl"]
 
@@ -205,11 +211,19 @@ class PrefillControl(ControlPlane):
                 raise ValueError(buffers)
             if buffers is not None:
                 summary = summary.select_kv(buffers)
+            layout = self.agent.layout
+            remote_groups = state_groups(summary.state_groups, len(summary.state))
+            regions = stage_state(
+                self.fingerprint, theirs.fingerprint, layout.state_groups, remote_groups
+            )
+            if isinstance(regions, str):
+                raise ValueError(regions)
+            if regions is not None:
+                summary = summary.select_state(regions, layout.state_groups)
             # Unequal attention TP: the head slice of each page this rank writes there.
             plan = link_plan(self.fingerprint, theirs.fingerprint)
             piece = NO_KV if plan == "none" else plan
             assert not isinstance(piece, str)
-            layout = self.agent.layout
             state = state_link_plan(
                 self.fingerprint,
                 theirs.fingerprint,

@@ -240,6 +240,7 @@ def fingerprint_from_kv_args(
         state_dims=states.dims,
         state_conv=states.conv if any(states.conv) else (),
         state_outer=states.outer if any(o != 1 for o in states.outer) else (),
+        state_layers=states.layers,
         attn_tp=attn_tp_size,
         pp=pp_size,
         attn_rank=attn_rank,

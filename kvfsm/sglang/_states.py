@@ -94,6 +94,7 @@ class _Shards:
     dims: list[int | None] = field(default_factory=list)
     conv: list[tuple[int, ...]] = field(default_factory=list)
     outer: list[int] = field(default_factory=list)
+    layers: list[int | None] = field(default_factory=list)
 
     def _entry(self, name: str, i: int, k: int) -> Any:
         lists = getattr(self.args, name, None) or []
@@ -108,12 +109,15 @@ class _Shards:
             self.conv.append(tuple(int(g) for g in conv) if conv else ())
             outer = self._entry("state_slice_outer_counts", i, k)
             self.outer.append(int(outer) if outer else 1)
+            layer = self._entry("state_layer_ids", i, k)
+            self.layers.append(None if layer is None else int(layer))
 
-    def declared_dims(self) -> tuple[int, ...]:
+    @staticmethod
+    def declared(values: list[int | None]) -> tuple[int, ...]:
         # -1 for a buffer SGLang declares none for (an SWA pool beside Mamba's tensors).
-        if all(d is None for d in self.dims):
+        if all(v is None for v in values):
             return ()
-        return tuple(-1 if d is None else d for d in self.dims)
+        return tuple(-1 if v is None else v for v in values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,9 @@ class StateMap:
     dims: tuple[int, ...] = ()
     conv: tuple[tuple[int, ...], ...] = ()
     outer: tuple[int, ...] = ()
+    #: Per registered buffer: its model layer (``state_layer_ids``), -1 where none is given;
+    #: empty when none is (what a pipeline stage's state pairs by).
+    layers: tuple[int, ...] = ()
 
     @classmethod
     def from_kv_args(cls, args: Any) -> StateMap:
@@ -179,9 +186,10 @@ class StateMap:
             tuple(flat[1]),
             tuple(flat[2]),
             tuple(groups),
-            shards.declared_dims(),
+            shards.declared(shards.dims),
             tuple(shards.conv),
             tuple(shards.outer),
+            shards.declared(shards.layers),
         )
 
     @property

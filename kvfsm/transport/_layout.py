@@ -474,3 +474,22 @@ class LayoutSummary(msgspec.Struct, Geometry, frozen=True, gc=False, forbid_unkn
             if not 0 <= index < len(self.kv):
                 raise LayoutError(f"KV buffer {index} out of range (the layout has {len(self.kv)})")
         return msgspec.structs.replace(self, kv=tuple(self.kv[i] for i in picked))
+
+    def select_state(self, regions: Sequence[int], groups: Sequence[int]) -> LayoutSummary:
+        """This summary with only the state regions ``regions``, in that order, ``groups`` of
+        them per state type: what a pipeline stage holding some of the model's state buffers
+        pairs its own with, one to one. ``LayoutError`` as for :meth:`select_kv`."""
+        picked = list(regions)
+        if len(set(picked)) != len(picked):
+            raise LayoutError(f"state regions selected twice: {picked}")
+        for index in picked:
+            if not 0 <= index < len(self.state):
+                raise LayoutError(
+                    f"state region {index} out of range (the layout has {len(self.state)})"
+                )
+        counts = tuple(groups)
+        return msgspec.structs.replace(
+            self,
+            state=tuple(self.state[i] for i in picked),
+            state_groups=counts if len(counts) > 1 else (),
+        )

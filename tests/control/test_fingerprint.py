@@ -21,6 +21,7 @@ from kvfsm.control._fingerprint import (
     link_slot,
     mismatch,
     stage_buffers,
+    stage_state,
 )
 from kvfsm.control._frames import PROTOCOL_VERSION, Hello
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
@@ -63,8 +64,9 @@ def test_every_must_match_field_is_covered() -> None:
     # attn_rank says which heads the rank holds (link_plan); pp_rank and first_layer which
     # layers (the layers rule, stage_buffers).
     placed = {"attn_rank", "pp_rank", "first_layer"}
-    # How state is sharded over attention TP: read by the state plan of unequal TP only.
-    placed |= {"state_dims", "state_conv", "state_outer"}
+    # How state is sharded over attention TP (the state plan of unequal TP) and which layer
+    # each state buffer belongs to (a pipeline stage's, stage_state).
+    placed |= {"state_dims", "state_conv", "state_outer", "state_layers"}
     assert set(Fingerprint.__struct_fields__) == set(OTHER) | shaped | placed
 
 
@@ -175,9 +177,13 @@ def test_pipeline_stages_refuse_the_combinations_not_built_by_name() -> None:
     mamba = msgspec.structs.replace(LLAMA, state_types=("mamba",))
     stage = msgspec.structs.replace(mamba, pp=2, pp_rank=1, layers=16, first_layer=16)
     assert mismatch(stage, mamba) == (
-        "fingerprint mismatch: prefill pipeline parallelism (pp 2) with state pools (mamba) is "
-        "not supported (pp, state_types)"
+        "fingerprint mismatch: prefill pipeline parallelism (pp 2) with state pools (mamba) "
+        "needs the model layer of every state buffer (SGLang's state_layer_ids), and prefill "
+        "does not declare them all (pp, state_layers); SGLang's own NIXL backend refuses it "
+        "too: PP-heterogeneous transfer requires layer ids on both peers"
     )
+    named = msgspec.structs.replace(mamba, state_layers=(20,))
+    assert mismatch(msgspec.structs.replace(stage, state_layers=(20,)), named) is None
 
 
 def test_stage_buffers_map_each_stage_buffer_to_decodes_layer() -> None:
@@ -436,3 +442,26 @@ def test_a_pair_that_agrees_moves_the_room(registry: str) -> None:
     got = _one_room(registry, LLAMA, LLAMA)
     assert got["status"] is KVPoll.Success, got["reason"]
     assert got["peers_connected"] == 1
+
+
+def test_a_stage_state_buffers_pair_with_decodes_by_layer_in_order() -> None:
+    # Decode: Mamba conv tensors of layers 0, 2, 3, then their SSM tensors; a DSA pool on
+    # layers 0 to 3. Prefill stage 1 holds layers 2 and 3.
+    decode = msgspec.structs.replace(
+        LLAMA, layers=4, state_types=("mamba", "dsa"), state_layers=(0, 2, 3, 0, 2, 3, 0, 1, 2, 3)
+    )
+    stage = msgspec.structs.replace(
+        decode, pp=2, pp_rank=1, layers=2, first_layer=2, state_layers=(2, 3, 2, 3, 2, 3)
+    )
+    assert mismatch(stage, decode) is None
+    assert stage_state(stage, decode, (4, 2), (6, 4)) == (1, 2, 4, 5, 8, 9)
+    assert stage_state(decode, decode, (6, 4), (6, 4)) is None  # no pipeline parallelism
+    missing = msgspec.structs.replace(stage, state_layers=(2, 3, 2, 3, 2, 4))
+    assert stage_state(missing, decode, (4, 2), (6, 4)) == (
+        "prefill pipeline stage 1: decode has no dsa state buffer left for model layer 4"
+    )
+    unnamed = msgspec.structs.replace(decode, state_layers=())
+    reason = mismatch(stage, unnamed)
+    assert reason is not None
+    assert "needs the model layer of every state buffer (SGLang's state_layer_ids)" in reason
+    assert reason.endswith("PP-heterogeneous transfer requires layer ids on both peers")

@@ -45,6 +45,7 @@ from tests.helpers.sglang_replay import (
     Pair,
     RankBuffers,
     Request,
+    StateSpec,
     min_poll,
     rank_heads,
     server_args,
@@ -66,15 +67,29 @@ def spans(layers: int, stages: int) -> list[tuple[int, int]]:
 
 def stage_buffers(full: RankBuffers, first: int, n: int, layers: int) -> RankBuffers:
     """Stage view of ``full`` (a rank's buffers for the whole model): the K and V buffers of its
-    layers, in SGLang's order (all its K, then all its V), sharing ``full``'s arrays; aux rows
-    of its own."""
+    layers, in SGLang's order (all its K, then all its V), and the state buffers of its layers
+    (each state type's, by their layer ids), sharing ``full``'s arrays; aux rows of its own."""
     k = [full.kv[first + i] for i in range(n)]
     v = [full.kv[layers + first + i] for i in range(n)]
+    specs, states = [], []
+    for spec, group in zip(full.specs, full.states, strict=True):
+        mine = [b for b, layer in enumerate(spec.layers) if first <= layer < first + n]
+        specs.append(
+            replace(
+                spec,
+                item_bytes=tuple(spec.item_bytes[b] for b in mine),
+                layers=tuple(spec.layers[b] for b in mine),
+            )
+        )
+        states.append([group[b] for b in mine])
     return replace(
         full,
         kv=k + v,
         output_ids=np.zeros((AUX_ROWS, 16), np.int32),
         rooms=np.zeros((AUX_ROWS, 8), np.int64),
+        specs=tuple(specs),
+        states=states,
+        channels=[[None] * len(group) for group in states],
     )
 
 
@@ -89,8 +104,18 @@ class Pipeline:
 
     @classmethod
     def start(
-        cls, port: int, tp: int, pp: int, *, layers: int, generation: int = 0, heads: int = 0
+        cls,
+        port: int,
+        tp: int,
+        pp: int,
+        *,
+        layers: int,
+        generation: int = 0,
+        heads: int = 0,
+        state: tuple[StateSpec, ...] = (),
     ) -> Pipeline:
+        """``state``: the model's state types, each buffer with its layer (``StateSpec.layers``),
+        split over the stages by layer."""
         total = heads or tp
         full = [
             RankBuffers.make(
@@ -98,7 +123,7 @@ class Pipeline:
                 rank=r,
                 heads=rank_heads(r, tp, total),
                 total_heads=total,
-                state=False,
+                state=state,
                 layers=layers,
             )
             for r in range(tp)
@@ -271,8 +296,10 @@ class PipelinePrefillScheduler:
                 b.output_ids[req.src_aux] = ids
                 b.rooms[req.src_aux] = req.room
             if self.check.call("should_send_kv_chunk", s.should_send_kv_chunk, len(pages), last):
+                # Every stage sends its own state buffers' items with the last chunk.
+                state = b.state_indices(req, "src") if last else None
                 self.check.call(
-                    "sender send", s.send, pages, None, num_kv_tokens=len(pages) * PAGE_TOKENS
+                    "sender send", s.send, pages, state, num_kv_tokens=len(pages) * PAGE_TOKENS
                 )
         req.chunks_sent += 1
         if last:

@@ -128,6 +128,10 @@ class StateSpec:
     #: How each buffer is sharded over attention TP (:class:`Shard`); empty: every rank holds
     #: bytes of its own (``item_bytes``), which pair only at equal TP or from one writer.
     shards: tuple[Shard, ...] = ()
+    #: The model layer of each buffer; empty: none. ``declare_layers``: the scheduler passes
+    #: them as SGLang's ``state_layer_ids`` (a pipeline stage holds its layers' buffers anyway).
+    layers: tuple[int, ...] = ()
+    declare_layers: bool = True
 
     def indices(self, req: Request, side: str) -> list[int]:
         if self.names == "slot":
@@ -425,6 +429,9 @@ class RankBuffers:
             [list(sh.conv) or None for sh in spec.shards] for spec in self.specs
         ]
         args.state_slice_outer_counts = [[sh.outer for sh in spec.shards] for spec in self.specs]
+        args.state_layer_ids = [
+            list(spec.layers) if spec.declare_layers else [] for spec in self.specs
+        ]
         args.gpu_id = 0
         args.page_size = PAGE_TOKENS
         args.system_dp_rank = 0

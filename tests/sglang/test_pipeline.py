@@ -11,13 +11,17 @@ What the adapter does (the feature's contract):
   the room counting as Bootstrapping (SGLang's ``check_status_pp_consensus``): when the
   scheduler's consensus says WaitingForInput, every stage's sender really is (the replay checks
   it at ``init``). A failure on any stage, or a lost stage, fails the request everywhere.
+* A hybrid model's state buffers belong to layers (SGLang's ``state_layer_ids``): each stage
+  writes the items of its own layers' state buffers, paired with decode's by layer
+  (``_fingerprint.stage_state``), over its leg.
 * Refused by name: PP on decode, PP with unequal attention TP, stages whose layers do not tile
-  decode's.
+  decode's, state buffers without layer ids (SGLang refuses those too).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -29,10 +33,12 @@ from kvfsm.sglang._bases import DisaggregationMode, KVPoll
 from kvfsm.sglang._manager import KvfsmKVManager
 from tests.helpers.sglang_pipeline import Pipeline, PipelinePair, spans
 from tests.helpers.sglang_replay import (
+    PAGES,
     Instance,
     Outcome,
     RankBuffers,
     Request,
+    StateSpec,
     random_requests,
     server_args,
     stray_writes,
@@ -48,11 +54,12 @@ def started(
     pp: int,
     layers: int,
     decode_tp: int | None = None,
+    state: tuple[StateSpec, ...] = (),
 ) -> Iterator[PipelinePair]:
     port = bootstrap.port
-    pipeline = Pipeline.start(port, tp, pp, layers=layers)
+    pipeline = Pipeline.start(port, tp, pp, layers=layers, state=state)
     try:
-        decode = Instance.start("decode", port, decode_tp or tp, state=False, layers=layers)
+        decode = Instance.start("decode", port, decode_tp or tp, state=state, layers=layers)
     except BaseException:
         pipeline.close()
         raise
@@ -85,6 +92,67 @@ def with_empty_request(requests: list[Request]) -> list[Request]:
     requests[0].src_pages = requests[0].dst_pages = []
     requests[0].chunks = [[]]
     return requests
+
+
+#: A hybrid model of 6 layers: Mamba on layers 0, 2, 3 and 5 (a conv and an SSM tensor each,
+#: all conv tensors first, as SGLang lists them), and a DSA-style page-indexed pool on every
+#: layer. Every stage of 2 or 3 holds layers of both.
+STAGED_LAYERS = 6
+STAGED_STATE = (
+    StateSpec("mamba", (96,) * 4 + (160,) * 4, layers=(0, 2, 3, 5) * 2),
+    StateSpec("dsa", (136,) * 6, items=PAGES, names="window", window=3, layers=tuple(range(6))),
+)
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp"), [(1, 2), (2, 2), (1, 3)], ids=["tp1-pp2", "tp2-pp2", "tp1-pp3"]
+)
+def test_each_stage_moves_the_state_of_its_own_layers(
+    bootstrap: KvfsmKVBootstrapServer, tp: int, pp: int
+) -> None:
+    with started(bootstrap, tp=tp, pp=pp, layers=STAGED_LAYERS, state=STAGED_STATE) as pair:
+        requests = with_empty_request(random_requests(random.Random(70 + tp + pp), 10))
+        out = pair.run(requests)
+        assert_clean(out)
+        assert_all_succeeded(requests)  # every state item of every layer checked on decode
+        snaps = pair.pipeline.transport_snapshots()
+        pages = sum(len(r.src_pages) for r in requests)
+        for s, stage in enumerate(pair.pipeline.stages):
+            for r, b in enumerate(stage.buffers):
+                want = pages * b.page_bytes() + sum(b.state_bytes(req) for req in requests)
+                if s == pp - 1:
+                    want += len(requests) * b.aux_row_bytes()
+                assert snaps[s][r]["bytes_done"] == want, (s, r)
+
+
+def test_state_without_layer_ids_under_pipeline_parallelism_is_refused_by_name(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    unnamed = tuple(dataclasses.replace(spec, declare_layers=False) for spec in STAGED_STATE)
+    with started(bootstrap, tp=1, pp=2, layers=STAGED_LAYERS, state=unnamed) as pair:
+        requests = random_requests(random.Random(5), 2)
+        out = pair.run(requests)
+    assert out.leaks == []
+    for req in requests:
+        assert req.decode_outcome == "Failed"
+        assert any("state_layer_ids" in why for why in req.decode_reasons), req.decode_reasons
+
+
+def test_a_stage_without_buffers_of_a_state_type_is_refused_by_name(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    # Mamba on layer 0 only: stage 1 (layers 3 to 5) holds no Mamba buffer.
+    sparse = (StateSpec("mamba", (96,), layers=(0,)), STAGED_STATE[1])
+    with started(bootstrap, tp=1, pp=2, layers=STAGED_LAYERS, state=sparse) as pair:
+        requests = random_requests(random.Random(6), 2)
+        out = pair.run(requests)
+    assert out.leaks == []
+    for req in requests:
+        assert req.decode_outcome == "Failed"
+        assert any(
+            "prefill pipeline stage 1 must hold buffers of every state type" in why
+            for why in req.decode_reasons
+        ), req.decode_reasons
 
 
 def test_sglang_splits_layers_over_stages_as_the_rig_does() -> None:
