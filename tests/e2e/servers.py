@@ -120,7 +120,11 @@ _GIVEN: set[int] = set()
 #: (``free_port`` itself, once, or any server's own listeners: kvfsm's control plane, NIXL,
 #: SGLang's ZMQ sockets) can be handed to the next ``bind(0)`` before a server binds it, which
 #: failed a clean-clone run with "address already in use" (decode then waited 300 s for nothing).
-_PORTS = range(20000, 32000)
+#: Nor in 22000-29999: there each SGLang server draws the port of its torch.distributed store
+#: (``get_free_port_below_ephemeral``, bound later by its scheduler) and the router serves
+#: Prometheus (29000). A run that started six servers at once lost a ``KVFSM_STATUS_PORT``
+#: from that range before its server bound it ("address already in use").
+_PORTS: list[int] = [*range(20000, 22000), *range(30000, 32000)]
 
 
 def free_port() -> int:
