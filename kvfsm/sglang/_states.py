@@ -24,9 +24,13 @@ Which state types move how
 :data:`INDEXED` are the types whose items SGLang pairs one to one, source index ``k`` to
 destination index ``k`` (it raises on a length mismatch): every state type of SGLang 0.5.23's
 NIXL backend except :data:`SLOT_ONE` and ``dsa_tail``. Mamba (:data:`SLOT_ONE`) names one slot
-per request (SGLang asserts it). ``dsa_tail`` (DeepSeek V4's compressed-KV tail ring) names a
-byte sub-range of a ring row and remaps it between rings of different sizes; kvfsm moves whole
-items and refuses it at start-up (:data:`REFUSED`), naming it.
+per request (SGLang asserts it). ``dsa_tail`` (:data:`RING_ROW`, DeepSeek V4's compressed-KV
+tail ring) names the live slots of one ring row (at most two segments, the ring wrapped);
+kvfsm moves the whole row. Decode reads only the live slots, at the same offsets when both
+rings have the same size (the same row bytes: SGLang requires equal slot sizes), so every byte
+decode reads is what SGLang's remap moves; rings of different sizes (other speculative slot
+counts on each side) differ in row bytes and are refused at the handshake by the layout
+check, naming the region.
 
 Parallel shapes each type pairs under are the handshake's business (``kvfsm.control``'s
 fingerprint rules); this module only says what this rank holds.
@@ -41,7 +45,7 @@ from typing import Any, Final
 
 from kvfsm.sglang._errors import UnsupportedError
 
-__all__ = ["INDEXED", "REFUSED", "SLOT_ONE", "StateMap", "state_name"]
+__all__ = ["INDEXED", "REFUSED", "RING_ROW", "SLOT_ONE", "StateMap", "state_name"]
 
 #: State types whose request indices pair item to item (SGLang's ``_send_kvcache_generic``).
 INDEXED: Final[frozenset[str]] = frozenset(
@@ -61,13 +65,28 @@ INDEXED: Final[frozenset[str]] = frozenset(
 )
 #: State types with exactly one item (a slot) per request.
 SLOT_ONE: Final[frozenset[str]] = frozenset({"mamba"})
-#: State types kvfsm refuses at start-up, with why.
-REFUSED: Final[dict[str, str]] = {
-    "dsa_tail": (
-        "moves a sub-range of a ring row, remapped between rings of different sizes; "
-        "kvfsm moves whole items only"
-    ),
-}
+#: State types whose request entry describes the live part of one ring row: DeepSeek V4's
+#: compressed-KV tail, ``[row, offset1, count1, offset2, count2, ring size]``
+#: (``get_dsa_tail_state_indices`` in sglang/srt/disaggregation/utils.py; empty when no token
+#: is live).
+RING_ROW: Final[frozenset[str]] = frozenset({"dsa_tail"})
+#: State types kvfsm refuses at start-up, with why (none today: every type of SGLang 0.5.23's
+#: NIXL backend moves).
+REFUSED: Final[dict[str, str]] = {}
+
+
+def _ring_problem(entry: Sequence[int]) -> str | None:
+    """Why a ring-row entry is malformed, or None (SGLang's checks in
+    ``build_dsa_tail_transfer_blocks``)."""
+    if len(entry) != 6:
+        return f"a ring-row entry has 6 values, not {len(entry)}"
+    row, first_at, first_n, second_at, second_n, ring = entry
+    if ring <= 0 or row < 0:
+        return f"ring size {ring} and row {row} must be positive"
+    for at, n in ((first_at, first_n), (second_at, second_n)):
+        if min(at, n) < 0 or at + n > ring:
+            return f"segment ({at}, {n}) exceeds the ring of {ring} slots"
+    return None
 
 
 def state_name(state_type: object) -> str:
@@ -163,7 +182,7 @@ class StateMap:
                 continue  # declared, but this model has no buffers of it
             if name in REFUSED:
                 raise UnsupportedError(f"state type {name!r} {REFUSED[name]}")
-            if name not in INDEXED and name not in SLOT_ONE:
+            if name not in INDEXED and name not in SLOT_ONE and name not in RING_ROW:
                 raise UnsupportedError(
                     f"state type {name!r} is not one SGLang 0.5.23's NIXL backend moves"
                 )
@@ -228,6 +247,11 @@ class StateMap:
             items = [int(x) for x in entry]
             if pool.name in SLOT_ONE and len(items) != 1:
                 return f"state type {pool.name!r} moves one slot per request, not {len(items)}"
+            if pool.name in RING_ROW:
+                problem = _ring_problem(items)
+                if problem is not None:
+                    return f"state type {pool.name!r}: {problem}"
+                items = items[:1]
             bad = next((x for x in items if not 0 <= x < pool.rows), None)
             if bad is not None:
                 return f"state type {pool.name!r}: index {bad} is outside its {pool.rows} items"

@@ -57,6 +57,8 @@ LAYERS, PAGES, PAGE_BYTES, PAGE_TOKENS = 2, 96, 1024, 16
 #: Bytes of one head of one token: with one head per rank (the default), a page is PAGE_BYTES.
 HEAD_BYTES = PAGE_BYTES // PAGE_TOKENS
 AUX_ROWS, STATE_ROWS, STATE_ROW_BYTES = 24, 24, 256
+#: Slots of the replay's DeepSeek-V4-style tail ring (a ring-row state type's rows).
+RING_SLOTS = 8
 #: Generations between DP groups' prefill fills (a scenario's generations stay below it).
 DP_GENERATIONS = 1000
 
@@ -134,6 +136,24 @@ class StateSpec:
     declare_layers: bool = True
 
     def indices(self, req: Request, side: str) -> list[int]:
+        """What the scheduler passes for ``req`` on ``side`` ("src" or "dst")."""
+        if self.names == "ring":
+            # DeepSeek V4's tail ring: the live slots of the request's ring row, wrapped
+            # (SGLang's get_dsa_tail_state_indices); [] when none is live.
+            live = req.room % 7
+            if not live:
+                return []
+            start = (req.room * 3) % RING_SLOTS
+            first = min(live, RING_SLOTS - start)
+            row = req.src_state if side == "src" else req.dst_state
+            return [row, start, first, 0, live - first, RING_SLOTS]
+        return self.items_of(req, side)
+
+    def items_of(self, req: Request, side: str) -> list[int]:
+        """The items of this type's buffers that ``req`` owns on ``side``."""
+        if self.names == "ring":
+            ring = self.indices(req, side)
+            return ring[:1]
         if self.names == "slot":
             return [req.src_state if side == "src" else req.dst_state]
         pages = req.src_pages if side == "src" else req.dst_pages
@@ -357,7 +377,7 @@ class RankBuffers:
     def state_bytes(self, req: Request) -> int:
         """Bytes of ``req``'s state items on this rank, over every state type."""
         return sum(
-            len(spec.indices(req, "dst")) * sum(b.shape[1] for b in group)
+            len(spec.items_of(req, "dst")) * sum(b.shape[1] for b in group)
             for spec, group in zip(self.specs, self.states, strict=True)
         )
 
@@ -365,7 +385,7 @@ class RankBuffers:
         """Copy ``req``'s state items from ``src`` (prefill) here, as a correct delivery does."""
         for spec, mine, theirs in zip(self.specs, self.states, src.states, strict=True):
             for d_buf, s_buf in zip(mine, theirs, strict=True):
-                d_buf[spec.indices(req, "dst")] = s_buf[spec.indices(req, "src")]
+                d_buf[spec.items_of(req, "dst")] = s_buf[spec.items_of(req, "src")]
 
     def state_differs(self, req: Request, src: RankBuffers) -> list[str]:
         """The state types whose items of ``req`` here differ from ``src``'s (prefill's)."""
@@ -374,7 +394,7 @@ class RankBuffers:
         for k, (spec, mine, theirs) in enumerate(
             zip(self.specs, self.states, src.states, strict=True)
         ):
-            s_idx, d_idx = spec.indices(req, "src"), spec.indices(req, "dst")
+            s_idx, d_idx = spec.items_of(req, "src"), spec.items_of(req, "dst")
             for b, (d_buf, s_buf) in enumerate(zip(mine, theirs, strict=True)):
                 chans = self.channels[k][b] if spec.shards else None
                 if chans is not None and src.seed is not None:

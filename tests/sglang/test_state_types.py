@@ -14,11 +14,12 @@ from collections.abc import Iterator
 import pytest
 
 from kvfsm.sglang import KvfsmKVBootstrapServer
-from kvfsm.sglang._states import INDEXED, SLOT_ONE
+from kvfsm.sglang._states import INDEXED, RING_ROW, SLOT_ONE
 from tests.helpers.sglang_replay import (
     HYBRID,
     PAGE_BYTES,
     PAGES,
+    RING_SLOTS,
     Instance,
     Outcome,
     Pair,
@@ -55,7 +56,7 @@ def assert_clean(out: Outcome) -> None:
 
 
 def state_items(req: Request) -> dict[str, int]:
-    return {spec.name: len(spec.indices(req, "dst")) for spec in HYBRID}
+    return {spec.name: len(spec.items_of(req, "dst")) for spec in HYBRID}
 
 
 def test_several_state_types_land_byte_for_byte_in_their_own_slots(hybrid: Pair) -> None:
@@ -95,12 +96,14 @@ def test_an_abort_mid_transfer_fails_a_hybrid_request_everywhere(hybrid: Pair) -
 
 
 def _alone(name: str) -> tuple[StateSpec, ...]:
+    if name in RING_ROW:  # a ring row of 8 slots per request, key and score halves
+        return (StateSpec(name, (RING_SLOTS * 24, RING_SLOTS * 8), names="ring"),)
     if name in SLOT_ONE or name in ("request_row", "c128_state"):  # one item per request row
         return (StateSpec(name, (72, 200)),)
     return (StateSpec(name, (PAGE_BYTES // 4, 40), items=PAGES, names="window", window=3),)
 
 
-@pytest.mark.parametrize("name", sorted(INDEXED | SLOT_ONE))
+@pytest.mark.parametrize("name", sorted(INDEXED | SLOT_ONE | RING_ROW))
 def test_each_state_type_sglangs_nixl_backend_moves_is_moved_byte_for_byte(
     name: str, bootstrap: KvfsmKVBootstrapServer
 ) -> None:
@@ -113,3 +116,30 @@ def test_each_state_type_sglangs_nixl_backend_moves_is_moved_byte_for_byte(
         pair.p.instance.close()
     assert_clean(out)
     assert [r.decode_outcome for r in requests] == ["Success"] * 5
+
+
+def test_tail_rings_of_different_sizes_are_refused_at_the_handshake(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    # Another speculative slot count on decode: its ring rows are longer. SGLang remaps the
+    # live slots between them; kvfsm moves whole rows and refuses the pair, naming the region.
+    prefill = Instance.start("prefill", bootstrap.port, TP, state=_alone("dsa_tail"))
+    longer = (StateSpec("dsa_tail", ((RING_SLOTS + 4) * 24, (RING_SLOTS + 4) * 8), names="ring"),)
+    try:
+        decode = Instance.start("decode", bootstrap.port, TP, state=longer)
+    except BaseException:
+        prefill.close()
+        raise
+    pair = Pair(prefill, decode, bootstrap.port)
+    try:
+        requests = random_requests(random.Random(9), 2)
+        out = pair.run(requests)
+    finally:
+        decode.close()
+        prefill.close()
+    assert out.leaks == []
+    for req in requests:
+        assert req.decode_outcome == "Failed"
+        assert any("state region 0 item_bytes differs" in why for why in req.decode_reasons), (
+            req.decode_reasons
+        )

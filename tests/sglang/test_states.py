@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvfsm.sglang._errors import UnsupportedError
-from kvfsm.sglang._states import INDEXED, REFUSED, SLOT_ONE, StateMap
+from kvfsm.sglang._states import INDEXED, REFUSED, RING_ROW, SLOT_ONE, StateMap
 
 #: (name, buffers, items per buffer, bytes per item): Mamba's conv and SSM tensors of two
 #: layers, an SWA pool's K and V of one layer.
@@ -81,10 +81,14 @@ def test_indices_for_a_type_without_buffers_are_refused() -> None:
     assert "state type 2" in str(states.rows([None, [3], [0]]))
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_a_state_type_kvfsm_does_not_move_is_refused_at_start_up_by_name(name: str) -> None:
-    with pytest.raises(UnsupportedError, match=rf"state type '{name}'"):
-        StateMap.from_kv_args(args_for(((name, 1, 4, 64),)))
+def test_a_ring_row_entry_names_its_row_and_is_checked_as_sglang_checks_it() -> None:
+    states = StateMap.from_kv_args(args_for((("dsa_tail", 2, 4, 64),))).placed([(0, 4)])
+    assert states.rows([[3, 6, 2, 0, 1, 8]]) == [3]  # live slots 6, 7 and 0 of row 3
+    assert states.rows([[]]) is None  # no live token: nothing moves
+    assert "6 values, not 2" in str(states.rows([[3, 1]]))
+    assert "segment (6, 3) exceeds the ring of 8 slots" in str(states.rows([[3, 6, 3, 0, 0, 8]]))
+    assert "ring size 0" in str(states.rows([[3, 0, 0, 0, 0, 0]]))
+    assert "index 4 is outside its 4 items" in str(states.rows([[4, 0, 1, 0, 0, 8]]))
 
 
 def test_an_unknown_state_type_is_refused_by_name() -> None:
@@ -95,7 +99,7 @@ def test_an_unknown_state_type_is_refused_by_name() -> None:
 def test_every_sglang_state_type_is_moved_or_refused_by_name() -> None:
     from sglang.srt.disaggregation.base.conn import StateType
 
-    assert {t.value for t in StateType} == INDEXED | SLOT_ONE | set(REFUSED)
+    assert {t.value for t in StateType} == INDEXED | SLOT_ONE | RING_ROW | set(REFUSED)
 
 
 def test_lists_that_do_not_line_up_are_refused() -> None:
