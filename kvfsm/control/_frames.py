@@ -147,8 +147,10 @@ __all__ = [
 #: 2: leases, claims, reconciliation; 3: session keys, sequence numbers; 4: the handshake
 #: fingerprint (Hello.fingerprint); 5: legs (RoomMetadata.part), the attention-TP rank, and
 #: decode prefix caching (RoomMetadata.prefix); 6: pipeline stages in the fingerprint
-#: (``pp_rank``, ``first_layer``); 7: decode's fence margin in its Hello (``fence_margin_ms``).
-PROTOCOL_VERSION: Final = 7
+#: (``pp_rank``, ``first_layer``); 7: decode's fence margin in its Hello (``fence_margin_ms``);
+#: 8: how state is sharded and which layer each state buffer is (``state_dims``,
+#: ``state_conv``, ``state_outer``, ``state_layers``), and state rows on KV-only legs.
+PROTOCOL_VERSION: Final = 8
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
