@@ -148,11 +148,15 @@ class Part(enum.IntEnum):
     * ``NONE``: nothing. The prefill rank holds no KV this decode rank needs (an MLA replica,
       or a replicated KV head another replica sends): it is SGLang's "dummy" rank for it, and
       its room still runs to Success so every rank's poll reports the same progress.
+    * ``STATE``: its shard of the request's state only. The prefill rank holds a shard of the
+      decode rank's state (Mamba's channels) but writes it no KV: another replica of its KV
+      heads does (prefill's attention TP above the model's KV heads).
     """
 
     WHOLE = 0
     KV = 1
     NONE = 2
+    STATE = 3
 
 
 # --------------------------------------------------------------------------------------------

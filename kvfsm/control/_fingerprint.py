@@ -33,8 +33,9 @@ Rules
    writes depends on it. State pools pair as SGLang's NIXL backend pairs them
    (``_state_plan``): with MLA every type but MiniMax's, whole; without MLA Mamba (its
    channel shards), SWA (head slices, as KV) and DSA's indexer cache, and the rest are refused
-   by name. A sharded state moves on each leg that moves KV, so a prefill TP that replicates
-   the KV heads cannot feed a smaller decode TP a sharded state: refused by name too.
+   by name. A decode rank takes Mamba's shards (and DSA's indexer) from every prefill rank of
+   its group, over a state-only leg where that rank writes it no KV (``_slices.state_legs``);
+   a shape where a prefill rank would also write KV into another decode rank is refused.
 5. **A prefill pipeline stage writes its span of layers** (``first_layer``, ``layers``) into
    decode's whole model: the span must lie inside decode's layers, stage 0 must start at
    layer 0 and the last stage must end at decode's last layer (SGLang splits layers into
@@ -62,10 +63,11 @@ from typing import Annotated, Final
 
 import msgspec
 
-from kvfsm.transport import HeadShard, KvPiece, link_piece, targets
+from kvfsm.transport import HeadShard, KvPiece, link_piece, state_legs, targets
 
 __all__ = [
     "DECLARED_MATCH",
+    "GROUP_LEGS",
     "MUST_MATCH",
     "PAIR_UNDER_UNEQUAL_TP",
     "SGLANG_REFUSES_PP",
@@ -346,8 +348,10 @@ def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
 #: MiniMax's does, whole.
 PAIR_UNDER_UNEQUAL_TP: Final = frozenset({"mamba", "swa", "dsa"})
 _MINIMAX: Final = frozenset({"minimax_index_k", "minimax_dense_kv"})
-#: Types a prefill rank moves in shards, one shard per leg that moves KV.
-_SHARDED: Final = frozenset({"mamba", "swa"})
+#: Types whose state a decode rank takes from every prefill rank of its group when prefill's
+#: attention TP is the larger (Mamba's shards; a replicated item or DSA's indexer from the
+#: group's first rank), whether or not that rank writes it KV: ``_slices.state_legs``.
+GROUP_LEGS: Final = frozenset({"mamba", "dsa"})
 
 
 def _state_split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
@@ -363,17 +367,19 @@ def _state_split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | Non
             f"TP (prefill {prefill.attn_tp}, decode {decode.attn_tp}) are not supported "
             "(state_types, attn_tp)" + _sglang_says(tuple(refused), SGLANG_REFUSES_UNEQUAL_TP)
         )
-    replicated = prefill.attn_tp > decode.attn_tp and prefill.attn_tp > prefill.kv_heads
-    sharded = [t for t in types if t in _SHARDED]
-    if not prefill.mla and sharded and replicated:
-        # Each decode rank's state shards come from every prefill rank of its group, but with
-        # replicated heads some of those ranks write it no KV (another replica does), so they
-        # would have no leg to write the state over.
-        return (
-            f"fingerprint mismatch: sharded state ({', '.join(sharded)}) from prefill attention "
-            f"TP {prefill.attn_tp}, which replicates the model's {prefill.kv_heads} KV heads, "
-            f"into decode attention TP {decode.attn_tp} is not supported (state_types, attn_tp)"
-        )
+    grouped = [t for t in types if t in GROUP_LEGS]
+    if not prefill.mla and grouped and prefill.attn_tp > decode.attn_tp:
+        # Each decode rank takes its state from every prefill rank of its group (a leg each,
+        # ``state_legs``); a prefill rank that writes KV into another decode rank as well
+        # (replicated heads on both sides) would need two legs for one request.
+        try:
+            state_legs(prefill.kv_heads, prefill.attn_tp, decode.attn_tp, 0)
+        except ValueError as exc:
+            return (
+                f"fingerprint mismatch: state ({', '.join(grouped)}) from prefill attention TP "
+                f"{prefill.attn_tp} into decode attention TP {decode.attn_tp} with the model's "
+                f"{prefill.kv_heads} KV heads: {exc} (state_types, attn_tp)"
+            )
     return None
 
 

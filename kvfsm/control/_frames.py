@@ -149,7 +149,8 @@ __all__ = [
 #: decode prefix caching (RoomMetadata.prefix); 6: pipeline stages in the fingerprint
 #: (``pp_rank``, ``first_layer``); 7: decode's fence margin in its Hello (``fence_margin_ms``);
 #: 8: how state is sharded and which layer each state buffer is (``state_dims``,
-#: ``state_conv``, ``state_outer``, ``state_layers``), and state rows on KV-only legs.
+#: ``state_conv``, ``state_outer``, ``state_layers``), state rows on KV-only legs, and
+#: state-only legs (``part`` 3).
 PROTOCOL_VERSION: Final = 8
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
@@ -286,8 +287,9 @@ class RoomMetadata(Frame, frozen=True):
     aux_index: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
     state: bytes = b""
     #: Which part of the decode request this room carries (``kvfsm.states.Part``): the whole
-    #: room, its KV slice only, or nothing (a dummy leg: SGLang's dummy rank).
-    part: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
+    #: room, its KV slice (with its shard of sharded state), nothing (a dummy leg: SGLang's
+    #: dummy rank), or its shard of the state only.
+    part: Annotated[int, msgspec.Meta(ge=0, le=3)] = 0
     #: Prompt tokens decode already holds (SGLang's ``decode_prefix_len``): ``pages`` follow.
     prefix: Count = 0
 

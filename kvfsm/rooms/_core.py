@@ -336,6 +336,10 @@ class RoomCore:
             if event.pages or event.state or event.aux_index != -1:
                 return "a dummy leg names destinations"
             return None
+        if part == Part.STATE:
+            if event.pages or event.aux_index != -1:
+                return "a state-only leg names pages or an aux row"
+            return None
         return f"unknown leg part {part}"
 
     def _check_init(self, event: Initialized) -> str | None:

@@ -263,8 +263,9 @@ class ReceiverRoom(_RoomFacade):
     ) -> None:
         """Tell the sender which pages to write, which aux row and which state rows to fill.
 
-        ``part``: for one leg of a request fed by several prefill ranks, ``Part.KV`` (pages
-        only; ``aux_index`` -1, no state rows) or ``Part.NONE`` (a dummy: nothing at all).
+        ``part``: for one leg of a request fed by several prefill ranks, ``Part.KV`` (pages,
+        and state rows when state is sharded; ``aux_index`` -1), ``Part.STATE`` (state rows
+        only) or ``Part.NONE`` (a dummy: nothing at all).
         ``prefix``: prompt tokens this side holds already (decode prefix caching); the pages
         are those that follow them, and the sender sees it as ``SenderRoom.decode_prefix``."""
         aux_index, prefix = int(aux_index), int(prefix)

@@ -196,9 +196,10 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         # which follows every leg's destination (and a part is published before it).
         self._parts = [room.part for room in self._legs.rooms]
         for room, part in zip(self._legs.rooms, self._parts, strict=True):
-            if part is Part.NONE:
+            if part is Part.NONE or part is Part.STATE:
                 # A dummy rank for this request (unequal TP): its heads reach decode through
-                # another rank. It moves nothing and ends with its last send, like SGLang's.
+                # another rank. It moves nothing (or only its shard of the state, with the last
+                # chunk) and ends with its last send, like SGLang's.
                 room.init(0, -1)
             else:
                 room.init(self._num_pages, aux)
@@ -235,6 +236,8 @@ class KvfsmKVSender(_Conn, BaseKVSender):
                 # Its shard of sharded state too (the link's state piece says which bytes;
                 # none for state another leg writes whole).
                 room.send(kv_indices, rows)
+            elif last and part is Part.STATE:
+                room.send(b"", rows)  # its shard of the state, and the leg ends
             elif last:
                 room.send(b"")  # a dummy's last chunk: it ends, having moved nothing
 
@@ -310,7 +313,7 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         layout = self.kv_mgr.layout
         total = 0
         for part in self._parts or [Part.WHOLE]:
-            if part is not Part.NONE:
+            if part is Part.WHOLE or part is Part.KV:
                 total += self._sent_pages * layout.page_bytes()
             if part is Part.WHOLE and layout.aux:
                 total += layout.aux_row_bytes()
@@ -424,6 +427,8 @@ class KvfsmKVReceiver(_Conn, BaseKVReceiver):
                 room.send_metadata(kv_indices, aux, rows, prefix=prefix)
             elif part is Part.KV:  # another leg carries the aux row; state is sharded by link
                 room.send_metadata(kv_indices, -1, rows, Part.KV, prefix)
+            elif part is Part.STATE:  # that prefill rank writes its state shard, no KV
+                room.send_metadata(b"", -1, rows, Part.STATE, prefix)
             else:  # a dummy: that prefill rank holds none of this rank's heads
                 room.send_metadata(b"", -1, None, Part.NONE, prefix)
 

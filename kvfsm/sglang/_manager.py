@@ -47,7 +47,7 @@ from kvfsm.sglang._settings import manager_config
 from kvfsm.sglang._states import StateMap
 from kvfsm.states import KVPoll as RoomStatus
 from kvfsm.states import Part
-from kvfsm.transport import legs
+from kvfsm.transport import legs, state_legs
 
 if TYPE_CHECKING:
     from kvfsm.control import PipelineStage
@@ -332,8 +332,12 @@ class KvfsmKVManager(BaseKVManager):
         )
         if heads <= 0:
             heads = theirs
+        # A Mamba state (or DSA's indexer) comes from every prefill rank of this rank's group,
+        # over a state-only leg where that rank writes no KV here.
+        grouped = not self.is_mla_backend and theirs > mine and self.states.group_legs
+        plan = state_legs if grouped else legs
         try:
-            return [Leg(tp, 0, part) for tp, part in legs(heads, theirs, mine, rank)]
+            return [Leg(tp, 0, part) for tp, part in plan(heads, theirs, mine, rank)]
         except ValueError as exc:
             return f"unequal attention TP ({theirs} to {mine}): {exc}"
 

@@ -212,6 +212,12 @@ class StateMap:
         )
 
     @property
+    def group_legs(self) -> bool:
+        """A state type a decode rank takes from every prefill rank of its group under unequal
+        attention TP (``kvfsm.control``'s ``GROUP_LEGS``): Mamba's shards, DSA's indexer."""
+        return any(pool.name in ("mamba", "dsa") for pool in self.pools)
+
+    @property
     def names(self) -> tuple[str, ...]:
         """The registered state types' names, in order (what the fingerprint declares)."""
         return tuple(pool.name for pool in self.pools)

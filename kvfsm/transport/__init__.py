@@ -15,7 +15,15 @@ from kvfsm.transport._fence import Leases
 from kvfsm.transport._geometry import RegionSpec, state_groups
 from kvfsm.transport._layout import Layout, LayoutError, LayoutSummary, MemKind, Region
 from kvfsm.transport._progress import AgentProgress, ProgressWatch
-from kvfsm.transport._slices import NO_KV, HeadShard, KvPiece, legs, link_piece, targets
+from kvfsm.transport._slices import (
+    NO_KV,
+    HeadShard,
+    KvPiece,
+    legs,
+    link_piece,
+    state_legs,
+    targets,
+)
 from kvfsm.transport._state_slices import Block, StatePiece
 from kvfsm.transport._transport import NixlTransport, TransferConfig
 
@@ -41,5 +49,6 @@ __all__ = [
     "legs",
     "link_piece",
     "state_groups",
+    "state_legs",
     "targets",
 ]

@@ -67,6 +67,7 @@ __all__ = [
     "sliced_descs",
     "sliced_index",
     "sources",
+    "state_legs",
     "targets",
 ]
 
@@ -235,6 +236,37 @@ def dummy_of(decode_tp: int, prefill_rank: int) -> int:
     """The decode rank that tells a prefill rank with no KV for any decode rank that it is a
     dummy: each such prefill rank gets exactly one (dummy) leg, so its room still ends."""
     return prefill_rank % decode_tp
+
+
+def state_legs(
+    total_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int
+) -> list[tuple[int, Part]]:
+    """:func:`legs` for a model whose state is sharded over attention TP (Mamba's channels)
+    when prefill's TP is the larger: decode rank ``d`` takes a shard of its state from each
+    prefill rank of its group, ``[d * w, (d + 1) * w)`` (``w`` the ratio), so each of them is a
+    leg: the KV writers as in :func:`legs`, the others ``Part.STATE``. No dummy legs: every
+    prefill rank has its leg in its group's decode rank. Raises ``ValueError`` when a prefill
+    rank writes KV outside its group (replicated heads over both sides: it would need two legs
+    for one request)."""
+    ratio = prefill_tp // decode_tp
+    for rank in range(prefill_tp):
+        shard = HeadShard(total_heads, prefill_tp, rank)
+        if any(p.decode_rank != rank // ratio for p in targets(shard, decode_tp)):
+            raise ValueError(
+                f"prefill rank {rank} writes KV outside the decode rank its state shard goes to"
+            )
+    writers = {
+        p.prefill_rank for p in sources(HeadShard(total_heads, decode_tp, decode_rank), prefill_tp)
+    }
+    out: list[tuple[int, Part]] = []
+    first = True
+    for rank in range(decode_rank * ratio, (decode_rank + 1) * ratio):
+        if rank in writers:
+            out.append((rank, Part.WHOLE if first else Part.KV))
+            first = False
+        else:
+            out.append((rank, Part.STATE))
+    return out
 
 
 def legs(

@@ -258,18 +258,22 @@ def test_state_pools_pair_under_unequal_tp_as_sglang_pairs_them(mla: bool) -> No
         )
 
 
-def test_sharded_state_from_replicated_prefill_heads_is_refused_by_name() -> None:
-    # 2 KV heads over prefill TP 4: ranks 0 and 1 hold head 0, and only rank 0 writes decode
-    # rank 0's KV, but decode rank 0's Mamba channels come from both.
+def test_state_from_prefill_ranks_that_also_feed_another_decode_rank_is_refused_by_name() -> None:
+    # 2 KV heads over prefill TP 4: ranks 0 and 1 hold head 0, only rank 0 writes decode rank
+    # 0's KV, and rank 1 sends decode rank 0 its Mamba shard over a state-only leg: pairs.
     two = msgspec.structs.replace(LLAMA, kv_heads=2, state_types=("mamba",))
-    assert mismatch(_tp(two, 4), _tp(two, 2)) == (
-        "fingerprint mismatch: sharded state (mamba) from prefill attention TP 4, which "
-        "replicates the model's 2 KV heads, into decode attention TP 2 is not supported "
-        "(state_types, attn_tp)"
+    assert mismatch(_tp(two, 4), _tp(two, 2)) is None
+    # 1 KV head over prefill TP 4 and decode TP 2: prefill rank 1 writes decode rank 1's KV
+    # but holds a shard of decode rank 0's state.
+    one = msgspec.structs.replace(LLAMA, kv_heads=1, state_types=("mamba",))
+    assert mismatch(_tp(one, 4), _tp(one, 2)) == (
+        "fingerprint mismatch: state (mamba) from prefill attention TP 4 into decode attention "
+        "TP 2 with the model's 1 KV heads: prefill rank 1 writes KV outside the decode rank its "
+        "state shard goes to (state_types, attn_tp)"
     )
-    assert mismatch(_tp(two, 2), _tp(two, 4)) is None  # one prefill rank per decode rank
-    dsa = msgspec.structs.replace(two, state_types=("dsa",))  # whole items, one writer
-    assert mismatch(_tp(dsa, 4), _tp(dsa, 2)) is None
+    assert mismatch(_tp(one, 2), _tp(one, 4)) is None  # one prefill rank per decode rank
+    swa = msgspec.structs.replace(one, state_types=("swa",))  # follows the KV heads
+    assert mismatch(_tp(swa, 4), _tp(swa, 2)) is None
 
 
 def test_several_state_types_pair_only_when_both_sides_declare_the_same_ones_in_order() -> None:
@@ -295,7 +299,7 @@ def test_a_refusal_sglang_makes_too_says_so_in_its_words() -> None:
     assert staged is not None
     assert staged.endswith("refuses it too: PP>1 not supported for MiniMax state yet")
     # Where SGLang moves the type itself, kvfsm's refusal claims no company.
-    mamba = msgspec.structs.replace(LLAMA, kv_heads=2, state_types=("mamba",))
+    mamba = msgspec.structs.replace(LLAMA, kv_heads=1, state_types=("mamba",))
     refused = mismatch(_tp(mamba, 4), _tp(mamba, 2))
     assert refused is not None
     assert "SGLang" not in refused

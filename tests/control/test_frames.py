@@ -157,7 +157,7 @@ INVALID: list[tuple[str, dict[str, Any] | list[Any], str, int | None, int | None
     ("aux<-1", _with(META, aux_index=-2), "Expected `int` >= -1 - at `$.aux_index`", 7, 1),
     ("aux<0 whole", _with(META, aux_index=-1), "aux_index -1 with part 0", 7, 1),
     ("aux with KV leg", _with(META, part=1), "aux_index 5 with part 1", 7, 1),
-    ("part>2", _with(META, part=3), "Expected `int` <= 2 - at `$.part`", 7, 1),
+    ("part>3", _with(META, part=4), "Expected `int` <= 3 - at `$.part`", 7, 1),
     ("aux>int32", _with(META, aux_index=2**31), "<= 2147483647 - at `$.aux_index`", 7, 1),
     ("pages%4", _with(META, pages=b"12345"), "`pages` is 5 bytes, not a multiple of 4", 7, 1),
     ("state%4", _with(META, state=b"123"), "`state` is 3 bytes, not a multiple of 4", 7, 1),

@@ -354,7 +354,7 @@ def test_post_chunk_names_the_peer_the_destination_came_from() -> None:
 
 # -- legs: what each part may name (unequal attention TP) --------------------------------------
 
-KV, NONE, WHOLE = Part.KV, Part.NONE, Part.WHOLE
+KV, NONE, STATE, WHOLE = Part.KV, Part.NONE, Part.STATE, Part.WHOLE
 
 PART_RULES = [
     # (part, pages, aux row, state rows) -> why the room rejects it (None: accepted)
@@ -369,6 +369,10 @@ PART_RULES = [
     (NONE, pages(3), -1, b"", "a dummy leg names destinations"),
     (NONE, b"", 0, b"", "a dummy leg names destinations"),
     (NONE, b"", -1, pages(2), "a dummy leg names destinations"),
+    (STATE, b"", -1, pages(2), None),  # its shard of the state, no KV
+    (STATE, b"", -1, b"", None),  # (a request of no state rows)
+    (STATE, pages(3), -1, pages(2), "a state-only leg names pages or an aux row"),
+    (STATE, b"", 0, pages(2), "a state-only leg names pages or an aux row"),
     (7, b"", -1, b"", "unknown leg part 7"),
 ]
 

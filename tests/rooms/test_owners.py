@@ -437,9 +437,7 @@ class GroupedOwnersMachine(RuleBasedStateMachine):
                 # A leg names the group's state rows again (its shard of sharded state), or
                 # takes them when no leg has.
                 and (
-                    not state_list
-                    or state_list == shared.state
-                    or (not shared.state and state_ok)
+                    not state_list or state_list == shared.state or (not shared.state and state_ok)
                 )
             )
         else:

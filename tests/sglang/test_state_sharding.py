@@ -40,41 +40,47 @@ from tests.helpers.sglang_replay import (
 
 HEADS, HEAD_BYTES = 4, 16
 
-#: A Qwen3-Next-style hybrid: a Mamba state of four tensors per request (a GDN conv state
-#: whose q, k and v sub-blocks are sharded apart, a temporal state, a Kimi-style conv state of
-#: three rows of channels, and a tensor replicated over attention TP), an SWA window of K and V
-#: pages (head-sliced as KV), and a DSA indexer cache (per token, whole).
-SHARDED = (
-    StateSpec(
-        "mamba",
-        (),
-        shards=(
-            Shard("channels", 16, 8, conv=(4, 4, 8)),
-            Shard("channels", 8, 32),
-            Shard("channels", 8, 8, outer=3),
-            Shard("replicated", 4, 8),
-        ),
-    ),
-    StateSpec(
-        "swa",
-        (),
-        items=PAGES,
-        names="window",
-        shards=(Shard("heads", HEADS, HEAD_BYTES), Shard("heads", HEADS, HEAD_BYTES)),
-    ),
-    StateSpec(
-        "dsa",
-        (),
-        items=PAGES,
-        names="window",
-        window=PAGES,
-        shards=(Shard("replicated", PAGE_TOKENS, 8),),
-    ),
-)
 
-#: (prefill attention TP, decode attention TP): several prefill ranks into one decode rank,
-#: and one prefill rank into several decode ranks.
-SHAPES = [(2, 1), (4, 2), (1, 2), (2, 4)]
+def sharded_model(heads: int) -> tuple[StateSpec, ...]:
+    """A Qwen3-Next-style hybrid of ``heads`` KV heads: a Mamba state of four tensors per
+    request (a GDN conv state whose q, k and v sub-blocks are sharded apart, a temporal state, a
+    Kimi-style conv state of three rows of channels, and a tensor replicated over attention
+    TP), an SWA window of K and V pages (head-sliced as KV), and a DSA indexer cache (per
+    token, whole)."""
+    return (
+        StateSpec(
+            "mamba",
+            (),
+            shards=(
+                Shard("channels", 16, 8, conv=(4, 4, 8)),
+                Shard("channels", 8, 32),
+                Shard("channels", 8, 8, outer=3),
+                Shard("replicated", 4, 8),
+            ),
+        ),
+        StateSpec(
+            "swa",
+            (),
+            items=PAGES,
+            names="window",
+            shards=(Shard("heads", heads, HEAD_BYTES), Shard("heads", heads, HEAD_BYTES)),
+        ),
+        StateSpec(
+            "dsa",
+            (),
+            items=PAGES,
+            names="window",
+            window=PAGES,
+            shards=(Shard("replicated", PAGE_TOKENS, 8),),
+        ),
+    )
+
+
+#: (prefill attention TP, decode attention TP, the model's KV heads): several prefill ranks
+#: into one decode rank, one prefill rank into several decode ranks, and prefill ranks that
+#: replicate the KV heads (2 heads over 4 ranks), some of which write a decode rank its state
+#: shard but no KV (a state-only leg).
+SHAPES = [(2, 1, 4), (4, 2, 4), (1, 2, 4), (2, 4, 4), (4, 2, 2), (4, 1, 2)]
 
 
 @pytest.fixture
@@ -92,10 +98,17 @@ def start(port: int, prefill_tp: int, decode_tp: int, **kw: object) -> Pair:
     return Pair(prefill, decode, port)
 
 
-@pytest.fixture(params=SHAPES, ids=[f"p{p}-d{d}" for p, d in SHAPES])
+@pytest.fixture(params=SHAPES, ids=[f"p{p}-d{d}-h{h}" for p, d, h in SHAPES])
 def sharded(request: pytest.FixtureRequest, port: int) -> Iterator[Pair]:
-    prefill_tp, decode_tp = request.param
-    pair = start(port, prefill_tp, decode_tp, heads=HEADS, head_bytes=HEAD_BYTES, state=SHARDED)
+    prefill_tp, decode_tp, heads = request.param
+    pair = start(
+        port,
+        prefill_tp,
+        decode_tp,
+        heads=heads,
+        head_bytes=HEAD_BYTES,
+        state=sharded_model(heads),
+    )
     yield pair
     pair.d.instance.close()
     pair.p.instance.close()
@@ -180,3 +193,24 @@ def test_mamba_state_without_its_shard_description_is_refused_at_the_handshake(
     for req in requests:
         assert req.decode_outcome == "Failed"
         assert any("state_dim_per_tensor" in why for why in req.decode_reasons), req.decode_reasons
+
+
+def test_replicated_heads_on_both_sides_with_mamba_state_are_refused_at_the_handshake(
+    port: int,
+) -> None:
+    # One KV head over prefill TP 4 and decode TP 2: prefill rank 1 writes decode rank 1's KV
+    # but holds a shard of decode rank 0's Mamba state; it would need two legs per request.
+    pair = start(port, 4, 2, heads=1, head_bytes=HEAD_BYTES, state=sharded_model(1)[:1])
+    try:
+        requests = random_requests(random.Random(4), 2)
+        out = pair.run(requests)
+    finally:
+        pair.d.instance.close()
+        pair.p.instance.close()
+    assert out.leaks == []
+    for req in requests:
+        assert req.decode_outcome == "Failed"
+        assert any(
+            "prefill rank 1 writes KV outside the decode rank its state shard goes to" in why
+            for why in req.decode_reasons
+        ), req.decode_reasons

@@ -33,7 +33,9 @@ class FakeAgent:
         self.fail: set[bytes] = set()
         self._generation = 0
 
-    def connect(self, peer_id: str, metadata: bytes, summary: Any, piece: Any = None) -> Peer:
+    def connect(
+        self, peer_id: str, metadata: bytes, summary: Any, piece: Any = None, state: Any = None
+    ) -> Peer:
         self.entered.set()
         self.gate.wait(10)
         self.connects.append((peer_id, metadata))

@@ -28,6 +28,7 @@ from kvfsm.transport._slices import (
     sliced_descs,
     sliced_index,
     sources,
+    state_legs,
     targets,
 )
 
@@ -369,3 +370,22 @@ def test_a_known_split_in_bytes() -> None:
     assert legs(1, 4, 2, 0) == [(0, Part.WHOLE), (2, Part.NONE)]
     assert legs(1, 4, 2, 1) == [(1, Part.WHOLE), (3, Part.NONE)]
     assert NO_KV.page_bytes(4) == 0
+
+
+def test_state_legs_give_each_prefill_rank_one_leg_in_its_group() -> None:
+    for total, tp_p, tp_d in LEG_SHAPES:
+        if tp_p <= tp_d:
+            continue
+        shape, ratio = (total, tp_p, tp_d), tp_p // tp_d
+        if total < tp_d:
+            # Heads replicated on both sides: a prefill rank writes KV outside its group.
+            with pytest.raises(ValueError, match="writes KV outside"):
+                state_legs(total, tp_p, tp_d, 0)
+            continue
+        plans = [state_legs(total, tp_p, tp_d, d) for d in range(tp_d)]
+        for d, plan in enumerate(plans):
+            # Exactly the group, in rank order; KV writers as legs() says; no dummies.
+            assert [p for p, _ in plan] == list(range(d * ratio, (d + 1) * ratio)), shape
+            kv = [(p, part) for p, part in legs(total, tp_p, tp_d, d) if part in WRITES_KV]
+            assert [(p, part) for p, part in plan if part in WRITES_KV] == kv, (shape, d)
+            assert all(part in (*WRITES_KV, Part.STATE) for _, part in plan), (shape, d)
