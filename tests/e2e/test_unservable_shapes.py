@@ -14,13 +14,13 @@ no hook), all of them at once, and each must:
   it is torch's (the PyNccl error is raised by ``torch.cuda.device``, called from SGLang's
   ``pynccl.py``), and no frame is kvfsm's.
 
-The same shapes as kvfsm prefill servers (``--disaggregation-mode prefill`` with the ``nixl``
-backend served by kvfsm) show whether they fail in SGLang before kvfsm matters. All four that
-way doubled the module's time (141 s for the eight servers, against 62 s for the four plain
-ones, measured outside pytest), so one is run that way: ``--tp 2``, for the PyNccl error of all
-three multi-rank shapes (SGLang's launcher has started kvfsm's bootstrap server by then), with
-the same checks. It costs about 15 s (this module took 78 s without it, 92 s with it, measured
-on an otherwise idle 2-core machine).
+Not run here: the same shapes as kvfsm prefill servers (``--disaggregation-mode prefill``, the
+``nixl`` backend served by kvfsm). Tried while this module was written, ``--tp 2`` that way
+passed the same checks, and ``--tp 2 --dp 2 --enable-dp-attention`` and Mamba logged the same
+errors; but each costs more than it tells: ``--tp 2`` alone as a kvfsm prefill made the module
+take 80 s instead of 66 s (measured back to back on an otherwise idle 2-core machine), and all
+four as well took 141 s against 62 s (outside pytest). A case with ``True`` in ``CASES`` runs a
+shape that way, with the same checks.
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ CASES: dict[str, tuple[str, bool, tuple[str, str]]] = {
     "pp2": ("pp2", False, PYNCCL),
     "dp2-dp-attention": ("dp2", False, PYNCCL),
     "mamba": ("mamba", False, NO_IMPL),
-    "tp2-kvfsm-prefill": ("tp2", True, PYNCCL),
 }
 
 
