@@ -49,6 +49,9 @@ class ChannelConfig:
     #: this long (tombstones and early-abort marks: as many, as long).
     pending_max: int = 4096
     pending_ttl_s: float = 60.0
+    #: Prefill: how long a sender room may wait for any decode room to claim it
+    #: (``RoutingConfig.unclaimed_s``).
+    unclaimed_s: float = 60.0
     #: The decode side progresses its NIXL agent this often while writes are expected (the
     #: writer's flushes need it; ``kvfsm.transport.AgentProgress``).
     progress_interval_s: float = 0.0005
@@ -88,6 +91,7 @@ class ChannelConfig:
         return RoutingConfig(
             pending_max=self.pending_max,
             pending_ttl_s=self.pending_ttl_s,
+            unclaimed_s=self.unclaimed_s,
             lease_s=self.lease_s,
             fence_margin_s=self.fence_margin_s,
         )

@@ -129,6 +129,9 @@ class PrefillRouting:
         self.stats = new_stats() if stats is None else join_stats(stats)
         self._links: dict[int, _PrefillLink] = {}
         self._senders: dict[RoomKey, _Sender] = {}
+        #: Senders no decode room has claimed yet, with when they were spawned, oldest first
+        #: (so a tick expires a prefix).
+        self._unclaimed: dict[RoomKey, float] = {}
         self._current: dict[Slot, _Sender] = {}  # (room id, leg) -> newest sender
         # The bindings by state (kept by ``_move`` alone): CLAIMED, EXPOSED and ABORTED ones
         # by (link, room, gen); HELD ones by slot, oldest first (and counted on their link);
@@ -148,6 +151,7 @@ class PrefillRouting:
         """How many entries of each kind are kept: all zero once every room is gone."""
         return {
             "senders": len(self._senders),
+            "unclaimed": len(self._unclaimed),
             "current": len(self._current),
             "bound": len(self._bound),
             "held": sum(len(v) for v in self._held.values()),
@@ -238,6 +242,7 @@ class PrefillRouting:
         slot = sender.slot
         self._senders[key] = sender
         self._current[slot] = sender
+        self._unclaimed[key] = now
         self._tombstones.pop(slot, None)  # a new room reuses the id
         waiting = self._held.get(slot)
         if waiting:
@@ -245,6 +250,7 @@ class PrefillRouting:
         early = self._drop_early(slot)
         if early is not None:
             sender.known = True
+            self._unclaimed.pop(key, None)
             return [Deliver(key, AbortRequested(early[3], origin="peer"))]
         return []
 
@@ -253,6 +259,7 @@ class PrefillRouting:
         if sender is None or sender.ended:
             return []
         sender.ended = True
+        self._unclaimed.pop(key, None)
         binding = sender.binding
         if binding is None:
             if status is KVPoll.Failed and not sender.known:
@@ -287,6 +294,7 @@ class PrefillRouting:
 
     def sender_reaped(self, key: RoomKey) -> list[Action]:
         sender = self._senders.pop(key, None)
+        self._unclaimed.pop(key, None)
         if sender is None:
             return []
         if self._current.get(sender.slot) is sender:
@@ -439,6 +447,15 @@ class PrefillRouting:
             self._drop_early(next(iter(self._early)))
         expire(self._finished, now - ttl, lambda v: v)
         out: list[Action] = []
+        limit = self.config.unclaimed_s
+        while self._unclaimed and now - next(iter(self._unclaimed.values())) > limit:
+            key, _ = self._oldest_unclaimed()
+            self.stats["unclaimed_failed"] += 1
+            why = (
+                f"no decode room claimed it within {limit:g}s (its decode half never arrived: "
+                "was the request sent to decode?)"
+            )
+            out.append(Deliver(key, PeerLost(why)))
         expired = [b for held in self._held.values() for b in held if now - b.since > ttl]
         for binding in expired:
             self.stats["pending_dropped"] += 1
@@ -453,6 +470,10 @@ class PrefillRouting:
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _oldest_unclaimed(self) -> tuple[RoomKey, float]:
+        key = next(iter(self._unclaimed))
+        return key, self._unclaimed.pop(key)
+
     def _new_binding(
         self, link: int, room: int, gen: int, metadata: RoomMetadata | None, now: float
     ) -> _Binding:
@@ -463,6 +484,11 @@ class PrefillRouting:
 
     def _bind(self, sender: _Sender, binding: _Binding) -> list[Action]:
         sender.known = True
+        since = self._unclaimed.pop(sender.key, None)
+        if since is not None:
+            # How long decode took to claim it: what ``unclaimed_s`` must stay well above.
+            waited = round((binding.since - since) * 1000)
+            self.stats["claim_wait_max_ms"] = max(self.stats["claim_wait_max_ms"], waited)
         binding.sender = sender
         sender.binding = binding
         self._move(binding, _E.BIND)

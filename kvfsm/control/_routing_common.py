@@ -76,6 +76,11 @@ class RoutingConfig:
     #: this long; tombstones and early-abort marks are kept as long and at most this many.
     pending_max: int = 4096
     pending_ttl_s: float = 60.0
+    #: Prefill: a sender room no decode room has claimed for this long fails with its own
+    #: reason (its decode half never arrived: a router that failed to reach decode), instead of
+    #: holding its pages until its Bootstrapping deadline. A live decode claims a room as soon
+    #: as its receiver exists, so this only has to cover a loaded decode's request queue.
+    unclaimed_s: float = 60.0
     #: Decode grants prefill write leases of this length.
     lease_s: float = 2.0
     #: Decode: added to the lease before a lost link's pages settle (a write posted just inside
@@ -93,6 +98,8 @@ def new_stats() -> dict[str, int]:
     return {
         "stale_frames": 0,
         "duplicates_refused": 0,
+        "unclaimed_failed": 0,
+        "claim_wait_max_ms": 0,
         "pending_dropped": 0,
         "claims": 0,
         "reconciled": 0,

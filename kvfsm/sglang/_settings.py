@@ -17,6 +17,9 @@ be passed to them; these are read when a manager or bootstrap server is built.
                        for dead (raise it on oversubscribed hosts, e.g. several CPU servers on
                        two cores).
 ``KVFSM_LEASE_S``      decode's write-lease length (default 2 s; renewed every quarter).
+``KVFSM_UNCLAIMED_S``  prefill: a request no decode has claimed for this long fails with
+                       its reason (default 60 s; its decode half never arrived), instead of
+                       holding its pages until SGLang's 300 s bootstrap timeout.
 ``KVFSM_EXIT_ON_FENCED_OUT``  ``1`` (default): a prefill scheduler whose NIXL agent was fenced
                        out (stopped or starved past its write lease with a WRITE in flight)
                        exits with status 75, and SGLang's launcher takes the server down for
@@ -97,6 +100,7 @@ def channel_config() -> ChannelConfig:
             heartbeat_s=_positive("KVFSM_HEARTBEAT_S", base.heartbeat_s),
             liveness_factor=_positive("KVFSM_LIVENESS_FACTOR", base.liveness_factor),
             lease_s=_positive("KVFSM_LEASE_S", base.lease_s),
+            unclaimed_s=_positive("KVFSM_UNCLAIMED_S", base.unclaimed_s),
         )
     except ValueError as exc:
         raise ValueError(f"kvfsm channel settings from the environment: {exc}") from None

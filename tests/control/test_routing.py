@@ -230,6 +230,27 @@ def test_a_sender_failed_before_any_claim_answers_the_claim_when_it_comes(
     assert idle(prefill) == {}
 
 
+def test_a_sender_no_decode_claims_fails_with_its_own_reason(prefill: PrefillRouting) -> None:
+    # Its decode half never arrived (a router that failed to reach decode): it fails after
+    # unclaimed_s, not after its Bootstrapping deadline, and a claim that comes after all is
+    # answered with the failure.
+    limit = CONFIG.unclaimed_s
+    prefill.sender_spawned(S1, 0.0)
+    prefill.sender_spawned(RoomKey(8, 103), 1.0)
+    prefill.on_claim(A, RoomClaim(8, 1), 2.0)  # claimed: never failed for want of a claim
+    assert delivered(prefill.tick(limit)) == []
+    [(key, event)] = delivered(prefill.tick(limit + 0.5))
+    assert key == S1
+    assert isinstance(event, PeerLost)
+    assert event.reason.startswith(f"no decode room claimed it within {limit:g}s")
+    assert delivered(prefill.tick(limit + 100)) == []  # once
+    assert prefill.stats["unclaimed_failed"] == 1
+    assert prefill.stats["claim_wait_max_ms"] == 1000  # room 8 waited 1 s for its claim
+    prefill.sender_outcome(S1, KVPoll.Failed, "peer lost: no decode room claimed it", limit + 1)
+    late = prefill.on_claim(A, RoomClaim(7, 1), limit + 2)
+    assert [type(f).__name__ for f in sends(late, A)] == ["RoomOutcome", "RoomSettled"]
+
+
 def test_an_early_abort_is_acknowledged_and_fails_the_next_sender(prefill: PrefillRouting) -> None:
     assert prefill.on_abort(A, RoomAbort(7, 1, "client gone"), 0.0) == [Send(A, RoomSettled(7, 1))]
     assert delivered(prefill.sender_spawned(S1, 0.5)) == [

@@ -652,6 +652,8 @@ class Request:
     decode_abort_rank: int = 0
     #: The prefill scheduler never admits it (no init/send): decode must time out.
     prefill_ignores: bool = False
+    #: Decode never hears of it (the router failed to send it there): prefill must give up.
+    decode_ignores: bool = False
     #: The prefill scheduler aborts and clears it while it is still bootstrapping.
     prefill_abort_early: bool = False
     #: Decode sends its metadata only once prefill gave up on the room.
@@ -708,7 +710,7 @@ class Request:
     @property
     def done(self) -> bool:
         prefill_done = self.prefill_outcome is not None or self.prefill_ignores
-        return prefill_done and self.decode_outcome is not None
+        return prefill_done and (self.decode_outcome is not None or self.decode_ignores)
 
 
 def _chunked(rng: random.Random, pages: list[int]) -> list[list[int]]:
@@ -977,6 +979,8 @@ class DecodeScheduler:
         }
 
     def add(self, req: Request) -> None:
+        if req.decode_ignores:
+            return
         req.receivers = [
             self.check.call(
                 "KvfsmKVReceiver()",

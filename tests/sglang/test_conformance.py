@@ -207,6 +207,37 @@ def test_decode_times_out_when_prefill_never_sends(pair: Pair) -> None:
     assert all(r.decode_outcome == "Success" for r in requests[1:])
 
 
+def test_prefill_gives_up_on_a_request_decode_never_hears_of(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    # The router sent the request to prefill only: no decode room ever claims it. Prefill's
+    # rooms fail after the unclaimed bound with that reason, not after their Bootstrapping
+    # deadline (10 s here, 300 s by default), and the other requests are untouched.
+    configure(
+        dataclasses.replace(CONFIG, channel=dataclasses.replace(CONFIG.channel, unclaimed_s=1.0))
+    )
+    try:
+        prefill = Instance.start("prefill", bootstrap.port, TP)
+        decode = Instance.start("decode", bootstrap.port, TP)
+    finally:
+        configure(CONFIG)
+    pair = Pair(prefill, decode, bootstrap.port)
+    try:
+        requests = random_requests(random.Random(16), 3)
+        requests[0].decode_ignores = True
+        out = pair.run(requests)
+    finally:
+        decode.close()
+        prefill.close()
+    assert_clean(out)
+    assert requests[0].prefill_outcome == "Failed"
+    assert any("no decode room claimed it within 1s" in r for r in requests[0].prefill_reasons), (
+        requests[0].prefill_reasons
+    )
+    assert not any("deadline" in r for r in requests[0].prefill_reasons)
+    assert all((r.prefill_outcome, r.decode_outcome) == ("Success",) * 2 for r in requests[1:])
+
+
 def test_random_failures_on_one_rank_fail_the_request_everywhere(pair: Pair) -> None:
     """SGLANG_TEST_DISAGG_FAILURE_PROB: a rank's poll is replaced by Failed at random; the MIN makes
     the request Failed on every rank, whose ``failure_exception()`` must raise and clear."""
