@@ -193,6 +193,9 @@ def test_pd_output_equals_the_reference_server_for_every_request(rig: Rig) -> No
     FIGURES["requests"] = len(prompts)
     FIGURES["equal_outputs"] = sum(a == b for a, b in zip(ref, pd, strict=True))
     FIGURES["requests_wall_s"] = round(time.monotonic() - began, 1)
+    # How long the decode side took to claim a request under this load: what prefill's
+    # unclaimed bound (KVFSM_UNCLAIMED_S, 60 s) must stay well above.
+    FIGURES["claim_wait_max_ms"] = kvfsm_stats(rig.prefill)["control"]["claim_wait_max_ms"]
     assert all(len(out) == MAX_NEW for out in pd)
     mismatched = [i for i, (a, b) in enumerate(zip(ref, pd, strict=True)) if a != b]
     assert not mismatched, (
