@@ -310,7 +310,7 @@ ZAYA_CONFIG: dict[str, Any] = {
 _TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 #: The Mamba state pool's slots; SGLang's default sizes it from free memory (5 GB here).
-_HYBRID_FLAGS = ["--max-mamba-cache-size", "64"]
+HYBRID_FLAGS = ["--max-mamba-cache-size", "64"]
 #: SGLang's own CPU engine (``is_cpu()``): its CPU kernels come from ``sgl_kernel``'s CPU build,
 #: which is not installed (``No module named 'sgl_kernel'`` at start-up).
 _CPU_ENGINE = {"SGLANG_USE_CPU_ENGINE": "1"}
@@ -321,17 +321,17 @@ SHAPES: dict[str, tuple[dict[str, Any], list[str], dict[str, str]]] = {
     "mla": (MLA_CONFIG, [], {}),
     "swa": (SWA_CONFIG, [], {}),
     "mamba": (MAMBA_CONFIG, [], {}),
-    "lfm2": (LFM2_CONFIG, _HYBRID_FLAGS, {}),
-    "qwen3_next": (QWEN3_NEXT_CONFIG, _HYBRID_FLAGS, {}),
-    "falcon_h1": (FALCON_H1_CONFIG, _HYBRID_FLAGS, {}),
-    "nemotron_h": (NEMOTRON_H_CONFIG, _HYBRID_FLAGS, {}),
-    "granite_hybrid": (GRANITE_HYBRID_CONFIG, _HYBRID_FLAGS, {}),
-    "mamba2": (MAMBA2_CONFIG, _HYBRID_FLAGS, {}),
-    "kimi_linear": (KIMI_LINEAR_CONFIG, _HYBRID_FLAGS, {}),
-    "bailing_linear": (BAILING_LINEAR_CONFIG, _HYBRID_FLAGS, {}),
-    "zaya": (ZAYA_CONFIG, _HYBRID_FLAGS, {}),
-    "lfm2-cpu-engine": (LFM2_CONFIG, _HYBRID_FLAGS, _CPU_ENGINE),
-    "qwen3_next-cpu-engine": (QWEN3_NEXT_CONFIG, _HYBRID_FLAGS, _CPU_ENGINE),
+    "lfm2": (LFM2_CONFIG, HYBRID_FLAGS, {}),
+    "qwen3_next": (QWEN3_NEXT_CONFIG, HYBRID_FLAGS, {}),
+    "falcon_h1": (FALCON_H1_CONFIG, HYBRID_FLAGS, {}),
+    "nemotron_h": (NEMOTRON_H_CONFIG, HYBRID_FLAGS, {}),
+    "granite_hybrid": (GRANITE_HYBRID_CONFIG, HYBRID_FLAGS, {}),
+    "mamba2": (MAMBA2_CONFIG, HYBRID_FLAGS, {}),
+    "kimi_linear": (KIMI_LINEAR_CONFIG, HYBRID_FLAGS, {}),
+    "bailing_linear": (BAILING_LINEAR_CONFIG, HYBRID_FLAGS, {}),
+    "zaya": (ZAYA_CONFIG, HYBRID_FLAGS, {}),
+    "lfm2-cpu-engine": (LFM2_CONFIG, HYBRID_FLAGS, _CPU_ENGINE),
+    "qwen3_next-cpu-engine": (QWEN3_NEXT_CONFIG, HYBRID_FLAGS, _CPU_ENGINE),
     "tp2": (MODEL_CONFIG, ["--tp", "2"], _TWO_RANKS),
     "pp2": (MODEL_CONFIG, ["--pp-size", "2"], _TWO_RANKS),
     "dp2": (MODEL_CONFIG, ["--tp", "2", "--dp", "2", "--enable-dp-attention"], _TWO_RANKS),

@@ -1,12 +1,21 @@
 """Model families beyond Llama as PD pairs of real SGLang 0.5.23 servers on this CPU machine,
-with kvfsm as the transfer backend: an MLA model (DeepSeek-V2-style latent KV) and a hybrid
-sliding-window model (SGLang's SWA memory pool, whose rows move as the ``swa`` state type).
+with kvfsm as the transfer backend: an MLA model (DeepSeek-V2-style latent KV), a hybrid
+sliding-window model (SGLang's SWA memory pool, whose rows move as the ``swa`` state type) and a
+hybrid linear-state model (ZAYA1: its attention's convolution state lives in SGLang's Mamba
+pool, one slot per request, and moves as the ``mamba`` state type).
 
 Per model (``shapes_probe``'s configs, dummy weights): a non-disaggregated reference server, a
 prefill server and a decode server, started together. 20 requests of random prompt lengths (the
 longest past the sliding window) go to the pair directly, as SGLang's router sends them, at
 once; every greedy output must equal the reference server's, the outputs must differ between
 prompts (so equality says something), and both kvfsm ranks must count the rooms as succeeded.
+
+Greedy equality alone cannot show that a state slot moved: with dummy weights a model's outputs
+may not depend on it. So the ZAYA1 pair also runs SGLang's own KV checksum
+(``--disaggregation-enable-kv-checksum``, digested on the CPU by the rig's shim): prefill
+digests the KV pages and the Mamba-pool slot it sends, decode digests what landed in its own
+page and slot before the request runs, and any difference fails the request with SGLang's "KV
+checksum mismatch". The decode's log must show that its digest covered state buffers.
 """
 
 from __future__ import annotations
@@ -33,11 +42,20 @@ from tests.e2e.servers import (
     sglang_server,
     stop_all,
 )
-from tests.e2e.shapes_probe import MLA_CONFIG, SWA_CONFIG
+from tests.e2e.shapes_probe import HYBRID_FLAGS, MLA_CONFIG, SWA_CONFIG, ZAYA_CONFIG
+from tests.e2e.shim.kvfsm_e2e_cpu_checksum import COVERS, ENABLE_ENV
 
 pytestmark = pytest.mark.timeout(900)
 
-MODELS: dict[str, dict[str, Any]] = {"mla": MLA_CONFIG, "swa": SWA_CONFIG}
+#: name -> (model config, extra flags every server of the model takes, whether the pair runs
+#: SGLang's KV checksum)
+MODELS: dict[str, tuple[dict[str, Any], list[str], bool]] = {
+    "mla": (MLA_CONFIG, [], False),
+    "swa": (SWA_CONFIG, [], False),
+    "zaya": (ZAYA_CONFIG, HYBRID_FLAGS, True),
+}
+CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
+MISMATCH, SKIPPED = "KV checksum mismatch", "KV checksum skipped"
 REQUESTS, MAX_NEW, VOCAB = 20, 8, 512
 
 
@@ -47,6 +65,7 @@ class Pair:
     prefill: Server
     decode: Server
     bootstrap_port: int
+    checksum: bool
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -57,19 +76,27 @@ def pair(
     log_dir = tmp_path_factory.mktemp(f"sglang-e2e-{name}")
     model = log_dir / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODELS[name]))
+    config, flags, checksum = MODELS[name]
+    (model / "config.json").write_text(json.dumps(config))
     bootstrap = free_port()
+    pd = [CHECKSUM_FLAG] if checksum else []
+    # SGLang's CI mode turns a mismatch into a crash of the decode scheduler; the check wants a
+    # decode that answers it.
+    env = {ENABLE_ENV: "1", "SGLANG_IS_IN_CI": "false"} if checksum else {}
     servers = [
-        sglang_server("reference", model, log_dir),
-        sglang_server("prefill", model, log_dir, *prefill_flags(bootstrap), kvfsm=True),
-        sglang_server("decode", model, log_dir, *DECODE_FLAGS, kvfsm=True),
+        sglang_server("reference", model, log_dir, *flags),
+        sglang_server(
+            "prefill", model, log_dir, *flags, *pd, *prefill_flags(bootstrap), kvfsm=True, env=env
+        ),
+        sglang_server("decode", model, log_dir, *flags, *pd, *DECODE_FLAGS, kvfsm=True, env=env),
     ]
     try:
         for server in servers:
             server.start()
         for server in servers:
             server.wait_ready()
-        yield Pair(*servers, bootstrap)
+        reference, prefill, decode = servers
+        yield Pair(reference, prefill, decode, bootstrap, checksum)
     finally:
         stop_all(list(reversed(servers)))
         keep_logs_if_failed(request, log_dir, request.node.stash.get(FAILED, False))
@@ -116,3 +143,10 @@ def test_pd_outputs_equal_the_reference_server(pair: Pair) -> None:
         rooms = kvfsm_stats(server)["rooms"]
         assert rooms["succeeded"] - before[server.name]["succeeded"] >= REQUESTS, rooms
         assert rooms["failed"] == before[server.name]["failed"], rooms
+    if pair.checksum:
+        log = pair.decode.log_path.read_text(errors="replace")
+        assert MISMATCH not in log
+        assert SKIPPED not in log  # (a digest decode did not compare)
+        covers = [line for line in log.splitlines() if COVERS in line]
+        assert covers, "decode's digest never covered a state item"
+        assert " 0 state buffers" not in covers[0], covers

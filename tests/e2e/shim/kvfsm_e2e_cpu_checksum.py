@@ -15,6 +15,7 @@ what landed in its pages before the request runs, and on a mismatch drops the re
 from __future__ import annotations
 
 import ctypes
+import sys
 import zlib
 from typing import Any
 
@@ -22,6 +23,12 @@ from typing import Any
 ENABLE_ENV = "KVFSM_E2E_CPU_KV_CHECKSUM"
 #: The SGLang module whose ``KvChecksumComputer`` is patched once it has been imported.
 TARGET = "sglang.srt.disaggregation.checksum"
+#: Logged (stderr, so the server's log) at a process's first digest of a request with state
+#: items: what the digest covers, so a test can tell a check of state bytes from a KV-only one.
+COVERS = "kvfsm-e2e: cpu digest covers"
+
+#: Set once that line is logged.
+_told: set[str] = set()
 
 
 def _compute(self: Any, kv_page_indices_gpu: Any, state_indices_gpu: Any = None) -> int:
@@ -34,6 +41,14 @@ def _compute(self: Any, kv_page_indices_gpu: Any, state_indices_gpu: Any = None)
             (ptr, n, state_indices_gpu)
             for ptr, n in zip(self._state_data_ptrs, self._state_item_lens, strict=True)
         ]
+    if not _told and state_indices_gpu is not None and len(state_indices_gpu):
+        _told.add(COVERS)
+        print(
+            f"{COVERS} {len(self._kv_data_ptrs)} KV buffers and "
+            f"{len(self._state_data_ptrs)} state buffers",
+            file=sys.stderr,
+            flush=True,
+        )
     digest = 1  # Adler-32's initial value, and SGLang's digest of nothing
     for ptr, item_len, indices in buffers:
         for index in indices.tolist():
