@@ -234,7 +234,9 @@ class Room:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only
             self._host.record_error(self.key, exc)
-            commands = core.fail(f"internal error on {type(event).__name__}: {exc}")
+            # (an exception's message may be empty: its type names it then)
+            cause = str(exc) or type(exc).__name__
+            commands = core.fail(f"internal error on {type(event).__name__}: {cause}")
         # _execute has nothing to do for an event that neither changed the state nor commanded
         # anything, unless the room is terminal: it may just have settled (published there).
         if commands or core.state is not before or before in TERMINAL:
@@ -261,7 +263,8 @@ class Room:
         self._host.record_error(self.key, exc)
         core = self.core
         before = core.state
-        self._execute(before, core.fail(f"could not execute {type(command).__name__}: {exc}"))
+        cause = str(exc) or type(exc).__name__  # never an empty cause
+        self._execute(before, core.fail(f"could not execute {type(command).__name__}: {cause}"))
 
     def _entered(self, before: KVPoll, state: KVPoll) -> None:
         pub = self.publication

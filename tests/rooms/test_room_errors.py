@@ -9,6 +9,7 @@ import pytest
 
 from kvfsm.rooms import RoomConfig, RoomKey
 from kvfsm.rooms._actor import Room
+from kvfsm.rooms._core import RoomCore
 from kvfsm.rooms._ports import Publication
 from kvfsm.rooms._registry import Registry
 from kvfsm.states import (
@@ -83,6 +84,49 @@ async def test_a_send_metadata_that_raises_fails_the_receiver_with_the_reason() 
     assert room.done
     assert registry.tasks.escaped == []  # nothing escaped the task
     assert len(registry.owners) == 0
+
+
+class SilentSink(ScriptedSink):
+    """Raises, for the command types in ``failing``, an exception whose message is empty."""
+
+    def __init__(self, *failing: type[Command]) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def submit(self, key: RoomKey, command: Command) -> None:
+        super().submit(key, command)
+        if isinstance(command, self.failing):
+            raise ConnectionResetError  # str() of it is ""
+
+
+async def test_an_exception_without_a_message_is_named_by_its_type() -> None:
+    """A reason never ends in an empty cause: ``str()`` of an exception raised without a
+    message is "", and the reason then names its type."""
+    sink = SilentSink(SendMetadata)
+    registry = Registry(sink, RoomConfig(strict=True))
+    pub, key = Publication(), RoomKey(27, 1)
+    receiver_with_metadata(registry, key, pub)
+    await drain()
+    assert pub.status is KVPoll.Failed
+    assert pub.reason == "rejected: could not execute SendMetadata: ConnectionResetError"
+
+
+async def test_an_exception_without_a_message_in_the_core_is_named_by_its_type(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry = Registry(ScriptedSink(), RoomConfig(strict=True))
+    pub, key = Publication(), RoomKey(28, 1)
+    registry.spawn(key, Role.RECEIVER, pub)
+    await drain()
+
+    def broken(self: object, event: object) -> tuple[Command, ...]:
+        raise AssertionError
+
+    monkeypatch.setattr(RoomCore, "handle", broken)
+    registry.deliver(key, Initialized(peer_rank=0))
+    await drain()
+    assert pub.status is KVPoll.Failed
+    assert pub.reason.endswith("internal error on Initialized: AssertionError"), pub.reason
 
 
 async def test_errors_in_the_failures_own_commands_are_recorded_and_end_there() -> None:
