@@ -92,6 +92,7 @@ EXPECTED: dict[str, list[str]] = {
         "check_secret",
         "describe",
         "next_frame",
+        "peer_host",
         "request_headers",
         "send_or_beat",
         "shake_hands",

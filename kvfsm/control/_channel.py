@@ -45,10 +45,12 @@ class ChannelConfig:
     reconnect_max_s: float = 2.0
     #: Shared secret: every frame is HMAC-signed and checked. None: no authentication.
     secret: bytes | None = None
-    #: Claims and page lists held for rooms that do not exist yet: at most this many per link,
-    #: this long (tombstones and early-abort marks: as many, as long).
+    #: Per link, for ``pending_ttl_s``: claims and page lists held for rooms that do not exist
+    #: yet, early-abort marks, marks of answered rooms (``RoutingConfig``).
     pending_max: int = 4096
     pending_ttl_s: float = 60.0
+    #: Prefill, per link: bytes of page lists held for rooms that do not exist yet.
+    held_bytes_max: int = 8 << 20
     #: Prefill: how long a sender room may wait for any decode room to claim it
     #: (``RoutingConfig.unclaimed_s``).
     unclaimed_s: float = 60.0
@@ -69,6 +71,20 @@ class ChannelConfig:
     #: the key confirmation): the pre-authentication memory is bounded by their product.
     max_unauthenticated: int = 64
     hello_max_bytes: int = 1 << 20
+    #: Prefill: of those, at most this many from one peer host; a new one over it sheds that
+    #: host's oldest, so one host's flood never sheds another host's handshake.
+    max_unauthenticated_per_host: int = 16
+    #: Prefill: control links at most, and from one peer host (an IPv4 address, an IPv6 /64).
+    #: A link takes its place once its peer is authenticated, before its NIXL metadata is
+    #: loaded; over either bound it is refused with an ``Error`` naming the bound. Every
+    #: per-link quota above is multiplied by these: docs/reliability.md gives the memory.
+    max_links: int = 128
+    max_links_per_host: int = 32
+    #: Prefill: bytes queued for one link that its peer has not taken yet. Past it prefill
+    #: stops reading that peer until half of them went out (TCP then holds the peer back): a
+    #: peer that sends frames whose answers it never reads cannot grow prefill's memory, and
+    #: one that stops reading altogether falls silent and is lost.
+    outbox_max_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not (self.heartbeat_s > 0 and self.liveness_factor >= 1.0):
@@ -77,6 +93,19 @@ class ChannelConfig:
             raise ValueError("lease_s must be > 0, fence_margin_s and flush_timeout_s >= 0")
         if self.max_unauthenticated < 1 or self.hello_max_bytes < 4096:
             raise ValueError("max_unauthenticated must be >= 1 and hello_max_bytes >= 4096")
+        bounds = (
+            self.max_unauthenticated_per_host,
+            self.max_links,
+            self.max_links_per_host,
+            self.pending_max,
+        )
+        if min(bounds) < 1:
+            raise ValueError(
+                "max_unauthenticated_per_host, max_links, max_links_per_host and pending_max "
+                "must be >= 1"
+            )
+        if self.held_bytes_max < 0 or self.outbox_max_bytes < 65536:
+            raise ValueError("held_bytes_max must be >= 0 and outbox_max_bytes >= 65536")
 
     @property
     def silence_s(self) -> float:
@@ -91,6 +120,9 @@ class ChannelConfig:
         return RoutingConfig(
             pending_max=self.pending_max,
             pending_ttl_s=self.pending_ttl_s,
+            held_bytes_max=self.held_bytes_max,
+            max_links=self.max_links,
+            max_links_per_host=self.max_links_per_host,
             unclaimed_s=self.unclaimed_s,
             lease_s=self.lease_s,
             fence_margin_s=self.fence_margin_s,
@@ -109,8 +141,10 @@ class Link:
         "hello",
         "key",
         "liveness",
+        "drained",
         "outbox",
         "peer_id",
+        "queued",
     )
 
     def __init__(
@@ -134,6 +168,10 @@ class Link:
         #: Payloads (``FrameCodec.payload``), sealed by the writer as they go out: with a
         #: session the sequence number is the order on the wire.
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self.queued = 0  # the bytes in ``outbox``
+        #: Clear while ``queued`` is over the end's bound: its reader waits (backpressure).
+        self.drained = asyncio.Event()
+        self.drained.set()
         self.closed = False
         #: The peer's last Error frame that named no room (a refusal of the link itself, such as
         #: NIXL refusing our agent): it is the reason the link is lost, if it is.

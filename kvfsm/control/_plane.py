@@ -144,6 +144,10 @@ class ControlPlane(CommandSink):
         self.stats = stats
         #: Shutting down: a link lost now is not reconnected for what it owed.
         self._closing = False
+        #: Bytes queued for one link past which its reader waits (prefill's
+        #: ``outbox_max_bytes``); None: never (decode's outbox holds its own rooms' frames,
+        #: page lists included, and prefill's frames ask it for little).
+        self._outbox_max: int | None = None
 
     # -- CommandSink ---------------------------------------------------------------------------
 
@@ -241,7 +245,14 @@ class ControlPlane(CommandSink):
                 self._fail_named(link, exc.room, exc.generation, f"cannot send: {exc.reason}")
             return
         link.outbox.put_nowait(data)
+        link.queued += len(data)
         self.stats["frames_out"] += 1
+        limit = self._outbox_max
+        if limit is not None and link.queued > limit and link.drained.is_set():
+            # Its peer does not take what it is sent as fast as it asks for more: stop reading
+            # it until half went out (``_read``), so its answers cannot grow without bound.
+            link.drained.clear()
+            self.stats["reads_paused"] += 1
 
     def _fail_named(self, link: Link, room: int, gen: int | None, reason: str) -> None:
         """Fail the local rooms that a frame on ``link`` about ``(room, gen)`` concerns."""
@@ -351,7 +362,7 @@ class ControlPlane(CommandSink):
             self._authenticated(scope)
             peer_id = f"{theirs.role}-{theirs.rank}-{theirs.incarnation}"
             await self._check_fingerprint(stream, codec, theirs)
-            await self._admit(stream, codec, peer_id, theirs)
+            await self._admit(stream, codec, peer_id, theirs, scope)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
@@ -379,6 +390,7 @@ class ControlPlane(CommandSink):
             self._lose(old, "replaced by a new connection")
         self._links[link.key] = link
         self._by_generation[link.generation] = link
+        self._registered(link, scope)
         self.stats["links_opened"] += 1
         self._do(self._opened(link, hello_sent, self._now()))
         assert self._tg is not None
@@ -400,9 +412,18 @@ class ControlPlane(CommandSink):
         """The peer proved it holds the secret (or none is set)."""
 
     async def _admit(
-        self, stream: SocketStream | RawConnection, codec: Sealer, peer_id: str, theirs: Hello
+        self,
+        stream: SocketStream | RawConnection,
+        codec: Sealer,
+        peer_id: str,
+        theirs: Hello,
+        scope: anyio.CancelScope | None,
     ) -> None:
-        """Prefill's: load the peer's NIXL metadata before the link exists."""
+        """Prefill's: take the link's place within the link bounds, and load the peer's NIXL
+        metadata, before the link exists."""
+
+    def _registered(self, link: Link, scope: anyio.CancelScope | None) -> None:
+        """The link is registered (prefill: the place its handshake took is its own now)."""
 
     def _opened(self, link: Link, hello_sent: float, now: float) -> Iterable[Action]:
         raise NotImplementedError
@@ -427,10 +448,12 @@ class ControlPlane(CommandSink):
         await self._refuse(stream, codec, reason)
 
     async def _refuse(
-        self, stream: SocketStream | RawConnection, codec: Sealer, reason: str
+        self, stream: SocketStream | RawConnection, codec: Sealer, reason: str, *, log: bool = True
     ) -> None:
-        """Tell the peer why its handshake is refused, then fail it."""
-        _log.warning("handshake refused: %s", reason)
+        """Tell the peer why its handshake is refused, then fail it (``log``: False where the
+        caller logs it, throttled)."""
+        if log:
+            _log.warning("handshake refused: %s", reason)
         with contextlib.suppress(Exception):
             with anyio.fail_after(1.0):
                 await stream.send(codec.encode(Error(None, reason)))
@@ -452,6 +475,9 @@ class ControlPlane(CommandSink):
         loop = self._running_loop()
         try:
             while not link.closed:
+                if not link.drained.is_set():
+                    await link.drained.wait()  # backpressure: see _send
+                    continue
                 data = await stream.receive()
                 link.liveness.seen(loop.time())
                 items = reader.feed(data)
@@ -480,10 +506,19 @@ class ControlPlane(CommandSink):
         async def send(payload: bytes) -> None:
             await stream.send(link.codec.seal(payload))
 
+        limit = self._outbox_max
+
+        async def next_payload() -> bytes:
+            payload = await link.outbox.get()
+            link.queued -= len(payload)
+            if limit is not None and link.queued <= limit // 2:
+                link.drained.set()
+            return payload
+
         try:
             await send_or_beat(
                 send,
-                link.outbox.get,
+                next_payload,
                 self.config.heartbeat_s,
                 lambda: self._codec.payload(Heartbeat(next(beats))),
                 open_=lambda: not link.closed,
@@ -542,6 +577,7 @@ class ControlPlane(CommandSink):
         _log.warning("control link lost: %s", reason)
         self._do(self._core.link_lost(link.generation, reason, self._now()))
         link.outbox.put_nowait(b"")  # wake the writer so it notices
+        link.drained.set()  # and a reader waiting for it to drain
         self._lost(link)
 
     def _lost(self, link: Link) -> None:
@@ -630,6 +666,8 @@ def new_stats() -> dict[str, int]:
             "unexpected_errors",
             "own_stalls",
             "reconnects_owed",
+            "links_refused",
+            "reads_paused",
         ),
         0,
     )

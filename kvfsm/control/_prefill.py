@@ -13,6 +13,7 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
+from kvfsm.control._admission import Admission, Throttled
 from kvfsm.control._channel import PEER_ERRORS, ChannelConfig, Link, Sealer
 from kvfsm.control._fingerprint import (
     Fingerprint,
@@ -35,7 +36,7 @@ from kvfsm.control._frames import (
 from kvfsm.control._plane import ControlPlane, new_stats
 from kvfsm.control._routing import Action, GrantLease, PrefillRouting, RevokeLease
 from kvfsm.control._state_plan import state_link_plan
-from kvfsm.link import AcceptErrors, RawConnection, accept_forever, tune
+from kvfsm.link import AcceptErrors, RawConnection, accept_forever, describe, peer_host, tune
 from kvfsm.rooms import RoomKey
 from kvfsm.states import ReportOutcome, ReportSettled, Role
 from kvfsm.transport import NO_KV, Agent, LayoutSummary, Leases, NixlTransport, state_groups
@@ -79,8 +80,16 @@ class PrefillControl(ControlPlane):
             fingerprint=fingerprint,
         )
         self._leases: Leases = transport.leases
-        # Connections in their handshake, oldest first (shed over the cap).
-        self._unauthenticated: dict[anyio.CancelScope, None] = {}
+        self._outbox_max = config.outbox_max_bytes
+        # Connections in their handshake and links, by peer host (kvfsm.control._admission).
+        self._admission = Admission(
+            max_unauthenticated=config.max_unauthenticated,
+            max_unauthenticated_per_host=config.max_unauthenticated_per_host,
+            max_links=config.max_links,
+            max_links_per_host=config.max_links_per_host,
+        )
+        self._hosts: dict[anyio.CancelScope, str] = {}  # handshakes in progress -> peer host
+        self._refusals = Throttled(_log)
         self._accept_errors = AcceptErrors(_log, f"prefill rank {rank} control", stats=self.stats)
 
     # -- commands and registry hooks ------------------------------------------------------------
@@ -148,14 +157,16 @@ class PrefillControl(ControlPlane):
 
     async def _accepted(self, stream: RawConnection) -> None:
         """One connection to prefill's port, until it is authenticated or gone. At most
-        ``max_unauthenticated`` wait at once: a new one over the cap sheds the oldest (a flood
-        of idle or slow connections cannot keep out the decode ranks that come later)."""
+        ``max_unauthenticated`` wait at once, ``max_unauthenticated_per_host`` from one host: a
+        new one over a cap sheds the oldest of its host, or of all (a flood of idle or slow
+        connections cannot keep out the decode ranks that come later, and one host's flood
+        sheds only its own)."""
+        host = peer_host(stream.sock)
         with anyio.CancelScope() as scope:
-            self._unauthenticated[scope] = None
-            if len(self._unauthenticated) > self.config.max_unauthenticated:
-                oldest = next(iter(self._unauthenticated))
-                del self._unauthenticated[oldest]
-                oldest.cancel()
+            self._hosts[scope] = host
+            for shed in self._admission.arrived(scope, host):
+                assert isinstance(shed, anyio.CancelScope)
+                shed.cancel()
                 self.stats["unauthenticated_shed"] += 1
             try:
                 await self._handshake(stream, expect_rank=None, key=None, scope=scope)
@@ -166,7 +177,8 @@ class PrefillControl(ControlPlane):
                 self.stats["handshakes_failed"] += 1
                 self._unexpected("in a handshake", exc)
             finally:
-                self._unauthenticated.pop(scope, None)
+                self._admission.released(scope)
+                self._hosts.pop(scope, None)
         if scope.cancelled_caught:
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -189,19 +201,60 @@ class PrefillControl(ControlPlane):
         )
 
     def _authenticated(self, scope: anyio.CancelScope | None) -> None:
-        # No longer counts against the unauthenticated cap.
+        # No longer counts against the unauthenticated caps.
         if scope is not None:
-            self._unauthenticated.pop(scope, None)
+            self._admission.authenticated(scope)
+
+    def _registered(self, link: Link, scope: anyio.CancelScope | None) -> None:
+        if scope is not None:
+            self._admission.opened(scope, link.generation)
+
+    def _lost(self, link: Link) -> None:
+        self._admission.closed(link.generation)
+
+    async def _take_slot(
+        self,
+        stream: SocketStream | RawConnection,
+        codec: Sealer,
+        peer_id: str,
+        theirs: Hello,
+        scope: anyio.CancelScope | None,
+    ) -> None:
+        """Take this link's place within ``max_links`` and ``max_links_per_host``, or refuse it
+        (an ``Error`` naming the bound, a counter, a throttled warning): never a link already
+        open, and before its NIXL metadata is loaded."""
+        if scope is None:
+            return
+        host = self._hosts.get(scope, "")
+        old = self._links.get(peer_id)
+        replaces = None if old is None else old.generation
+        refusal = self._admission.take_slot(scope, host, replaces)
+        if refusal is None:
+            return
+        self.stats["links_refused"] += 1
+        reason = clip_reason(
+            f"prefill rank {self.rank} refused a control link from {host} "
+            f"({theirs.role} rank {theirs.rank}, agent {theirs.agent!r}): {refusal}"
+        )
+        self._refusals.warning(self._now(), f"control link refused: {reason}")
+        await self._refuse(stream, codec, reason, log=False)
 
     def _pair(self, theirs: Fingerprint) -> tuple[Fingerprint, Fingerprint]:
         return self.fingerprint, theirs
 
     async def _admit(
-        self, stream: SocketStream | RawConnection, codec: Sealer, peer_id: str, theirs: Hello
+        self,
+        stream: SocketStream | RawConnection,
+        codec: Sealer,
+        peer_id: str,
+        theirs: Hello,
+        scope: anyio.CancelScope | None,
     ) -> None:
-        """Load decode's NIXL metadata. A refusal is told to decode in an ``Error`` frame naming
-        NIXL's error (two decode processes with one agent name get ``NIXL_ERR_NOT_ALLOWED``):
-        otherwise it would see only a closed connection."""
+        """Take the link's place (``_take_slot``), then load decode's NIXL metadata. A refusal
+        is told to decode in an ``Error`` frame naming NIXL's error (two decode processes with
+        one agent name get ``NIXL_ERR_NOT_ALLOWED``): otherwise it would see only a closed
+        connection."""
+        await self._take_slot(stream, codec, peer_id, theirs, scope)
         try:
             summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
             # A pipeline stage: its buffers pair with its span of decode's layers only.
@@ -236,7 +289,7 @@ class PrefillControl(ControlPlane):
             self.stats["handshakes_refused"] += 1
             reason = clip_reason(
                 f"prefill rank {self.rank} refused decode agent {theirs.agent!r}: "
-                f"{type(exc).__name__}: {exc}"
+                f"{describe(exc, typed=True)}"
             )
             await self._refuse(stream, codec, reason)  # raises: the handshake fails
 
@@ -252,6 +305,7 @@ class PrefillControl(ControlPlane):
             leg=leg,
             legs=legs,
             margin_ms=theirs.fence_margin_ms,
+            host=self._admission.host_of(link.generation),
         )
 
     # -- the watchdog's ticks ---------------------------------------------------------------------

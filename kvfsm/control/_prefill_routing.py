@@ -9,12 +9,22 @@ EXPOSED and ABORTED ones in ``_bound`` (by link, room, generation), orphans in `
 peer incarnation, room, generation). A sender points at its binding until the binding is gone.
 The marks that outlive bindings (tombstones, early aborts, finished decode rooms) are TTL'd
 entries, not states: no binding is left to carry them.
+
+Quotas. Everything a decode's frames can make this core keep is counted against that decode's
+link, never against a pool shared with other links: held claims (``pending_max``) and the bytes
+of their page lists (``held_bytes_max``), early-abort marks (``pending_max``; over it an abort
+is acknowledged and not remembered) and marks of answered decode rooms (``pending_max``; over
+it the link's own oldest go). A link over a quota is counted in ``stats`` and logged once. The
+early-abort marks of a lost link stay (its decode's rooms are still over), counted against its
+peer host's share of lost links' marks. Marks are kept in the order they were set, so expiry
+is a prefix: a tick costs what expired, plus one look per live link.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 from kvfsm.control._binding import BindingEvent, PrefillBinding, prefill_step
 from kvfsm.control._frames import (
@@ -27,7 +37,7 @@ from kvfsm.control._frames import (
     RoomOutcome,
     RoomSettled,
     clip_reason,
-    unpack_refs,
+    iter_refs,
 )
 from kvfsm.control._routing_common import (
     FAILED,
@@ -52,6 +62,8 @@ from kvfsm.states import (
 )
 
 __all__ = ["PrefillRouting"]
+
+_log = logging.getLogger("kvfsm.control")
 
 _E: Final = BindingEvent
 _P: Final = PrefillBinding
@@ -87,6 +99,27 @@ class _Binding:
         return self.sender.key
 
 
+class _EarlyOwner:
+    """Whose quota early-abort marks count against: a live link, or (once links are lost) the
+    share of one peer host for the marks its lost links left. ``slots``: its marks, in the
+    order they were given to it."""
+
+    __slots__ = ("host", "slots")
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.slots: dict[Slot, None] = {}
+
+
+#: An early abort: (when, decode incarnation, generation, reason, whose quota it counts against).
+_Early: TypeAlias = tuple[float, str, int, str, _EarlyOwner]
+
+#: Longest reason an early-abort mark keeps (a decode's reason is up to 1,024 characters: with
+#: 4,096 marks a link, the reasons alone would cost 4 MiB of it).
+_KEPT_REASON: Final = 256
+_TRUNCATED: Final = " [truncated]"
+
+
 class _Sender:
     __slots__ = ("binding", "ended", "key", "known", "slot")
 
@@ -101,9 +134,22 @@ class _Sender:
 
 
 class _PrefillLink:
-    __slots__ = ("asked", "early", "held", "leg", "legs", "margin_s", "peer", "requests", "seq")
+    __slots__ = (
+        "asked",
+        "finished",
+        "held",
+        "held_bytes",
+        "leg",
+        "legs",
+        "margin_s",
+        "marks",
+        "noted",
+        "peer",
+        "requests",
+        "seq",
+    )
 
-    def __init__(self, peer: str, leg: int = 0, legs: int = 1) -> None:
+    def __init__(self, peer: str, leg: int = 0, legs: int = 1, host: str = "") -> None:
         self.peer = peer
         #: Decode's fence margin for this link (``Hello.fence_margin_ms``); None: not told.
         self.margin_s: float | None = None
@@ -112,7 +158,13 @@ class _PrefillLink:
         self.leg = leg
         self.legs = legs
         self.held = 0  # claims held for rooms that do not exist yet (quota: pending_max)
-        self.early = 0  # early-abort marks it set that are still kept (quota: pending_max)
+        self.held_bytes = 0  # the bytes of their page lists (quota: held_bytes_max)
+        #: Its early-abort marks still kept (quota: pending_max); the host's once it is lost.
+        self.marks = _EarlyOwner(host)
+        #: Decode rooms of this link already answered, (room, gen) -> when, oldest first
+        #: (quota: pending_max, its own oldest go): a late frame of one is stale.
+        self.finished: dict[tuple[int, int], float] = {}
+        self.noted: set[str] = set()  # the quotas it went over (each logged once)
         self.seq = 0
         self.asked = -math.inf  # when the last lease request went out
         self.requests: dict[int, float] = {}  # lease request seq -> when it was sent
@@ -140,10 +192,11 @@ class PrefillRouting:
         self._held: dict[Slot, list[_Binding]] = {}
         self._orphans: dict[tuple[str, int, int], _Binding] = {}
         self._tombstones: dict[Slot, tuple[float, str]] = {}
-        self._early: dict[Slot, tuple[float, int, int, str]] = {}  # -> (when, link, gen, why)
-        # Decode rooms this side finished with (Success, or settled): a late abort of one is
-        # answered, and must not mark the id's next sender as aborted early.
-        self._finished: dict[tuple[int, int, int], float] = {}
+        # Every early-abort mark, oldest first (all share one TTL, so expiry is a prefix); each
+        # also counts in its owner's ``slots``: its live link's, or its lost link's host's.
+        self._early: dict[Slot, _Early] = {}
+        self._retained: dict[str, _EarlyOwner] = {}  # host -> marks its lost links left
+        self._retained_count = 0  # their sum
 
     # -- reads (tests, operators) ---------------------------------------------------------------
 
@@ -158,7 +211,8 @@ class PrefillRouting:
             "orphans": len(self._orphans),
             "tombstones": len(self._tombstones),
             "early_aborts": len(self._early),
-            "finished": len(self._finished),
+            "finished": sum(len(state.finished) for state in self._links.values()),
+            "held_bytes": sum(state.held_bytes for state in self._links.values()),
         }
 
     def bound_to(self, link: int) -> list[RoomKey]:
@@ -177,16 +231,18 @@ class PrefillRouting:
         leg: int = 0,
         legs: int = 1,
         margin_ms: int = 0,
+        host: str = "",
     ) -> list[Action]:
         """A link after the Hello exchange. Decode's Hello answers ours, sent at ``hello_sent``,
         and grants ``lease_ms`` (``Hello.lease_ms``; None: this side's ``lease_s``, for a peer
         known to share the configuration): the first lease. 0: none until a ``LeaseGrant``.
         ``margin_ms``: decode's fence margin (``Hello.fence_margin_ms``; 0: not told), passed
         on with every lease of this link. ``leg`` of ``legs``: see "Legs" in the routing
-        rules."""
+        rules. ``host``: the peer's address as the link bounds count it (``peer_host``): the
+        early-abort marks the link leaves when it is lost count against that host's share."""
         if lease_ms is None:
             lease_ms = round(self.config.lease_s * 1000)
-        state = _PrefillLink(peer, leg, legs)
+        state = _PrefillLink(peer, leg, legs, host)
         if margin_ms > 0:
             state.margin_s = margin_ms / 1000.0
         self._links[link] = state
@@ -233,6 +289,9 @@ class PrefillRouting:
             self._move(binding, _E.LINK_LOST)
         for binding in [b for held in self._held.values() for b in held if b.link == link]:
             self._move(binding, _E.LINK_LOST)
+        # Its finished marks go with it (no frame comes on a lost link again); its early-abort
+        # marks stay: the decode rooms they stand for are over whatever happens to the link.
+        self._retire_marks(state)
         return out
 
     # -- the rooms' side ------------------------------------------------------------------------
@@ -320,7 +379,7 @@ class PrefillRouting:
         if state is None:
             return []
         self.stats["claims"] += metadata is None
-        if (link, room, gen) in self._finished:
+        if (room, gen) in state.finished:
             # This decode room was answered already (Failed + Settled, or Success): its page
             # list coming right behind its claim is stale. Holding it as a new claim would hand
             # pages decode has settled and reused to the id's next sender (laws 4 and 5).
@@ -333,16 +392,24 @@ class PrefillRouting:
                 return []
             return self._destination(binding, metadata)
         slot = (room, state.leg)
+        size = _held_size(metadata)
         for held in self._held.get(slot, ()):
             if held.link == link and held.gen == gen:  # held: keep the page list with it
-                if metadata is not None and held.metadata is None:
-                    held.metadata = metadata
-                else:
+                if metadata is None or held.metadata is not None:
                     self.stats["stale_frames"] += 1
+                    return []
+                if state.held_bytes + size > self.config.held_bytes_max:
+                    # Dropped: its page list does not fit in this link's share.
+                    self._move(held, _E.EXPIRED)
+                    return self._over_held(state, link, room, gen, now)
+                held.metadata = metadata
+                state.held_bytes += size
                 return []
         early = self._early.get(slot)
-        if early is not None and (early[1], early[2]) != (link, gen):
-            self._drop_early(slot)  # a newer claim of the id supersedes the early abort
+        if early is not None and early[1] == state.peer and early[2] != gen:
+            # A newer claim of the id by the same decode supersedes its early abort (an id
+            # reused at once). Another decode's claim does not: its mark is not theirs to undo.
+            self._drop_early(slot)
         sender = self._current.get(slot)
         if sender is not None and not sender.ended:
             current = sender.binding
@@ -359,13 +426,10 @@ class PrefillRouting:
             # Another decode already waits for this id: ids come from clients and can collide.
             # The first keeps its claim (a newer generation on one link is a reuse: it waits).
             return self._refuse(link, room, gen, "another receiver already waits for it", now)
-        if state.held >= self.config.pending_max:
-            self.stats["pending_dropped"] += 1
-            reason = (
-                "this decode's claims held by prefill are over their quota of "
-                f"{self.config.pending_max}"
-            )
-            return self._answer_failed(link, room, gen, reason, now)
+        if state.held >= self.config.pending_max or (
+            state.held_bytes + size > self.config.held_bytes_max
+        ):
+            return self._over_held(state, link, room, gen, now)
         self._move(self._new_binding(link, room, gen, metadata, now), _E.HOLD)
         return []
 
@@ -380,16 +444,16 @@ class PrefillRouting:
             # now (the sender, failed on the peer's word, reports nothing back).
             self._end(binding, _E.ABORT, now)
             return [abort, Send(link, RoomSettled(room, gen))] if claimed else [abort]
-        if (link, room, gen) in self._finished:  # too late: that room is over and settled
-            self.stats["stale_frames"] += 1
-            return [Send(link, RoomSettled(room, gen))]
         state = self._links.get(link)
         if state is None:
             return []
+        if (room, gen) in state.finished:  # too late: that room is over and settled
+            self.stats["stale_frames"] += 1
+            return [Send(link, RoomSettled(room, gen))]
         slot = (room, state.leg)
         for held in [b for b in self._held.get(slot, ()) if b.link == link and b.gen == gen]:
             self._move(held, _E.ABORT)
-        self._mark(self._finished, (link, room, gen), now)
+        self._finish(link, room, gen, now)
         settled = Send(link, RoomSettled(room, gen))  # no sender wrote for it
         sender = self._current.get(slot)
         if sender is not None and not sender.ended and sender.binding is None:
@@ -399,7 +463,7 @@ class PrefillRouting:
             return [Deliver(sender.key, AbortRequested(frame.reason, origin="peer")), settled]
         # No sender has it: the room, if it comes, fails at once, unless a newer claim of the
         # id comes first.
-        self._set_early(slot, (now, link, gen, frame.reason))
+        self._set_early(state, link, slot, frame, now)
         return [settled]
 
     def rooms_named(self, link: int, room: int, gen: int | None) -> list[RoomKey]:
@@ -425,15 +489,29 @@ class PrefillRouting:
         if state is None:
             return []
         out: list[Action] = []
-        for room, gen in unpack_refs(frame.rooms):
+        answered = 0
+        for room, gen in iter_refs(frame.rooms):
             self.stats["reconciled"] += 1
             orphan = self._orphans.get((state.peer, room, gen))
             if orphan is not None:
                 orphan.link = link  # its RoomSettled goes out here when it settles
                 self._move(orphan, _E.RECONCILED)
-            else:
-                self._mark(self._finished, (link, room, gen), now)
+            elif answered < self.config.pending_max:
+                answered += 1
+                self._finish(link, room, gen, now)
                 out.append(Send(link, RoomSettled(room, gen)))
+            else:
+                # More unknown rooms than the link's quota of answered ones: the rest are not
+                # answered. Decode settles them at its lost link's bound all the same (the
+                # answer only saves that wait); answering would queue a frame per reference
+                # and push out this link's own marks.
+                self._over(
+                    state,
+                    link,
+                    "reconcile_refs_over_quota",
+                    f"a Reconcile names over {self.config.pending_max} rooms it does not know",
+                    "the rest are not answered (decode settles them at its lost-link bound)",
+                )
         return out
 
     # -- time -----------------------------------------------------------------------------------
@@ -445,7 +523,14 @@ class PrefillRouting:
         expire(self._tombstones, now - ttl, lambda v: v[0])
         while self._early and now - next(iter(self._early.values()))[0] > ttl:
             self._drop_early(next(iter(self._early)))
-        expire(self._finished, now - ttl, lambda v: v)
+        for state in self._links.values():
+            expire(state.finished, now - ttl, lambda v: v)
+        # A dict keeps its table's size once emptied: a flood's tables are given back when they
+        # are empty again, not kept at their peak for the process's life.
+        if not self._early:
+            self._early = {}
+        if not self._held:
+            self._held = {}
         out: list[Action] = []
         limit = self.config.unclaimed_s
         while self._unclaimed and now - next(iter(self._unclaimed.values())) > limit:
@@ -527,6 +612,7 @@ class PrefillRouting:
             link = self._links.get(binding.link)
             if link is not None:  # (a lost link's quota went with it)
                 link.held -= 1
+                link.held_bytes -= _held_size(binding.metadata)
         elif old in _BOUND:
             if new not in _BOUND:
                 ident = (binding.link, binding.room, binding.gen)
@@ -538,7 +624,9 @@ class PrefillRouting:
                 del self._orphans[orphan]
         if new is _P.HELD:
             self._held.setdefault(binding.slot, []).append(binding)
-            self._links[binding.link].held += 1
+            link = self._links[binding.link]
+            link.held += 1
+            link.held_bytes += _held_size(binding.metadata)
         elif new in _BOUND:
             if old not in _BOUND:
                 self._bound[(binding.link, binding.room, binding.gen)] = binding
@@ -552,10 +640,9 @@ class PrefillRouting:
     def _end(self, binding: _Binding, event: BindingEvent, now: float | None) -> None:
         """``event`` for a bound binding; if it is gone by it, and ``now`` is given, its
         decode room is finished with (None: given up on, as at reaping)."""
-        ident = (binding.link, binding.room, binding.gen)
         self._move(binding, event)
         if binding.state is _P.GONE and now is not None:
-            self._mark(self._finished, ident, now)
+            self._finish(binding.link, binding.room, binding.gen, now)
 
     def _refuse(self, link: int, room: int, gen: int, why: str, now: float) -> list[Action]:
         self.stats["duplicates_refused"] += 1
@@ -566,36 +653,138 @@ class PrefillRouting:
     ) -> list[Action]:
         """Fail decode room ``(room, gen)`` that no sender wrote to, and remember it: whatever
         of it still arrives (its page list behind its claim) is stale."""
-        self._mark(self._finished, (link, room, gen), now)
+        self._finish(link, room, gen, now)
         return [
             Send(link, RoomOutcome(room, gen, FAILED, reason)),
             Send(link, RoomSettled(room, gen)),  # nothing was written
         ]
 
-    def _set_early(self, slot: Slot, value: tuple[float, int, int, str]) -> None:
+    def _over_held(
+        self, state: _PrefillLink, link: int, room: int, gen: int, now: float
+    ) -> list[Action]:
+        """Refuse a claim or page list over its link's share of held ones: that room fails,
+        nobody else's."""
+        config = self.config
+        if state.held >= config.pending_max:
+            what = f"claims held by prefill are over their quota of {config.pending_max}"
+        else:
+            what = (
+                f"page lists held by prefill are over their quota of {config.held_bytes_max} bytes"
+            )
+        self._over(state, link, "held_over_quota", what, "its rooms over it fail")
+        return self._answer_failed(link, room, gen, f"this decode's {what}", now)
+
+    def _over(self, state: _PrefillLink, link: int, counter: str, what: str, then: str) -> None:
+        """A link went over one of its quotas: counted every time, logged once per link."""
+        self.stats[counter] += 1
+        if counter in state.noted:
+            return
+        state.noted.add(counter)
+        _log.warning(
+            "decode link %d (%s): %s; %s (counted in %s; logged once per link)",
+            link,
+            state.peer,
+            what,
+            then,
+            counter,
+        )
+
+    def _finish(self, link: int, room: int, gen: int, now: float) -> None:
+        """Mark decode room ``(room, gen)`` of ``link`` answered: a late frame of it is stale.
+        Within the link's quota: over it, its own oldest mark goes (another link's never)."""
+        state = self._links.get(link)
+        if state is None:  # a lost link: no frame comes on it again
+            return
+        finished = state.finished
+        finished.pop((room, gen), None)
+        if len(finished) >= self.config.pending_max:
+            del finished[next(iter(finished))]
+            self._over(
+                state,
+                link,
+                "finished_over_quota",
+                f"over {self.config.pending_max} answered rooms kept",
+                "its oldest marks go first",
+            )
+        finished[(room, gen)] = now
+
+    def _set_early(
+        self, state: _PrefillLink, link: int, slot: Slot, frame: RoomAbort, now: float
+    ) -> None:
         """Remember an early abort, within its link's quota: one peer's flood of aborts cannot
         push out the marks of another (over quota it is acknowledged, not remembered)."""
-        state = self._links[value[1]]
-        if state.early >= self.config.pending_max:
-            self.stats["early_aborts_over_quota"] += 1
+        owner = state.marks
+        old = self._early.get(slot)
+        if old is not None:
+            if old[4] is not owner:
+                return  # another decode's abort of the id, or a lost link's: the first stands
+            self._drop_early(slot)
+        elif len(owner.slots) >= self.config.pending_max:
+            self._over(
+                state,
+                link,
+                "early_aborts_over_quota",
+                f"over {self.config.pending_max} early-abort marks kept",
+                "further early aborts are acknowledged, not remembered",
+            )
             return
-        self._drop_early(slot)
-        if len(self._early) >= 8 * self.config.pending_max:  # every link at its quota at once
-            self._drop_early(next(iter(self._early)))
-        self._early[slot] = value
-        state.early += 1
+        why = frame.reason
+        if len(why) > _KEPT_REASON:
+            why = why[: _KEPT_REASON - len(_TRUNCATED)] + _TRUNCATED
+        self._early[slot] = (now, state.peer, frame.generation, why, owner)
+        owner.slots[slot] = None
 
-    def _drop_early(self, slot: Slot) -> tuple[float, int, int, str] | None:
+    def _drop_early(self, slot: Slot) -> _Early | None:
         early = self._early.pop(slot, None)
         if early is not None:
-            state = self._links.get(early[1])
-            if state is not None:
-                state.early -= 1
+            owner = early[4]
+            del owner.slots[slot]
+            if self._retained.get(owner.host) is owner:
+                self._retained_count -= 1
+                if not owner.slots:
+                    del self._retained[owner.host]
         return early
 
+    def _retire_marks(self, state: _PrefillLink) -> None:
+        """A lost link's early-abort marks move to its host's share of lost links' marks
+        (``pending_max * max_links_per_host``; over it, the host's oldest go) within the total
+        for every host (``pending_max * max_links``; what does not fit is not kept): a host
+        that opens and drops links in a loop pushes out only its own."""
+        marks = list(state.marks.slots)  # oldest first
+        if not marks:
+            return
+        config = self.config
+        room = config.pending_max * config.max_links - self._retained_count
+        excess = len(marks) - max(room, 0)
+        if excess > 0:
+            for slot in marks[:excess]:
+                self._drop_early(slot)
+            self.stats["early_aborts_dropped"] += excess
+            marks = marks[excess:]
+        host = state.marks.host
+        pool = self._retained.setdefault(host, _EarlyOwner(host))
+        for slot in marks:
+            # Assigning an existing key keeps its place: the global order (expiry) stands.
+            self._early[slot] = (*self._early[slot][:4], pool)
+            pool.slots[slot] = None
+        state.marks.slots.clear()
+        self._retained_count += len(marks)
+        share = config.pending_max * config.max_links_per_host
+        while len(pool.slots) > share:
+            self._drop_early(next(iter(pool.slots)))
+            self.stats["early_aborts_dropped"] += 1
+        if not pool.slots:
+            self._retained.pop(host, None)
+
     def _mark(self, marks: dict[Any, Any], ident: object, value: object) -> None:
-        """Set a bounded, TTL'd mark: the oldest goes first when ``pending_max`` are kept."""
+        """Set a bounded, TTL'd mark: the oldest goes first when ``pending_max`` are kept (the
+        tombstones: this rank's own rooms set them, not a peer's frames)."""
         marks.pop(ident, None)
         if len(marks) >= self.config.pending_max:
             del marks[next(iter(marks))]
         marks[ident] = value
+
+
+def _held_size(metadata: RoomMetadata | None) -> int:
+    """What a held page list counts against its link's ``held_bytes_max``."""
+    return 0 if metadata is None else len(metadata.pages) + len(metadata.state)

@@ -72,10 +72,27 @@ Action: TypeAlias = Send | Deliver | GrantLease | RevokeLease
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    #: Claims and page lists held for rooms that do not exist yet: at most this many per link,
-    #: this long; tombstones and early-abort marks are kept as long and at most this many.
+    """The routing cores' settings (``ChannelConfig.routing()`` derives them). Every table a
+    peer's frames can fill is bounded *per link*, so one link's traffic never pushes out
+    another's entries, and the number of links is bounded by the control plane (``max_links``,
+    ``max_links_per_host``): the totals are those products, not a pool anyone can drain."""
+
+    #: Per link, kept for ``pending_ttl_s``: claims and page lists held for rooms that do not
+    #: exist yet (over it: refused), early-abort marks (over it: not remembered), marks of
+    #: decode rooms already answered (over it: the link's own oldest go). Tombstones (set by
+    #: this rank's own rooms, not by peers) are kept at most this many in all.
     pending_max: int = 4096
     pending_ttl_s: float = 60.0
+    #: Prefill, per link: bytes of page lists (``RoomMetadata.pages`` + ``state``) held for
+    #: rooms that do not exist yet. A decode holds at most its pool's pages there (4 bytes a
+    #: page id): 8 MiB is 2M page ids. Over it the room is refused with that reason.
+    held_bytes_max: int = 8 << 20
+    #: Prefill: the control plane's link bounds (``ChannelConfig``). Here they size where the
+    #: early-abort marks of *lost* links are kept until they expire: at most ``pending_max``
+    #: times as many per peer host and in all (over the host's share, that host's oldest go;
+    #: over the total, a newly lost link's marks that do not fit are not kept).
+    max_links: int = 128
+    max_links_per_host: int = 32
     #: Prefill: a sender room no decode room has claimed for this long fails with its own
     #: reason (its decode half never arrived: a router that failed to reach decode), instead of
     #: holding its pages until its Bootstrapping deadline. A live decode claims a room as soon
@@ -106,6 +123,10 @@ def new_stats() -> dict[str, int]:
         "leases_granted": 0,
         "errors_for_rooms": 0,
         "early_aborts_over_quota": 0,
+        "early_aborts_dropped": 0,
+        "held_over_quota": 0,
+        "finished_over_quota": 0,
+        "reconcile_refs_over_quota": 0,
         "aborts_told_late": 0,
         "settles_held_unsteady": 0,
     }

@@ -23,6 +23,8 @@ Rule 4: an idle link sends a heartbeat every ``heartbeat_s`` (``send_or_beat``),
         life.
 Rule 5: a peer's failure is named: ``describe`` gives an exception's message, or its type where
         the message is empty (an ``EndOfStream`` says nothing by itself).
+Rule 6: per-host bounds count a connection by ``peer_host``: its IPv4 address, or the /64 of
+        its IPv6 address (a single host commonly holds a whole /64).
 
 The frames themselves (their types, codecs and sessions) belong to the packages that speak them;
 here they are only ``bytes`` in and items out, so the registry (HTTP, no frames) uses the accept
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import socket
 import time
@@ -53,6 +56,7 @@ __all__ = [
     "accept_forever",
     "describe",
     "next_frame",
+    "peer_host",
     "send_or_beat",
     "shake_hands",
     "tune",
@@ -76,10 +80,36 @@ READ_BYTES: Final = 65536
 RESOURCE_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-def describe(exc: BaseException) -> str:
-    """What happened, never empty: the message, or the exception's type if it has none."""
+def describe(exc: BaseException, *, typed: bool = False) -> str:
+    """What happened, never empty: the message, or the exception's type if it has none.
+    ``typed``: always with the type first (``ValueError: bad``), and without a dangling colon
+    when the message is empty."""
     text = str(exc)
-    return text if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if typed else text
+
+
+def peer_host(sock: socket.socket) -> str:
+    """Who a connection comes from, as per-host bounds count it (Rule 6): the peer's IPv4
+    address (an IPv4-mapped IPv6 one too), the /64 network of an IPv6 address, or '' when the
+    socket has no peer address any more (it was reset before this was asked)."""
+    try:
+        address = sock.getpeername()
+    except OSError:
+        return ""
+    if not isinstance(address, tuple):
+        return str(address)  # a Unix socket's path
+    text = str(address[0]).split("%", 1)[0]  # without an IPv6 zone
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return text
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def tune(sock: socket.socket) -> None:
