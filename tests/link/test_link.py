@@ -23,6 +23,7 @@ from kvfsm.link import (
     accept_forever,
     describe,
     next_frame,
+    peer_host,
     send_or_beat,
     shake_hands,
 )
@@ -36,6 +37,45 @@ def test_describe_names_an_exception_whose_message_is_empty() -> None:
     assert describe(OSError(errno.ECONNRESET, "Connection reset by peer")) == (
         "[Errno 104] Connection reset by peer"
     )
+
+
+def test_describe_typed_names_the_type_and_leaves_no_dangling_colon() -> None:
+    assert describe(ValueError("bad layout"), typed=True) == "ValueError: bad layout"
+    assert describe(ValueError(), typed=True) == "ValueError"
+
+
+def test_peer_host_is_the_address_per_host_bounds_count() -> None:
+    """IPv4: the address; an IPv4-mapped IPv6 peer: its IPv4 address; IPv6: its /64 (one host
+    commonly holds a whole /64); a socket reset before it is asked: ''."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.socket() as client:
+            client.bind(("127.0.0.7", 0))
+            client.connect(("127.0.0.1", port))
+            accepted, _ = server.accept()
+            with accepted:
+                assert peer_host(accepted) == "127.0.0.7"
+            assert peer_host(accepted) == ""  # closed: no peer address any more
+    if not socket.has_ipv6:
+        return
+    try:
+        server6 = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    except OSError:
+        return  # no IPv6 on this host
+    with server6:
+        port = server6.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = server6.accept()
+            with accepted:
+                assert peer_host(accepted) == "127.0.0.1"  # ::ffff:127.0.0.1
+        try:
+            client6 = socket.create_connection(("::1", port))
+        except OSError:
+            return
+        with client6:
+            accepted, _ = server6.accept()
+            with accepted:
+                assert peer_host(accepted) == "::/64"
 
 
 def test_liveness_is_judged_on_the_callers_clock() -> None:
