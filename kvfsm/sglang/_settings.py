@@ -20,6 +20,10 @@ be passed to them; these are read when a manager or bootstrap server is built.
 ``KVFSM_UNCLAIMED_S``  prefill: a request no decode has claimed for this long fails with
                        its reason (default 60 s; its decode half never arrived), instead of
                        holding its pages until SGLang's 300 s bootstrap timeout.
+``KVFSM_MAX_LINKS``    prefill: control links at most (default 128); past it a decode's link is
+                       refused with an error naming the setting. Raise it where more decode
+                       ranks than that read from one prefill rank.
+``KVFSM_MAX_LINKS_PER_HOST``  prefill: control links from one peer host at most (default 32).
 ``KVFSM_EXIT_ON_FENCED_OUT``  ``1`` (default): a prefill scheduler whose NIXL agent was fenced
                        out (stopped or starved past its write lease with a WRITE in flight)
                        exits with status 75, and SGLang's launcher takes the server down for
@@ -90,9 +94,23 @@ def _positive(variable: str, default: float) -> float:
     return value
 
 
+def _count(variable: str, default: int) -> int:
+    raw = os.environ.get(variable)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{variable}={raw!r}: expected a positive integer")
+    return value
+
+
 def channel_config() -> ChannelConfig:
     """kvfsm's control-channel defaults with the variables above applied; a value that is not
-    a positive number is refused at start-up, naming the variable."""
+    a positive number (an integer for the link bounds) is refused at start-up, naming the
+    variable."""
     base = ChannelConfig()
     try:
         return dataclasses.replace(
@@ -101,6 +119,8 @@ def channel_config() -> ChannelConfig:
             liveness_factor=_positive("KVFSM_LIVENESS_FACTOR", base.liveness_factor),
             lease_s=_positive("KVFSM_LEASE_S", base.lease_s),
             unclaimed_s=_positive("KVFSM_UNCLAIMED_S", base.unclaimed_s),
+            max_links=_count("KVFSM_MAX_LINKS", base.max_links),
+            max_links_per_host=_count("KVFSM_MAX_LINKS_PER_HOST", base.max_links_per_host),
         )
     except ValueError as exc:
         raise ValueError(f"kvfsm channel settings from the environment: {exc}") from None

@@ -9,7 +9,13 @@ from kvfsm.sglang._settings import channel_config, configure, manager_config
 
 
 def test_unset_variables_keep_kvfsms_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("KVFSM_HEARTBEAT_S", "KVFSM_LIVENESS_FACTOR", "KVFSM_LEASE_S"):
+    for name in (
+        "KVFSM_HEARTBEAT_S",
+        "KVFSM_LIVENESS_FACTOR",
+        "KVFSM_LEASE_S",
+        "KVFSM_MAX_LINKS",
+        "KVFSM_MAX_LINKS_PER_HOST",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert channel_config() == ChannelConfig()
 
@@ -21,6 +27,16 @@ def test_heartbeat_liveness_and_lease_from_the_environment(monkeypatch: pytest.M
     config = channel_config()
     assert (config.heartbeat_s, config.liveness_factor, config.lease_s) == (2.0, 5.0, 8.0)
     assert config.silence_s == 10.0
+
+
+def test_link_bounds_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFSM_MAX_LINKS", "512")
+    monkeypatch.setenv("KVFSM_MAX_LINKS_PER_HOST", "64")
+    config = channel_config()
+    assert (config.max_links, config.max_links_per_host) == (512, 64)
+    monkeypatch.setenv("KVFSM_MAX_LINKS", "1.5")
+    with pytest.raises(ValueError, match="KVFSM_MAX_LINKS"):
+        channel_config()
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
