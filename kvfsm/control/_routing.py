@@ -65,7 +65,8 @@ Early aborts.
     nothing was written). A live sender of that id that no decode room is bound to fails at
     once (its decode room is over: the abort is all that will come); with no such sender the
     abort is remembered, and the next sender of that id fails at once, unless a newer claim for
-    the id arrived since, which supersedes it.
+    the id from the same decode arrived since, which supersedes it (another decode's claim or
+    abort of the id leaves the mark as it is: ids collide, the first stands).
 
 Errors.
     An ``Error`` frame that names a room fails exactly that room (its generation, when given).
@@ -100,6 +101,13 @@ Cleanup.
     Every per-room entry (binding, held claim, orphan) is dropped when its room is reaped, and
     every mark (tombstone, early abort, held claim) has a TTL: nothing grows with the number of
     rooms ever served.
+
+Quotas (law 7).
+    What a peer's frames can make prefill keep is counted against its link, never in a pool
+    shared with other links: held claims and the bytes of their page lists, early-abort marks,
+    marks of answered rooms, the unknown rooms a ``Reconcile`` is answered for. A link over a
+    quota is refused, or loses its own oldest marks; it is counted and logged once. The link
+    bounds (``ChannelConfig.max_links``, ``max_links_per_host``) make the sums bounded.
 """
 
 from __future__ import annotations
