@@ -674,13 +674,23 @@ class PrefillRouting:
         self._over(state, link, "held_over_quota", what, "its rooms over it fail")
         return self._answer_failed(link, room, gen, f"this decode's {what}", now)
 
-    def _over(self, state: _PrefillLink, link: int, counter: str, what: str, then: str) -> None:
+    def _over(
+        self,
+        state: _PrefillLink,
+        link: int,
+        counter: str,
+        what: str,
+        then: str,
+        *,
+        level: int = logging.WARNING,
+    ) -> None:
         """A link went over one of its quotas: counted every time, logged once per link."""
         self.stats[counter] += 1
         if counter in state.noted:
             return
         state.noted.add(counter)
-        _log.warning(
+        _log.log(
+            level,
             "decode link %d (%s): %s; %s (counted in %s; logged once per link)",
             link,
             state.peer,
@@ -705,6 +715,9 @@ class PrefillRouting:
                 "finished_over_quota",
                 f"over {self.config.pending_max} answered rooms kept",
                 "its oldest marks go first",
+                # A busy link goes over it in normal service (marks only have to outlive a
+                # late frame, which comes within a round trip): not a warning.
+                level=logging.INFO,
             )
         finished[(room, gen)] = now
 
