@@ -22,6 +22,11 @@ Measured here, side by side:
 * poll()  - median cost of one facade ``poll()`` from the caller thread.
 * memory  - bytes per live room with 10,000 rooms parked in Bootstrapping (task, mailbox,
             deadline timer, publication, facade), from tracemalloc and from RSS.
+* flight recorder - the engine and the memory figure again with ``RoomConfig(flight_recorder=
+            False)``, interleaved with the runs above: what each room's timeline costs in CPU
+            (target <= 3 us per room, i.e. per sender+receiver pair here <= 6 us) and in bytes
+            per live room (target <= 2 KiB), plus the bytes of one timeline filled to its
+            capacity (32 entries).
 
 Run: ``python benchmarks/room_lifecycle.py`` (``--json`` for one JSON object).
 """
@@ -44,12 +49,13 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm.rooms import RoomCore, RoomEngine
+from kvfsm.rooms import RoomConfig, RoomCore, RoomEngine
 from kvfsm.rooms import _registry as registry_module
 from kvfsm.rooms._deadlines import DeadlineQueue, Entry
 from kvfsm.rooms._loopback import LoopbackSink
 from kvfsm.rooms._machine import MACHINES
 from kvfsm.rooms._scheduler import RoomScheduler
+from kvfsm.rooms._timeline import ENCODERS, SLOTS, compact, new_timeline
 from kvfsm.states import (
     TABLES,
     TERMINAL,
@@ -61,12 +67,15 @@ from kvfsm.states import (
     KVPoll,
     MetadataSubmitted,
     PeerResolved,
+    PostChunk,
     Role,
     TransferCompleted,
     TransferConfirmed,
 )
 
 TARGETS = {"poll_ns_median": 1000.0, "cpu_us_per_room": 60.0, "bytes_per_live_room": 32768.0}
+#: What the flight recorder may cost: CPU per room (a pair is two rooms) and bytes per live room.
+RECORDER_TARGETS = {"cpu_us_per_room": 3.0, "bytes_per_live_room": 2048.0}
 
 PAGES = np.arange(100, 104, dtype=np.int32)
 PACKED = PAGES.tobytes()
@@ -223,9 +232,10 @@ def ablated_runtime(scheduler: type[RoomScheduler], deadlines: type[DeadlineQueu
             setattr(registry_module, name, value)
 
 
-def engine_lifecycles(n: int, concurrency: int) -> dict[str, float]:
-    """Drive ``n`` sender+receiver pairs through one engine, ``concurrency`` in flight."""
-    with RoomEngine(LoopbackSink()) as engine:
+def engine_lifecycles(n: int, concurrency: int, *, recorder: bool = True) -> dict[str, float]:
+    """Drive ``n`` sender+receiver pairs through one engine, ``concurrency`` in flight
+    (``recorder``: with each room's flight recorder)."""
+    with RoomEngine(LoopbackSink(), RoomConfig(flight_recorder=recorder)) as engine:
         # warm-up: first rooms pay for imports and code-object caches
         _drive(engine, min(n, 500), concurrency, base=10_000_000)
         gc.collect()
@@ -310,8 +320,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_per_live_room(live: int) -> dict[str, float]:
-    with RoomEngine(LoopbackSink()) as engine:
+def memory_per_live_room(live: int, *, recorder: bool = True) -> dict[str, float]:
+    with RoomEngine(LoopbackSink(), RoomConfig(flight_recorder=recorder)) as engine:
         warm = [engine.sender(10_000_000 + i) for i in range(100)]
         _wait(lambda: engine.stats()["live"] == 100)
         gc.collect()
@@ -330,6 +340,28 @@ def memory_per_live_room(live: int) -> dict[str, float]:
         "bytes_per_live_room": traced / live,
         "rss_bytes_per_live_room": (rss1 - rss0) / live,
     }
+
+
+def full_timeline_bytes(count: int = 1000, steps: int = 200) -> float:
+    """Bytes one timeline holds at its fullest: a room of ``steps`` chunks, each step a time,
+    a ``ChunkDone`` kept by reference and a posted chunk encoded as an int, as the actor
+    records them (compacted past ``SLOTS``). The largest figure seen over the steps."""
+    gc.collect()
+    tracemalloc.start()
+    worst = 0.0
+    timelines = [new_timeline() for _ in range(count)]
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(steps):
+        for timeline in timelines:
+            if len(timeline) >= SLOTS:
+                compact(timeline)
+            timeline.append(time.monotonic())
+            timeline.append(ChunkDone(i))
+            timeline.append(ENCODERS[PostChunk](PostChunk(i, PACKED, PACKED, False)))
+        worst = max(worst, tracemalloc.get_traced_memory()[0] - base)
+    tracemalloc.stop()
+    del timelines
+    return worst / count
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
@@ -351,8 +383,10 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
     engines, ablated = [], []
     task_per_room: list[float] = []
     timer_per_deadline: list[float] = []
+    no_recorder: list[float] = []
     for _ in range(runs):
         engines.append(engine_lifecycles(rooms, concurrency))
+        no_recorder.append(engine_lifecycles(rooms, concurrency, recorder=False)["cpu_us_per_room"])
         with firing_transitions():
             ablated.append(engine_lifecycles(rooms, concurrency)["cpu_us_per_room"])
         with ablated_runtime(_TaskPerRoom, DeadlineQueue):
@@ -379,6 +413,17 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
     }
     poll_ns = poll_ns_median()
     memory = memory_per_live_room(live)
+    memory_off = memory_per_live_room(live, recorder=False)
+    # Per pair: the pairs of the same run index, with and without, then the median.
+    pair_cost = statistics.median(on - off for on, off in zip(per_room, no_recorder, strict=True))
+    recorder = {
+        "engine_cpu_us_per_pair_without": statistics.median(no_recorder),
+        "engine_cpu_us_per_pair_without_all": no_recorder,
+        "cpu_us_per_room": pair_cost / 2,  # a pair is two rooms
+        "bytes_per_live_room": memory["bytes_per_live_room"] - memory_off["bytes_per_live_room"],
+        "bytes_per_full_timeline": full_timeline_bytes(),
+        "targets": RECORDER_TARGETS,
+    }
     return {
         "python": sys.version.split()[0],
         "threads": threading.active_count(),
@@ -389,6 +434,7 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
         "runtime_ablation": runtime_ablation,
         "poll_ns_median": poll_ns,
         "memory": memory,
+        "flight_recorder": recorder,
         "ratio_engine_to_floor": engine["cpu_us_per_room"] / floor,
         "ratio_core_to_floor": core / floor,
         "targets": TARGETS,
@@ -396,12 +442,19 @@ def run(rooms: int, concurrency: int, live: int, runs: int = 5) -> dict[str, Any
             "poll_ns_median": poll_ns <= TARGETS["poll_ns_median"],
             "cpu_us_per_room": engine["cpu_us_per_room"] <= TARGETS["cpu_us_per_room"],
             "bytes_per_live_room": memory["bytes_per_live_room"] <= TARGETS["bytes_per_live_room"],
+            "recorder_cpu_us_per_room": recorder["cpu_us_per_room"]
+            <= RECORDER_TARGETS["cpu_us_per_room"],
+            "recorder_bytes_per_live_room": max(
+                recorder["bytes_per_live_room"], recorder["bytes_per_full_timeline"]
+            )
+            <= RECORDER_TARGETS["bytes_per_live_room"],
         },
     }
 
 
 def print_table(r: dict[str, Any]) -> None:
     e, m, a = r["engine"], r["memory"], r["firing_transitions"]
+    fr = r["flight_recorder"]
     t = r["runtime_ablation"]
     rows = [
         ("floor: bare dict-table FSM, sender+receiver", f"{r['floor_us_per_room']:.2f} us CPU", ""),
@@ -446,6 +499,21 @@ def print_table(r: dict[str, Any]) -> None:
             f"memory per live room ({m['live_rooms']:,} live)",
             f"{m['bytes_per_live_room'] / 1024:.1f} KiB traced",
             f"{m['rss_bytes_per_live_room'] / 1024:.1f} KiB RSS; target <= 32 KiB",
+        ),
+        (
+            "flight recorder: engine without it (median)",
+            f"{fr['engine_cpu_us_per_pair_without']:.1f} us CPU",
+            "per pair, RoomConfig(flight_recorder=False)",
+        ),
+        (
+            "flight recorder: CPU per room",
+            f"{fr['cpu_us_per_room']:.2f} us CPU",
+            f"median of paired runs / 2; target <= {RECORDER_TARGETS['cpu_us_per_room']:.0f}",
+        ),
+        (
+            "flight recorder: bytes per live room",
+            f"{fr['bytes_per_live_room']:.0f} B",
+            f"{fr['bytes_per_full_timeline']:.0f} B at its fullest; target <= 2048",
         ),
     ]
     width = max(len(a) for a, _, _ in rows)

@@ -20,18 +20,21 @@ def test_every_engine_row_completes_every_pair_and_reports() -> None:
         "from kvfsm.rooms._deadlines import DeadlineQueue\n"
         "rows = {}\n"
         "rows['engine'] = rl.engine_lifecycles(300, 16)\n"
+        "rows['no_recorder'] = rl.engine_lifecycles(300, 16, recorder=False)\n"
         "with rl.ablated_runtime(rl._TaskPerRoom, DeadlineQueue):\n"
         "    rows['task'] = rl.engine_lifecycles(300, 16)\n"
         "with rl.ablated_runtime(RoomScheduler, rl._TimerPerDeadline):\n"
         "    rows['timer'] = rl.engine_lifecycles(300, 16)\n"
         "rows['restored'] = [_registry.RoomScheduler is RoomScheduler,"
         " _registry.DeadlineQueue is DeadlineQueue]\n"
+        "rows['timeline_bytes'] = rl.full_timeline_bytes(10, 100)\n"
         "print(json.dumps(rows))\n"
     )
     proc = run_benchmark("room_lifecycle.py", code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rows.pop("restored") == [True, True]
+    assert rows.pop("timeline_bytes") > 0  # the recorder's memory figure measures something
     for name, row in rows.items():
         assert row["rooms"] == 300, name
         assert row["failed"] == 0, name

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Coroutine, Mapping
 from typing import Any
@@ -40,6 +41,14 @@ from kvfsm.rooms._core import Claim, RoomCore
 from kvfsm.rooms._deadlines import FIRE_SLACK_S, Entry
 from kvfsm.rooms._ports import CommandSink, Inbox, Publication, RoomHost, RoomKey
 from kvfsm.rooms._scheduler import SUSPEND
+from kvfsm.rooms._timeline import (
+    ENCODERS,
+    SLOTS,
+    STATE_MARKS,
+    compact,
+    failure_line,
+    new_timeline,
+)
 from kvfsm.states import (
     SETTLEMENT_EVENTS,
     TERMINAL,
@@ -58,6 +67,8 @@ from kvfsm.states import (
 __all__ = ["CommandSink", "Inbox", "Publication", "Room", "RoomKey"]
 
 _log = logging.getLogger("kvfsm.rooms")
+#: One JSON line per failed room, with its timeline (``kvfsm explain`` reads them back).
+_failures = logging.getLogger("kvfsm.rooms.failed")
 
 
 class Room:
@@ -89,6 +100,7 @@ class Room:
         "_settle_expired",
         "_loop",
         "ending",
+        "timeline",
     )
 
     def __init__(
@@ -139,6 +151,8 @@ class Room:
         self._settle_expired = False
         self._loop = host.loop
         self.born = self._loop.time()
+        #: The flight recorder (kvfsm.rooms._timeline); None when the engine runs without it.
+        self.timeline: list[object] | None = new_timeline() if host.config.flight_recorder else None
 
     def __repr__(self) -> str:
         return f"<Room {self.role.value} {self.key.room} gen {self.key.generation}>"
@@ -171,7 +185,7 @@ class Room:
                 while mailbox:
                     self._apply(mailbox.popleft())
                 if self._overflowed and not core.terminal:
-                    self._execute(core.state, core.fail(f"mailbox overflow (> {self._bound})"))
+                    self._fail(f"mailbox overflow (> {self._bound})")
                 if core.state in TERMINAL and core.settled:
                     break
                 if core.terminal and self._settle_expired:
@@ -190,7 +204,7 @@ class Room:
         except asyncio.CancelledError:
             # Engine shutdown. Cleanup below is synchronous, so it cannot be cancelled halfway.
             try:
-                self._execute(core.state, core.fail("engine shut down"))
+                self._fail("engine shut down")
             except Exception as exc:  # a raising observer must not swallow the cancellation
                 self._host.record_error(self.key, exc)
             raise
@@ -212,7 +226,7 @@ class Room:
         core, pub = self.core, self.publication
         reason = f"internal error: {type(exc).__name__}: {exc}"
         try:
-            self._execute(core.state, core.fail(reason))
+            self._fail(reason)
         except Exception as again:
             host.record_error(self.key, again)
         if pub.status not in TERMINAL:  # publishing itself is what failed
@@ -230,6 +244,13 @@ class Room:
     def _apply(self, event: Event) -> None:
         core = self.core
         before = core.state
+        timeline = self.timeline
+        if timeline is not None:  # the step's time, then the event (encoded if it has pages)
+            if len(timeline) >= SLOTS:
+                compact(timeline)
+            encode = ENCODERS.get(type(event))
+            timeline.append(time.monotonic())
+            timeline.append(event if encode is None else encode(event))
         try:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only
@@ -251,20 +272,62 @@ class Room:
             self.publication.settled = True
         sink = self._sink
         key = self.key
+        timeline = self.timeline
         for command in commands:
+            if timeline is not None:
+                encode = ENCODERS.get(type(command))
+                timeline.append(command if encode is None else encode(command))
             try:
                 sink.submit(key, command)
             except Exception as exc:
                 self._not_executed(command, exc)
+        # After the failure's own commands (its abort report, its release), so the line tells
+        # what the room did about it.
+        if state is KVPoll.Failed and before is not KVPoll.Failed and timeline is not None:
+            self._log_failure(timeline)
+
+    def _log_failure(self, timeline: list[object]) -> None:
+        """One structured line (JSON) for a failed room. Formatting happens only here, once per
+        failed room, and only if someone listens."""
+        # The caller's own abort is routine (a client went away): INFO. Anything else is
+        # something an operator may be asked about: WARNING.
+        reason = self.core.reason
+        level = logging.INFO if reason.startswith("aborted (local)") else logging.WARNING
+        if not _failures.isEnabledFor(level):
+            return
+        host = self._host
+        try:
+            line = failure_line(
+                self.key.room,
+                self.key.generation,
+                self.role,
+                reason=reason,
+                duration_s=self._loop.time() - self.born,
+                timeline=timeline,
+                peer=host.name_peer(self),
+                page_bytes=host.page_bytes,
+            )
+        except Exception as exc:  # a log line must not cost the room its settle
+            host.record_error(self.key, exc)
+            return
+        _failures.log(level, "%s", line)
 
     def _not_executed(self, command: Command, exc: Exception) -> None:
         """``submit`` raised: fail this room and execute what that failure commands (see the
         module docstring for why this cannot recurse further than once)."""
         self._host.record_error(self.key, exc)
+        cause = str(exc) or type(exc).__name__  # never an empty cause
+        self._fail(f"could not execute {type(command).__name__}: {cause}")
+
+    def _fail(self, reason: str) -> None:
+        """Fail the room without an event, and execute what that commands."""
         core = self.core
         before = core.state
-        cause = str(exc) or type(exc).__name__  # never an empty cause
-        self._execute(before, core.fail(f"could not execute {type(command).__name__}: {cause}"))
+        commands = core.fail(reason)
+        timeline = self.timeline
+        if timeline is not None and core.state is not before:  # no event: the time alone
+            timeline.append(time.monotonic())
+        self._execute(before, commands)
 
     def _entered(self, before: KVPoll, state: KVPoll) -> None:
         pub = self.publication
@@ -275,6 +338,9 @@ class Room:
             pub.prefix, pub.part, pub.legs = core.prefix, core.part, core.legs
         pub.status = state
         self._arm_deadline(state)
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.append(STATE_MARKS[state])
         host = self._host
         stats = host.stats
         if state is KVPoll.Success:
@@ -334,6 +400,14 @@ class Room:
             "settled": core.settled,
             "reason": core.reason,
         }
+
+    def peer_identity(self) -> tuple[str, int, int]:
+        """(agent, prefill rank, fence) this room named its peer by, as far as it knows: a
+        sender knows the receiver's agent and lease fence, a receiver the prefill rank."""
+        core = self.core
+        if self.role is Role.SENDER:
+            return core.peer_agent, -1, core.fence
+        return "", core.peer_rank, 0
 
     # -- timers --------------------------------------------------------------------------------
     #

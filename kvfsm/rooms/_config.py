@@ -45,6 +45,10 @@ class RoomConfig:
     #: The most pages (plus state rows) one ``send_metadata``, ``send`` or ``init`` may name;
     #: more fails the room at the call (see :data:`DEFAULT_MAX_PAGES`).
     max_pages: int = DEFAULT_MAX_PAGES
+    #: Keep each room's flight recorder (a bounded timeline, ``kvfsm.rooms._timeline``), log
+    #: a JSON line with it when a room fails, and remember finished rooms. False only to
+    #: measure what it costs (``benchmarks/room_lifecycle.py``).
+    flight_recorder: bool = True
 
     def __post_init__(self) -> None:
         if self.mailbox_size < 1:

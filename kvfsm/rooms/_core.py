@@ -190,6 +190,21 @@ class RoomCore:
         return self._prefix
 
     @property
+    def peer_agent(self) -> str:
+        """Sender: the receiver's transport agent, once its destination arrived."""
+        return self._dst_peer
+
+    @property
+    def fence(self) -> int:
+        """Sender: the write lease its destination came under (0: none yet, or unfenced)."""
+        return self._fence
+
+    @property
+    def peer_rank(self) -> int:
+        """Receiver: the prefill rank serving it (-1 before ``init``)."""
+        return self._peer_rank
+
+    @property
     def in_flight(self) -> frozenset[int]:
         return frozenset(self._in_flight)
 

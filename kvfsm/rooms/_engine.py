@@ -145,6 +145,25 @@ class RoomEngine:
         rows: list[dict[str, object]] = self.call(snapshot(), timeout)
         return rows
 
+    def story(self, room: int, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Every room with id ``room`` the engine knows, live or finished, with its timeline
+        (``Registry.story``): a loop round trip, for operators and tests."""
+
+        async def read() -> list[dict[str, Any]]:
+            return self.registry_on_loop().story(int(room))
+
+        rows: list[dict[str, Any]] = self.call(read(), timeout)
+        return rows
+
+    def failures(self, limit: int = 1000, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """The last failed rooms the engine remembers, newest first (``Registry.failures``)."""
+
+        async def read() -> list[dict[str, Any]]:
+            return self.registry_on_loop().failures(limit)
+
+        rows: list[dict[str, Any]] = self.call(read(), timeout)
+        return rows
+
     def stats(self) -> dict[str, int]:
         """Counters (see :class:`kvfsm.rooms.RoomStats`); plus ``live``: rooms with a task, and
         ``held_pages``: destination pages receiver rooms hold (those of rooms reaped unsettled

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._deadlines import DeadlineQueue
@@ -180,7 +180,8 @@ class RoomHost(Protocol):
 
     A room takes its loop, the scheduler that runs its task, the deadline queue, its sink, the
     engine's counters, settings, destination owners and observer, and its role's deadline table
-    once; it reports its errors, and asks to be reaped as its task ends.
+    once; it reports its errors, asks who its peer is when it logs its failure, and asks to be
+    reaped as its task ends.
     """
 
     @property
@@ -210,6 +211,16 @@ class RoomHost(Protocol):
     def deadline_seconds(
         self, role: Role, overrides: Mapping[KVPoll, float] | None
     ) -> Mapping[KVPoll, float]: ...
+
+    @property
+    def page_bytes(self) -> int:
+        """KV bytes of one page (0: unknown), for the bytes a timeline shows."""
+        ...
+
+    def name_peer(self, room: Any) -> dict[str, Any] | None:
+        """Who ``room``'s peer is (engine, rank, incarnation, agent), as far as the engine
+        knows; read only when a timeline is shown or logged."""
+        ...
 
     def record_error(self, key: RoomKey, exc: BaseException) -> None: ...
 

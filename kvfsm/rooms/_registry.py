@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvfsm.rooms._actor import Room
 from kvfsm.rooms._config import RoomConfig
@@ -17,6 +19,7 @@ from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._ports import CommandSink, Observer, Publication, RoomKey
 from kvfsm.rooms._scheduler import RoomScheduler
 from kvfsm.rooms._stats import RoomStats
+from kvfsm.rooms._timeline import Finished, PeerNamer, RoomRecord, dropped, entries, reason_kind
 from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
@@ -73,6 +76,13 @@ class Registry:
         ] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        #: The last finished rooms, with their timelines (kvfsm.rooms._timeline).
+        self.finished = Finished()
+        #: KV bytes of one page, for the bytes timelines show (the manager sets it; 0: unknown).
+        self.page_bytes = 0
+        #: Names a room's peer when a timeline is read (the manager sets it from its control
+        #: plane); None: a timeline shows what the room itself knows (agent, rank, fence).
+        self.peer_namer: PeerNamer | None = None
         self._on_spawn: Callable[[RoomKey, Role], None] = sink.room_spawned
         self._on_reap: Callable[[RoomKey, Role], None] = sink.room_reaped
         # The sink may hold a batch's commands back to execute them together (NixlTransport
@@ -226,6 +236,92 @@ class Registry:
     def __len__(self) -> int:
         return len(self._rooms)
 
+    # -- rooms' stories (operators; loop thread) -------------------------------------------------
+
+    def name_peer(self, room: Room) -> dict[str, Any] | None:
+        """Who ``room``'s peer is: what the peer namer knows, else what the room knows."""
+        agent, rank, fence = room.peer_identity()
+        return self._name(room.role, agent, rank, fence)
+
+    def _name(self, role: Role, agent: str, rank: int, fence: int) -> dict[str, Any] | None:
+        if not agent and rank < 0:
+            return None
+        namer = self.peer_namer
+        if namer is not None:
+            try:
+                named = namer(role, agent, rank, fence)
+            except Exception:  # an operator's view must not fail on a vanished link
+                _log.exception("naming the peer of a %s room failed", role.value)
+                named = None
+            if named is not None:
+                return named
+        peer: dict[str, Any] = {}
+        if agent:
+            peer["agent"] = agent
+        if rank >= 0:
+            peer["rank"] = rank
+        if fence:
+            peer["fence"] = fence
+        return peer
+
+    def story(self, room_id: int) -> list[dict[str, Any]]:
+        """Every room with id ``room_id`` the engine knows, live ones first then finished ones,
+        newest first: state, reason, age, peer and timeline."""
+        now = self.loop.time()
+        out: list[dict[str, Any]] = []
+        live = [r for r in self._rooms.values() if r.key.room == room_id]
+        for room in sorted(live, key=lambda r: r.key.generation, reverse=True):
+            row: dict[str, Any] = dict(room.info(now))
+            row["live"] = True
+            peer = self.name_peer(room)
+            row["peer"] = peer
+            timeline = room.timeline
+            if timeline is not None:
+                row["dropped"] = dropped(timeline)
+                row["timeline"] = entries(timeline, room.role, peer, self.page_bytes)
+            out.append(row)
+        out.extend(self._record_row(r, with_timeline=True) for r in self.finished.find(room_id))
+        return out
+
+    def failures(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """The last ``limit`` failed rooms the engine remembers, newest first (no timelines)."""
+        records = list(self.finished.failed)[-limit:]
+        records.reverse()
+        return [self._record_row(r, with_timeline=False) for r in records]
+
+    def _record_row(self, record: RoomRecord, *, with_timeline: bool) -> dict[str, Any]:
+        peer = self._name(record.role, record.agent, record.rank, record.fence)
+        row: dict[str, Any] = {
+            "room": record.room,
+            "generation": record.generation,
+            "role": record.role.value,
+            "state": record.state.name,
+            "live": False,
+            "created": round(record.created, 3),
+            "duration_s": round(record.duration_s, 6),
+            "settled": record.settled,
+            "reason": record.reason,
+            "reason_kind": reason_kind(record.reason) if record.reason else "",
+            "peer": peer,
+        }
+        if with_timeline:
+            row["dropped"] = dropped(record.timeline)
+            row["timeline"] = entries(record.timeline, record.role, peer, self.page_bytes)
+        return row
+
+    def _remember(self, room: Room) -> None:
+        timeline = room.timeline
+        if timeline is None:
+            return
+        core, key = room.core, room.key
+        if room.role is Role.SENDER:
+            agent, rank, fence = core.peer_agent, -1, core.fence
+        else:
+            agent, rank, fence = "", core.peer_rank, 0
+        record = (key.room, key.generation, room.role, core.state, core.reason)
+        rest = (room.publication.settled, timeline, time.monotonic(), agent, rank, fence)
+        self.finished.add(tuple.__new__(RoomRecord, record + rest))
+
     # -- reaping and errors --------------------------------------------------------------------
 
     def reap(self, key: RoomKey) -> None:
@@ -237,6 +333,7 @@ class Registry:
         if self._current.get(ident) == room.key:
             del self._current[ident]
         self.stats.reaped += 1
+        self._remember(room)
         if room.role is Role.RECEIVER and room.key in self.owners:
             self._release_destinations(room)
         # The control plane drops every per-room entry it keeps for this room.
