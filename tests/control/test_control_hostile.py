@@ -407,10 +407,11 @@ def read_until_closed(sock: socket.socket, timeout: float) -> bool:
 
 
 def test_accept_out_of_descriptors_backs_off_and_serves_again() -> None:
-    """The listener's process runs out of descriptors (the unauthenticated cap raised above its
-    limit, so that nothing else protects it): ``accept()`` fails with EMFILE while a stranger
-    holds more idle connections than the limit allows. Once they are gone, decode is served."""
-    config = ChannelConfig(max_unauthenticated=100_000)
+    """The listener's process runs out of descriptors (the unauthenticated caps, in all and per
+    host, raised above its limit, so that nothing else protects it): ``accept()`` fails with
+    EMFILE while a stranger holds more idle connections than the limit allows. Once they are
+    gone, decode is served."""
+    config = ChannelConfig(max_unauthenticated=100_000, max_unauthenticated_per_host=100_000)
     prefill = PrefillProcess(config, nofile_headroom=150)
     decode: Decode | None = None
     try:
