@@ -271,6 +271,31 @@ def test_a_peer_reconnecting_at_its_hosts_bound_replaces_its_link(decode_agent: 
         prefill.close()
 
 
+def test_a_decode_refused_for_a_bound_fails_its_rooms_naming_it(decode_agent: Agent) -> None:
+    """What a refused decode's operator sees: its rooms fail with prefill's reason, which names
+    the setting to raise."""
+    config = ChannelConfig(heartbeat_s=0.5, liveness_factor=60.0, max_links=2)
+    prefill = PrefillProcess(config)
+    decode: Decode | None = None
+    peers: list[Peer] = []
+    try:
+        peers += open_peers(prefill, decode_agent, FLOOD_A, 2, 1000)
+        decode = Decode({"port": prefill.port}, config)
+        receiver = decode.engine.receiver(1)
+        receiver.init(0)
+        wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=20)
+        assert "2 control links already (ChannelConfig.max_links 2)" in receiver.reason, (
+            receiver.reason
+        )
+        assert stats(prefill)["links_refused"] >= 1
+    finally:
+        for peer in peers:
+            peer.close()
+        if decode is not None:
+            decode.close()
+        prefill.close()
+
+
 def test_one_hosts_flood_of_handshakes_sheds_only_its_own(decode_agent: Agent) -> None:
     """With a secret, a host keeps opening connections that never finish their handshake: at
     most ``max_unauthenticated_per_host`` of its own wait at once (it sheds its oldest), none
