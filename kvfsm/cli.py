@@ -152,21 +152,45 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _add_rooms(sub: Subparsers) -> argparse.ArgumentParser:
     rooms = sub.add_parser("rooms", help=_ROOMS_HELP)
     rooms.add_argument("--url", required=True, help="the rank's status server, http://host:port")
+    which = rooms.add_mutually_exclusive_group()
+    which.add_argument(
+        "--room", type=int, help="one room's story: state, reason, peer and timeline"
+    )
+    which.add_argument(
+        "--failed", action="store_true", help="the last failed rooms, grouped by reason kind"
+    )
     rooms.add_argument("--json", action="store_true", help="print the rows as JSON")
     return rooms
 
 
 def _run_rooms(args: argparse.Namespace) -> int:
+    if args.room is not None:
+        return _show_story(args.url, args.room, as_json=args.json)
+    if args.failed:
+        return _show_failures(args.url, as_json=args.json)
     return _show_rooms(args.url, as_json=args.json)
+
+
+def _get_json(url: str, path: str) -> Any:
+    """One GET from a status server; raises OSError (HTTP errors included)."""
+    import urllib.request  # noqa: PLC0415 - only the rooms subcommand needs it
+
+    with urllib.request.urlopen(url.rstrip("/") + path, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    table = [[str("" if row.get(c) is None else row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in table]) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for r in table:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def _show_rooms(url: str, *, as_json: bool) -> int:
     """``kvfsm rooms``: one GET of ``/rooms`` from a rank's status server, as a table."""
-    import urllib.request  # noqa: PLC0415 - only this subcommand needs it
-
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/rooms", timeout=5) as response:
-            rows: list[dict[str, Any]] = json.loads(response.read())
+        rows: list[dict[str, Any]] = _get_json(url, "/rooms")
     except OSError as exc:
         print(f"kvfsm rooms: cannot read {url}/rooms: {exc}", file=sys.stderr)
         return 1
@@ -184,12 +208,81 @@ def _show_rooms(url: str, *, as_json: bool) -> int:
         "settled",
         "reason",
     )
-    table = [[str("" if row.get(c) is None else row.get(c)) for c in columns] for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in table]) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for r in table:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+    _print_table(rows, columns)
     print(f"{len(rows)} live rooms")
+    return 0
+
+
+def _peer_text(peer: dict[str, Any] | None) -> str:
+    if not peer:
+        return "unknown"
+    return " ".join(f"{k}={v}" for k, v in peer.items())
+
+
+def _show_story(url: str, room: int, *, as_json: bool) -> int:
+    """``kvfsm rooms --room ID``: every room of that id the rank knows, with its timeline."""
+    import urllib.error  # noqa: PLC0415 - only the rooms subcommand needs it
+
+    try:
+        rows: list[dict[str, Any]] = _get_json(url, f"/rooms/{room}")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            print(f"kvfsm rooms: {url} knows no live or recently finished room {room}")
+            return 1
+        print(f"kvfsm rooms: cannot read {url}/rooms/{room}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"kvfsm rooms: cannot read {url}/rooms/{room}: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(rows))
+        return 0
+    for row in rows:
+        live = "live" if row.get("live") else "finished"
+        print(
+            f"room {row['room']} generation {row['generation']}: {row['role']}, "
+            f"{row['state']} ({live}, settled: {row.get('settled')})"
+        )
+        if row.get("reason"):
+            print(f"  reason: {row['reason']}")
+        print(f"  peer: {_peer_text(row.get('peer'))}")
+        if row.get("dropped"):
+            print(f"  ({row['dropped']} timeline entries were not kept)")
+        timeline = row.get("timeline")
+        if timeline is None:
+            print("  (no timeline: this rank runs without the flight recorder)")
+            continue
+        for entry in timeline:
+            extra = " ".join(
+                f"{k}={entry[k]}"
+                for k in ("chunk", "pages", "bytes", "fence", "rank", "reason")
+                if k in entry
+            )
+            print(f"  {entry['t_ms']:>10.3f} ms  {entry['kind']:<14} {entry['what']}  {extra}")
+    return 0
+
+
+def _show_failures(url: str, *, as_json: bool) -> int:
+    """``kvfsm rooms --failed``: the last failed rooms, grouped by reason kind (biggest first)."""
+    try:
+        rows: list[dict[str, Any]] = _get_json(url, "/failures")
+    except OSError as exc:
+        print(f"kvfsm rooms: cannot read {url}/failures: {exc}", file=sys.stderr)
+        return 1
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row.get("reason_kind") or "unknown", []).append(row)
+    ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    if as_json:
+        print(json.dumps({kind: members for kind, members in ordered}))
+        return 0
+    for kind, members in ordered:
+        print(f"{kind}: {len(members)}")
+        _print_table(members[:10], ("room", "generation", "role", "duration_s", "reason"))
+        if len(members) > 10:
+            print(f"  ... and {len(members) - 10} more")
+        print()
+    print(f"{len(rows)} failed rooms remembered")
     return 0
 
 
@@ -222,7 +315,10 @@ _DEMO_HELP = (
     "the main job: a prefill process and a decode process, both with rooms, moving real KV "
     "over NIXL (DRAM), found through the bootstrap registry, every byte checked"
 )
-_ROOMS_HELP = "show a running rank's live rooms (state, age, deadline, reason)"
+_ROOMS_HELP = (
+    "show a running rank's live rooms (state, age, deadline, reason), one room's story "
+    "(--room), or its recent failures (--failed)"
+)
 
 #: Every subcommand, in the order ``kvfsm --help`` lists them.
 SUBCOMMANDS: tuple[Subcommand, ...] = (

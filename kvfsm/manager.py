@@ -52,6 +52,7 @@ from kvfsm.control import (
     Resolver,
     registry_resolver,
 )
+from kvfsm.peer_book import PeerBook
 from kvfsm.registry import BootstrapClient, BootstrapError, NotReadyError, UnreachableError
 from kvfsm.rooms import (
     CommandSink,
@@ -287,6 +288,7 @@ class _Manager:
         self.control: ControlPlane | None = None
         self.metrics: Any = None
         self.status: StatusServer | None = None
+        self.peers: PeerBook | None = None
         if self.config.metrics:
             from kvfsm.metrics import RoomMetrics  # noqa: PLC0415 - optional dependency
 
@@ -309,15 +311,25 @@ class _Manager:
             observer=self.metrics,
         ).start()
         self.engine.call(control.started())
+        transport = getattr(self, "transport", None)  # prefill's: it holds the write leases
+        self.peers = PeerBook(control, None if transport is None else transport.leases)
+        self.engine.call(self._install_recorder(self.peers))
         if self.config.status_port is not None:
             self.status = StatusServer(
                 self.engine,
                 metrics=self.metrics,
                 extra_stats=self._status_extra,
+                peers=self.peers,
                 host=self.config.status_host,
                 port=self.config.status_port,
             )
             self.engine.call(self.status.start())
+
+    async def _install_recorder(self, peers: PeerBook) -> None:
+        """Rooms' timelines name their peers from the book and show chunks in bytes."""
+        registry = self._engine().registry_on_loop()
+        registry.peer_namer = peers.name
+        registry.page_bytes = self.agent.layout.page_bytes()
 
     def _engine(self) -> RoomEngine:
         if self.engine is None:

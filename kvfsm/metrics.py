@@ -14,16 +14,22 @@ Every hook runs on the loop thread and costs a few label lookups.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvfsm.rooms._timeline import reason_kind
 from kvfsm.states import KVPoll, Role
 
 __all__ = ["RoomMetrics", "reason_kind"]
 
+_DIGITS: Final = re.compile(r"\d+")
 _BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0, 30.0)
+
+
+def reason_kind(reason: str) -> str:
+    """The class of a failure reason: the part before the first colon, numbers as ``#``."""
+    return _DIGITS.sub("#", reason.split(":", 1)[0].strip()) or "unknown"
 
 
 class RoomMetrics:

@@ -4,6 +4,12 @@
 
 * ``GET /rooms``: every room that still has a task: role, state, age, deadline remaining, chunks
   in flight, settled, reason (what ``kvfsm rooms --url`` prints);
+* ``GET /rooms/<id>``: every room of that id the engine knows, live or among the last finished
+  ones, with its state, reason, peer and timeline (``kvfsm rooms --room``; 404 if none);
+* ``GET /failures``: the last failed rooms, newest first, with their reason kinds
+  (``kvfsm rooms --failed``);
+* ``GET /links``: the control links, up or down, with the peer's identity, how long ago it was
+  last heard from and whether a write lease on it is live;
 * ``GET /stats``: the engine's counters (and the control channel's, if any), and kvfsm's
   threads (name as ``top -H`` shows it, OS thread id, CPU seconds);
 * ``GET /metrics``: Prometheus text, when metrics are enabled.
@@ -31,12 +37,14 @@ class StatusServer:
         *,
         metrics: Any = None,
         extra_stats: Any = None,
+        peers: Any = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.extra_stats = extra_stats
+        self.peers = peers
         self.host = host
         self._port = port
         self._runner: web.AppRunner | None = None
@@ -53,6 +61,9 @@ class StatusServer:
         """On the engine's loop."""
         app = web.Application()
         app.router.add_get("/rooms", self._rooms)
+        app.router.add_get("/rooms/{room}", self._room)
+        app.router.add_get("/failures", self._failures)
+        app.router.add_get("/links", self._links)
         app.router.add_get("/stats", self._stats)
         app.router.add_get("/metrics", self._metrics)
         runner = web.AppRunner(app, access_log=None)
@@ -69,6 +80,28 @@ class StatusServer:
 
     async def _rooms(self, request: web.Request) -> web.Response:
         rows = self.engine.registry_on_loop().snapshot()
+        return web.json_response(rows, dumps=json.dumps)
+
+    async def _room(self, request: web.Request) -> web.Response:
+        try:
+            room = int(request.match_info["room"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="a room id is an integer") from None
+        rows = self.engine.registry_on_loop().story(room)
+        if not rows:
+            raise web.HTTPNotFound(text=f"no live or recently finished room {room}")
+        return web.json_response(rows, dumps=json.dumps)
+
+    async def _failures(self, request: web.Request) -> web.Response:
+        try:
+            limit = max(1, min(1000, int(request.query.get("limit", "1000"))))
+        except ValueError:
+            raise web.HTTPBadRequest(text="limit is an integer") from None
+        rows = self.engine.registry_on_loop().failures(limit)
+        return web.json_response(rows, dumps=json.dumps)
+
+    async def _links(self, request: web.Request) -> web.Response:
+        rows = [] if self.peers is None else self.peers.links()
         return web.json_response(rows, dumps=json.dumps)
 
     async def _stats(self, request: web.Request) -> web.Response:

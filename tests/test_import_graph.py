@@ -180,9 +180,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("transport",),  # NIXL's data path; answers rooms with events
     ("registry",),  # the HTTP bootstrap registry; signs and checks with link
     ("control",),  # the control channel: finds prefill ranks in the registry, sends layouts
-    # What a manager serves about its rooms (Prometheus metrics, the /rooms status server):
-    # they import only states and rooms, and only the manager builds them.
-    ("metrics", "status"),
+    # What a manager serves about its rooms (Prometheus metrics, the /rooms status server, the
+    # book of its peers): they import only states and rooms, and only the manager builds them.
+    ("metrics", "status", "peer_book"),
     ("manager",),  # one rank: everything above the rooms, wired together
     ("kvfsm",),  # the front door: re-exports names from the manager and below
     # Users of the managers: the SGLang backend, and the workloads that drive a real pair;

@@ -67,6 +67,7 @@ from kvfsm.states import (
 __all__ = ["CommandSink", "Inbox", "Publication", "Room", "RoomKey"]
 
 _log = logging.getLogger("kvfsm.rooms")
+_monotonic = time.monotonic
 #: One JSON line per failed room, with its timeline (``kvfsm explain`` reads them back).
 _failures = logging.getLogger("kvfsm.rooms.failed")
 
@@ -249,8 +250,7 @@ class Room:
             if len(timeline) >= SLOTS:
                 compact(timeline)
             encode = ENCODERS.get(type(event))
-            timeline.append(time.monotonic())
-            timeline.append(event if encode is None else encode(event))
+            timeline += (_monotonic(), event if encode is None else encode(event))
         try:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only

@@ -25,6 +25,7 @@ from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
 
 _log = logging.getLogger("kvfsm.rooms")
+_monotonic = time.monotonic
 
 
 class DuplicateRoomError(RuntimeError):
@@ -314,13 +315,25 @@ class Registry:
         if timeline is None:
             return
         core, key = room.core, room.key
-        if room.role is Role.SENDER:
-            agent, rank, fence = core.peer_agent, -1, core.fence
-        else:
-            agent, rank, fence = "", core.peer_rank, 0
-        record = (key.room, key.generation, room.role, core.state, core.reason)
-        rest = (room.publication.settled, timeline, time.monotonic(), agent, rank, fence)
-        self.finished.add(tuple.__new__(RoomRecord, record + rest))
+        agent, rank, fence = room.peer_identity()
+        self.finished.add(
+            tuple.__new__(  # NamedTuple's own constructor costs a Python call: hot path
+                RoomRecord,
+                (
+                    key.room,
+                    key.generation,
+                    room.role,
+                    core.state,
+                    core.reason,
+                    room.publication.settled,
+                    timeline,
+                    _monotonic(),
+                    agent,
+                    rank,
+                    fence,
+                ),
+            )
+        )
 
     # -- reaping and errors --------------------------------------------------------------------
 

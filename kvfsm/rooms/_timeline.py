@@ -84,8 +84,11 @@ __all__ = [
 #: Entries a timeline shows at most: the first HEAD, then the latest.
 CAPACITY: Final = 32
 HEAD: Final = 8
-#: List slots (times and entries) past which a timeline is compacted.
-SLOTS: Final = 64
+#: List slots (times and entries) past which a timeline is compacted (what bounds its bytes).
+SLOTS: Final = 48
+#: Entries a compaction keeps (the head, the marker, the latest): fewer than CAPACITY, so that
+#: a long room compacts every few steps rather than at each one.
+_KEPT: Final = 20
 #: Finished rooms an engine remembers (and failed ones, in a ring of their own: kept longer).
 FINISHED_KEPT: Final = 1000
 
@@ -163,21 +166,22 @@ def _steps(timeline: list[object]) -> list[tuple[float, object]]:
     return out
 
 
-def compact(timeline: list[object]) -> None:
+def compact(timeline: list[object], kept: int = _KEPT) -> None:
     """Cut ``timeline`` (in place) to its first HEAD entries, a Dropped marker and its latest
-    entries, CAPACITY rows in all."""
+    entries, ``kept`` rows in all."""
     born = timeline[0]
     steps = _steps(timeline)
-    entries = [(t, e) for t, e in steps if type(e) is not Dropped]
+    recorded = [(t, e) for t, e in steps if type(e) is not Dropped]
     already = sum(e.count for _, e in steps if type(e) is Dropped)
-    if len(entries) + (1 if already else 0) <= CAPACITY:
+    if len(recorded) + (1 if already else 0) <= kept:
         return
-    keep_tail = CAPACITY - HEAD - 1  # the marker is a row too
-    cut = len(entries) - HEAD - keep_tail
-    kept = [*entries[:HEAD], (entries[HEAD][0], Dropped(already + cut)), *entries[-keep_tail:]]
+    keep_tail = kept - HEAD - 1  # the marker is a row too
+    cut = len(recorded) - HEAD - keep_tail
+    gap = (recorded[HEAD][0], Dropped(already + cut))
+    rows = [*recorded[:HEAD], gap, *recorded[-keep_tail:]]
     rebuilt: list[object] = [born]
     last: object = born
-    for t, entry in kept:
+    for t, entry in rows:
         if t != last:
             rebuilt.append(t)
             last = t
@@ -281,7 +285,7 @@ def entries(
     steps = _steps(timeline)
     if len(steps) > CAPACITY:  # read between two compactions: show what one would keep
         copy = list(timeline)
-        compact(copy)
+        compact(copy, CAPACITY)
         steps = _steps(copy)
     born = timeline[0]
     assert isinstance(born, float)
