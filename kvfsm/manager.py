@@ -314,6 +314,14 @@ class _Manager:
         transport = getattr(self, "transport", None)  # prefill's: it holds the write leases
         self.peers = PeerBook(control, None if transport is None else transport.leases)
         self.engine.call(self._install_recorder(self.peers))
+        if self.metrics is not None:
+            registry = self.engine.registry_on_loop()
+            self.metrics.watch(
+                registry.rooms,
+                deadlines=self.config.rooms.deadlines,
+                links=self.peers.links,
+                control=lambda: dict(control.stats),
+            )
         if self.config.status_port is not None:
             self.status = StatusServer(
                 self.engine,
