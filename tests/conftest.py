@@ -19,7 +19,10 @@ _REPO = _TESTS.parent
 #: for the ~30 s of their start-up and for every batch they serve. Two rigs at once on a
 #: two-core machine starve each other past their start-up bounds and SGLang's start-up memory
 #: check (tests/e2e/servers.py), so they take turns. A module's rig is module-scoped, and the
-#: group also keeps its tests on the worker that started it.
+#: group also keeps its tests on the worker that started it. They are also marked ``alone``
+#: (``ALONE_GROUPS``): beside a rig, a test on the other worker whose loop is starved for a
+#: liveness bound (2 s by default) sees its own peer as lost, so the rigs run after the
+#: parallel part, with the machine to themselves.
 XDIST_GROUPS: dict[str, str] = {
     "tests/e2e/test_sglang_servers.py": "sglang-servers",
     "tests/e2e/test_decode_prefix.py": "sglang-servers",
@@ -29,6 +32,10 @@ XDIST_GROUPS: dict[str, str] = {
     "tests/e2e/test_prefill_killed.py": "sglang-servers",
     "tests/test_examples.py::test_sglang_cpu_pd_example_runs": "sglang-servers",
 }
+
+#: Groups whose tests are also marked ``alone``: ``./dev.sh test`` runs them after the parallel
+#: part, one at a time, with nothing beside them.
+ALONE_GROUPS = frozenset({"sglang-servers"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the markers
@@ -42,6 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = XDIST_GROUPS.get(f"{where}::{name}") or XDIST_GROUPS.get(where)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+            if group in ALONE_GROUPS:
+                item.add_marker(pytest.mark.alone)
     if config.getoption("loadgroup", False):  # an xdist worker, under --dist loadgroup
         _tell_groups(items)
 
