@@ -301,6 +301,12 @@ def _load_diagram() -> tuple[AddParser, Run]:
     return diagram.add_parser, diagram.run
 
 
+def _load_top() -> tuple[AddParser, Run]:
+    from kvfsm import top  # noqa: PLC0415 - only once chosen (module doc)
+
+    return top.add_parser, top.run
+
+
 def _load_chaos() -> tuple[AddParser, Run]:
     from kvfsm.chaos import add_chaos_parser, run_chaos  # noqa: PLC0415 - only once chosen
 
@@ -333,6 +339,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         _load_diagram,
     ),
     Subcommand("rooms", _ROOMS_HELP, lambda: (_add_rooms, _run_rooms)),
+    Subcommand(
+        "top",
+        "a live view of running ranks' status servers: rooms by state, the oldest rooms and "
+        "their deadlines, peer links, GB/s, rooms/s and failures by kind",
+        _load_top,
+    ),
     Subcommand("demo", _DEMO_HELP, lambda: (_add_demo, _run_demo)),
     Subcommand(
         "chaos",

@@ -186,8 +186,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("manager",),  # one rank: everything above the rooms, wired together
     ("kvfsm",),  # the front door: re-exports names from the manager and below
     # Users of the managers: the SGLang backend, and the workloads that drive a real pair;
-    # the state diagrams (of states only) sit here for the CLI.
-    ("sglang", "workload", "diagram"),
+    # the state diagrams and ``kvfsm top`` (of states only, and status servers over HTTP) sit
+    # here for the CLI.
+    ("sglang", "workload", "diagram", "top"),
     ("demo",),  # the main job: orchestrates the workload's ranks
     ("chaos",),  # campaigns over the workload's ranks; runs the demo across two hosts
     ("testing",),  # the test kit injects faults through chaos's proxies
