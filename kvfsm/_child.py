@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -52,8 +53,39 @@ def _launcher(prefix: Sequence[str], directory: str) -> str:
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 <pid>`` prints every thread's Python stack to stderr and the process goes
     on: how an operator (or a test that gave up waiting) sees where a wedged ``kvfsm`` command
-    or one of its children is stuck, without a debugger."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    or one of its children is stuck, without a debugger. After the stacks come the live rooms
+    of each room engine in the process, one JSON line per engine (``kvfsm explain`` reads both).
+
+    The stacks are written by faulthandler from the C signal handler, at once, whatever the
+    threads are doing. The rooms need Python, so they come from a Python handler that
+    faulthandler chains to: it runs on the main thread as soon as that thread next runs Python
+    (a blocked ``recv`` or ``sleep`` is woken for it), which may be never if the main thread is
+    stuck inside C; the stacks say so then. Only the main thread may install it; elsewhere the
+    stacks alone are registered."""
+    # Unregistered first: faulthandler keeps the handler it found at its first registration,
+    # so installing ours over it would silently unhook faulthandler on a second call.
+    faulthandler.unregister(signal.SIGUSR1)
+    chain = threading.current_thread() is threading.main_thread()
+    if chain:
+        signal.signal(signal.SIGUSR1, _dump_rooms)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=chain)
+
+
+def _dump_rooms(signum: int, frame: object) -> None:
+    """The live rooms after faulthandler's stacks (see :func:`dump_stacks_on_sigusr1`). Never
+    raises: it runs between two bytecodes of whatever the main thread was doing."""
+    try:
+        engine = sys.modules.get("kvfsm.rooms._engine")  # no engine was ever made otherwise
+        if engine is None:
+            lines = [json.dumps({"event": "live_rooms", "pid": os.getpid(), "engine": None})]
+        else:
+            lines = engine.live_rooms_lines()
+        text = "".join(f"kvfsm live rooms: {line}\n" for line in lines)
+        # os.write, not print: the main thread may be inside a write to sys.stderr itself.
+        os.write(2, text.encode())
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            os.write(2, f"kvfsm live rooms: not dumped: {exc!r}\n".encode())
 
 
 def _entry(target: Callable[..., None], conn: Connection, *args: object) -> None:

@@ -307,6 +307,12 @@ def _load_top() -> tuple[AddParser, Run]:
     return top.add_parser, top.run
 
 
+def _load_explain() -> tuple[AddParser, Run]:
+    from kvfsm import explain  # noqa: PLC0415 - only once chosen (module doc)
+
+    return explain.add_parser, explain.run
+
+
 def _load_chaos() -> tuple[AddParser, Run]:
     from kvfsm.chaos import add_chaos_parser, run_chaos  # noqa: PLC0415 - only once chosen
 
@@ -344,6 +350,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "a live view of running ranks' status servers: rooms by state, the oldest rooms and "
         "their deadlines, peer links, GB/s, rooms/s and failures by kind",
         _load_top,
+    ),
+    Subcommand(
+        "explain",
+        "explain failed rooms (their JSON log lines) and a kill -USR1 dump: which law or "
+        "timeout ended each room, on which peer, and what to check first",
+        _load_explain,
     ),
     Subcommand("demo", _DEMO_HELP, lambda: (_add_demo, _run_demo)),
     Subcommand(

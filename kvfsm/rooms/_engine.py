@@ -5,21 +5,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 import logging
+import os
+import threading
+import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._facade import ReceiverRoom, SenderRoom
 from kvfsm.rooms._ports import CommandSink, Observer, Publication, RoomKey
 from kvfsm.rooms._registry import Registry
 from kvfsm.rooms._runtime import LoopThread
-from kvfsm.states import Event, Role
+from kvfsm.rooms._timeline import entries
+from kvfsm.states import TERMINAL, Event, Role, deadline_of
 
-__all__ = ["RoomEngine"]
+__all__ = ["RoomEngine", "live_rooms_lines"]
 
 _log = logging.getLogger("kvfsm.runtime")
+
+#: The engines of this process, for ``kill -USR1``'s dump of live rooms (:func:`live_rooms_lines`).
+#: Weak: an engine nobody holds any more is not kept alive for a dump.
+_ENGINES: Final[weakref.WeakSet[RoomEngine]] = weakref.WeakSet()
+#: Timeline entries a dumped room shows (its latest: how it got where it is stuck).
+DUMP_TIMELINE: Final = 6
 
 
 class RoomEngine:
@@ -52,6 +63,8 @@ class RoomEngine:
         # next() on itertools.count is atomic under the GIL: generations need no lock.
         self._generations = itertools.count(1)
         self._closed = False
+        self.name = name
+        _ENGINES.add(self)
 
     # -- lifecycle (blocking) ------------------------------------------------------------------
 
@@ -174,6 +187,35 @@ class RoomEngine:
         snapshot["held_pages"] = registry.owners.held_pages
         return snapshot
 
+    def dump_rooms(self, last: int = DUMP_TIMELINE) -> list[dict[str, Any]]:
+        """Live rooms as ``kill -USR1`` dumps them, read from the signal handler's thread with
+        no loop round trip: the loop may be what is stuck. Each read of shared state is one
+        C-level copy under the GIL (the room table, a timeline list), so a room may be a step
+        behind the loop, never torn. Besides what ``/rooms`` shows: the deadline of the room's
+        state (``deadline_s``; with ``deadline_in_s`` it tells how long the room has been in
+        it), its peer and its latest timeline entries."""
+        registry = self._registry
+        if registry is None:
+            return []
+        now = registry.loop.time()
+        rows: list[dict[str, Any]] = []
+        for room in registry.rooms():
+            row: dict[str, Any] = dict(room.info(now))
+            state = room.core.state
+            if state not in TERMINAL:
+                row["deadline_s"] = deadline_of(
+                    room.role, state, self.config.deadlines.get(room.role)
+                )
+            peer = registry.name_peer(room)
+            row["peer"] = peer
+            timeline = room.timeline
+            if timeline is not None:
+                row["timeline"] = entries(list(timeline), room.role, peer, registry.page_bytes)[
+                    -last:
+                ]
+            rows.append(row)
+        return rows
+
     # -- loop side -----------------------------------------------------------------------------
 
     @property
@@ -193,3 +235,25 @@ class RoomEngine:
 
 def _log_loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     _log.error("event loop: %s", context.get("message"), exc_info=context.get("exception"))
+
+
+def live_rooms_lines() -> list[str]:
+    """What ``kill -USR1`` adds to the stacks faulthandler prints: one JSON line per room engine
+    of this process (``"event": "live_rooms"``: its live rooms, :meth:`RoomEngine.dump_rooms`,
+    and the names of the process's threads by the ids faulthandler prints), or one line with
+    no engine when there is none. ``kvfsm explain`` reads them back."""
+    threads = {f"0x{t.ident:016x}": t.name for t in threading.enumerate() if t.ident is not None}
+    base = {"event": "live_rooms", "pid": os.getpid(), "threads": threads}
+    lines: list[str] = []
+    for engine in list(_ENGINES):
+        if engine._closed or engine._registry is None:
+            continue
+        body: dict[str, Any] = {**base, "engine": engine.name}
+        try:
+            body["rooms"] = engine.dump_rooms()
+        except Exception as exc:  # a dump must not fail on a room that changed under it
+            body.update(rooms=[], error=f"{type(exc).__name__}: {exc}")
+        lines.append(json.dumps(body, separators=(",", ":"), default=str))
+    if not lines:
+        lines.append(json.dumps({**base, "engine": None, "rooms": []}, separators=(",", ":")))
+    return lines
