@@ -40,6 +40,8 @@ from typing import Any, Final
 from kvfsm.states import NON_TERMINAL, KVPoll
 
 try:
+    from rich import box
+    from rich.columns import Columns
     from rich.console import Console, Group, RenderableType
     from rich.panel import Panel
     from rich.table import Table
@@ -216,24 +218,30 @@ _STATES: Final = (*NON_TERMINAL, KVPoll.Success, KVPoll.Failed)
 _WAITING: Final = frozenset(state.name for state in NON_TERMINAL)
 
 
+def _table(title: str) -> Table:
+    return Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False
+    )
+
+
 def _dash(value: object, fmt: str = "{}") -> str:
     """A value, or an en dash where there is none."""
     return DASH if value is None else fmt.format(value)
 
 
 def _rooms_table(sample: Sample) -> Table:
-    table = Table(title="rooms by state", title_justify="left", expand=False)
-    table.add_column("role")
-    for state in _STATES:
-        table.add_column(state.name, justify="right")
-    table.add_column("live", justify="right")
+    """Live rooms: a row per state, a column per role that has any (terminal rooms count until
+    they are settled and reaped)."""
     counts = Counter((str(r.get("role")), str(r.get("state"))) for r in sample.rooms)
-    roles = sorted({role for role, _ in counts})
+    roles = sorted({role for role, _ in counts}) or ["rooms"]
+    table = _table("live rooms by state")
+    table.add_column("state")
     for role in roles:
-        row = [counts[(role, state.name)] for state in _STATES]
-        table.add_row(role, *map(str, row), str(sum(row)))
-    if not roles:
-        table.add_row("(none live)", *["0"] * len(_STATES), "0")
+        table.add_column(role, justify="right")
+    for state in _STATES:
+        table.add_row(state.name, *(str(counts[(role, state.name)]) for role in roles))
+    totals = (sum(n for (r, _), n in counts.items() if r == role) for role in roles)
+    table.add_row(Text("all", style="bold"), *map(str, totals))
     return table
 
 
@@ -251,13 +259,12 @@ def _deadline_used(sample: Sample, room: Mapping[str, Any]) -> tuple[float | Non
 def _oldest_table(sample: Sample, n: int) -> Table:
     waiting = [r for r in sample.rooms if r.get("state") in _WAITING]
     waiting.sort(key=lambda r: -float(r.get("age_s") or 0.0))
-    table = Table(
-        title=f"oldest rooms not terminal ({min(n, len(waiting))} of {len(waiting)})",
-        title_justify="left",
-    )
+    table = _table(f"oldest rooms not terminal ({min(n, len(waiting))} of {len(waiting)})")
     for name in ("room", "gen", "role", "state", "age s", "in state s", "deadline in s"):
         table.add_column(name, justify="left" if name in ("role", "state") else "right")
     table.add_column("deadline used", justify="right")
+    if not waiting:
+        table.add_row(*[DASH] * 8)
     for room in waiting[:n]:
         spent, used = _deadline_used(sample, room)
         style = "" if used is None else "red" if used >= 0.8 else "yellow" if used >= 0.5 else ""
@@ -278,7 +285,7 @@ def _links_table(sample: Sample) -> Table:
     up = [link for link in sample.links if link.get("up")]
     down = [link for link in sample.links if not link.get("up")]
     shown = up + down[-DOWN_LINKS_SHOWN:]
-    table = Table(title=f"peer links ({len(up)} up, {len(down)} down)", title_justify="left")
+    table = _table(f"peer links ({len(up)} up, {len(down)} down)")
     for name in ("peer", "link", "state", "rtt ms", "lease", "last heard s"):
         table.add_column(name, justify="right" if name.endswith(("s", "link")) else "left")
     for link in shown:
@@ -308,7 +315,7 @@ def _failures_table(sample: Sample, got: Rates | None) -> Table:
         totals = Counter(str(r.get("reason_kind") or "unknown") for r in sample.failures or ())
         total_name = f"last {len(sample.failures or ())} kept"
     recent = {} if got is None else dict(got.by_kind)
-    table = Table(title="failures by reason kind", title_justify="left")
+    table = _table("failures by reason kind")
     table.add_column("kind")
     table.add_column(f"last {window}", justify="right")
     table.add_column("per min", justify="right")
@@ -359,13 +366,12 @@ def _server(samples: Sequence[Sample], oldest: int) -> Panel:
         if answered:
             lines.append(Text(f"last answered {last.t - answered[-1].t:.1f} s ago", style="dim"))
         return Panel(Group(*lines), title=last.url, title_align="left", border_style="red")
+    # Side by side where the width allows, one under the other where it does not.
     body = Group(
         _since_start(last),
         _throughput(got),
-        _rooms_table(last),
-        _oldest_table(last, oldest),
-        _links_table(last),
-        _failures_table(last, got),
+        Columns([_rooms_table(last), _links_table(last)], padding=(0, 3)),
+        Columns([_oldest_table(last, oldest), _failures_table(last, got)], padding=(0, 3)),
     )
     return Panel(body, title=last.url, title_align="left", border_style="blue")
 
