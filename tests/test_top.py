@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import io
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +23,7 @@ from kvfsm import KVPoll
 from kvfsm.states import TERMINAL
 from kvfsm.top import DASH as D
 from kvfsm.top import Poller, Sample, Window, parse_metrics, rates, render
-from tests.helpers.cli import REPO
+from tests.helpers.cli import REPO, _sigint_not_ignored
 from tests.helpers.observed_pair import WAITING, ObservedPair, get, observed_pair
 from tests.helpers.waiting import wait_until_sync
 
@@ -140,6 +143,42 @@ def _move_a_room_and_abort_another(pair: ObservedPair) -> None:
     pair.prefill.sender(11).abort("operator test")
     wait_until_sync(lambda: pair.prefill.stats()["rooms"]["failed"] == 3, timeout=10)
     wait_until_sync(lambda: pair.prefill.stats()["rooms"]["live"] == 0, timeout=10)
+
+
+def test_live_view_redraws_until_ctrl_c(pair: ObservedPair) -> None:
+    """Without --once it samples every --interval until Ctrl-C, then leaves its last frame
+    (on a pipe, rich draws only that one) and exits 0."""
+    with _sigint_not_ignored():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfsm", "top", "--interval", "0.1", pair.decode_url],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        # Its poller's first thread, its only one beside the main thread, starts with the first
+        # sample.
+        wait_until_sync(lambda: _threads(proc.pid) >= 2, timeout=30, interval=0.05)
+        # Real time on purpose: nothing on a pipe marks each redraw; 2 s is 20 intervals.
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "kvfsm top: 1 of 1 status servers answering, every 0.1 s" in out
+    span = re.search(r"rates over the last (\d+\.\d) s", out)
+    assert span is not None, out
+    assert float(span[1]) >= 1.5
+    assert re.search(r"WaitingForInput +1\b", out)
+
+
+def _threads(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/task").iterdir()))
 
 
 # -- servers that do not answer ------------------------------------------------------------------
