@@ -37,6 +37,42 @@ step() {  # step WHAT COMMAND...: run COMMAND with its output appended to $log
     fi
 }
 
+# promtool, which tests/test_observability_assets.py runs on docs/prometheus/alerts.yml when it
+# is there: only the binary, taken from Debian's prometheus package into $VENV/bin (the package
+# is not installed, so no Prometheus server is set up or started). Optional: where apt-get cannot
+# fetch it, one line says so and those checks are skipped.
+promtool_step() {
+    if command -v promtool >/dev/null 2>&1 || [ -x "$VENV/bin/promtool" ]; then
+        return 0
+    fi
+    if ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/null 2>&1; then
+        say "  promtool: skipped (no apt-get here); the tests' promtool checks will not run"
+        return 0
+    fi
+    say "  promtool, from Debian's prometheus package"
+    printf '\n== promtool\n' >>"$log"
+    if ! fetch_promtool >>"$log" 2>&1; then
+        say "  promtool: skipped (apt-get could not fetch it, see $log); its checks will not run"
+    fi
+    return 0
+}
+
+fetch_promtool() {
+    local dir rc=0
+    dir=$(mktemp -d)
+    # Without package lists (a fresh image) only root can fetch them first.
+    (cd "$dir" && apt-get download prometheus) \
+        || { [ "$(id -u)" -eq 0 ] && apt-get update -qq \
+            && (cd "$dir" && apt-get download prometheus); } \
+        || rc=$?
+    if [ "$rc" -eq 0 ]; then
+        { dpkg-deb -x "$dir"/prometheus_*.deb "$dir/unpacked" \
+            && install -m 755 "$dir/unpacked/usr/bin/promtool" "$VENV/bin/promtool"; } || rc=$?
+    fi
+    rm -rf "$dir"
+    return "$rc"
+}
+
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
         say "creating a virtualenv in $VENV"
@@ -67,6 +103,7 @@ setup() {
         step "SGLang's CPU serving stack ($sglang_reqs)" python -m pip install -r "$sglang_reqs"
         step "sglang 0.5.23, without its dependencies" \
             python -m pip install --no-deps "sglang==0.5.23"
+        promtool_step
         touch "$stamp"
         say "set up in $((SECONDS - started)) s"
     fi
