@@ -187,8 +187,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvfsm",),  # the front door: re-exports names from the manager and below
     # Users of the managers: the SGLang backend, and the workloads that drive a real pair;
     # the state diagrams and ``kvfsm top`` (of states only, and status servers over HTTP) sit
-    # here for the CLI.
-    ("sglang", "workload", "diagram", "top"),
+    # here for the CLI, and ``kvfsm explain`` (text in, text out: it imports nothing of kvfsm).
+    ("sglang", "workload", "diagram", "top", "explain"),
     ("demo",),  # the main job: orchestrates the workload's ranks
     ("chaos",),  # campaigns over the workload's ranks; runs the demo across two hosts
     ("testing",),  # the test kit injects faults through chaos's proxies
