@@ -25,6 +25,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
             "abort_storm.py",
             ["deadline expired: Bootstrapping", "all decode rooms settled", "abort_storm: OK"],
         ),
+        (
+            "top_pair.py",
+            [
+                "kvfsm top: 2 of 2 status servers answering",
+                "deadline expired",
+                "aborted (peer)",
+                "top_pair: OK",
+            ],
+        ),
     ],
 )
 def test_example_runs(script: str, key_lines: list[str]) -> None:
