@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 
 from kvfsm import explain as ex
 from kvfsm.rooms import RoomConfig, RoomEngine
+from kvfsm.rooms._engine import live_rooms_lines
 from kvfsm.rooms._loopback import LoopbackSink
 from kvfsm.states import (
     AbortRequested,
@@ -451,6 +453,34 @@ def test_a_real_usr1_dump(tmp_path: Path) -> None:
     # The failed rooms logged as warnings before the dump are read from the same text.
     assert any(f.kind == "peer_aborted" for f in report.failed)
     assert decode_agent
+
+
+def test_a_room_past_its_deadline_in_a_dump_is_overdue(failed_log: _Lines) -> None:
+    """A real engine whose loop is blocked cannot fire a deadline: the room it holds is read
+    from the dump (what the SIGUSR1 handler writes, taken while the loop is blocked) past its
+    deadline, and reported as a wedge of the engine rather than as a room still waiting."""
+    config = RoomConfig(deadlines={Role.RECEIVER: {KVPoll.WaitingForInput: 0.2}})
+    with RoomEngine(LoopbackSink(), config) as engine:
+        room = engine.receiver(50)
+        room.init(0)
+        wait_until_sync(lambda: room.poll() is KVPoll.WaitingForInput, timeout=10)
+        release = threading.Event()
+        engine.loop.call_soon_threadsafe(release.wait, 20)
+        try:
+            time.sleep(0.5)  # real time: the loop is blocked, its clock is the real one
+            text = "\n".join(live_rooms_lines())
+        finally:
+            release.set()
+        wait_until_sync(lambda: room.poll() is KVPoll.Failed, timeout=10)
+    (live,) = [f for f in ex.explain(text).live if f.room == 50]
+    assert live.kind == "overdue"
+    assert live.deadline_in_s is not None
+    assert live.deadline_in_s < -0.2
+    assert "not running room steps" in live.explanation
+    assert "loop thread" in live.check
+    # Once the loop ran again, the room failed at that deadline after all.
+    (failed,) = [f for f in ex.explain("\n".join(failed_log.lines)).failed if f.room == 50]
+    assert failed.kind == "deadline"
 
 
 def test_the_command_reads_stdin_and_says_when_there_is_nothing(tmp_path: Path) -> None:
