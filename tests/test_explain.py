@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvfsm import explain as ex
+from kvfsm.control import ChannelConfig
 from kvfsm.rooms import RoomConfig, RoomEngine
 from kvfsm.rooms._engine import live_rooms_lines
 from kvfsm.rooms._loopback import LoopbackSink
@@ -34,7 +35,9 @@ from kvfsm.states import (
     failure_reason,
 )
 from tests.helpers.cli import REPO
+from tests.helpers.control import Decode
 from tests.helpers.observed_pair import DECODE_ABORTED, PREFILL_ABORTED, WAITING, observed_pair
+from tests.helpers.prefill_process import PrefillProcess
 from tests.helpers.waiting import wait_until_sync
 
 PACKAGE = REPO / "kvfsm"
@@ -354,6 +357,32 @@ def test_a_real_pair_s_failed_rooms(failed_log: _Lines) -> None:
         "peer lost",
         "entered Failed",
     ]
+
+
+def test_a_real_peer_fallen_silent(failed_log: _Lines) -> None:
+    """A prefill process stopped (SIGSTOP) under a decode room that waits for its chunks: the
+    room fails at the liveness bound, and explain names that bound and the silent peer."""
+    silence = ChannelConfig(heartbeat_s=0.2, liveness_factor=2.0)
+    prefill = PrefillProcess(silence)
+    decode = Decode({"port": prefill.port}, silence)
+    try:
+        receiver = decode.receive(60, [1, 2], aux_row=0)
+        os.kill(prefill.pid, signal.SIGSTOP)
+        try:
+            wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=20)
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
+    finally:
+        decode.close()
+        prefill.close()
+    (lost,) = [f for f in ex.explain("\n".join(failed_log.lines)).failed if f.room == 60]
+    assert (lost.kind, lost.law) == ("peer_silent", ex.LAW_LIVENESS)
+    assert lost.reason.endswith("silent for more than 0.4s")
+    assert "sent nothing, not even a heartbeat, for 0.4s" in lost.explanation
+    assert lost.peer is not None
+    assert lost.peer["rank"] == 0
+    assert "is the prefill process" in lost.check
+    assert "`kill -USR1` it" in lost.check
 
 
 def test_deadlines_of_a_real_engine_and_the_summary(
