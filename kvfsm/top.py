@@ -393,6 +393,12 @@ def render(
 
 _LINE: Final = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
 _LABEL: Final = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+#: The escapes of a label value in Prometheus text: backslash, double quote, newline.
+_ESCAPE: Final = re.compile(r"\\(.)")
+
+
+def _unescape(match: re.Match[str]) -> str:
+    return "\n" if match[1] == "n" else match[1]
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
@@ -406,10 +412,7 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[tuple[str, str], fl
         match = _LINE.match(line)
         if match is None:
             continue
-        labels = {
-            k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-            for k, v in _LABEL.findall(match["labels"] or "")
-        }
+        labels = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(match["labels"] or "")}
         value = float(match["value"])
         if match["name"] == "kvfsm_failures_total":
             kind = labels.get("kind", "unknown")
@@ -423,9 +426,13 @@ class Poller:
     """Samples status servers, each in its own thread, with plain HTTP GETs."""
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 2.0) -> None:
-        self.urls = [url.rstrip("/") for url in urls]
+        # host:port (a Prometheus target's instance) is taken as http://host:port; a server
+        # named twice is sampled once.
+        named = (url.rstrip("/") for url in urls)
+        self.urls = list(dict.fromkeys(u if "://" in u else f"http://{u}" for u in named))
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="top")
+        workers = max(1, len(self.urls))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="top")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -446,6 +453,10 @@ class Poller:
             links = json.loads(self._get(f"{url}/links"))
             stats = json.loads(self._get(f"{url}/stats"))
             t = time.monotonic()
+            if not (isinstance(rooms, list) and isinstance(links, list)):
+                raise ValueError("not a kvfsm status server: /rooms or /links is not a list")
+            if not isinstance(stats, dict):
+                raise ValueError("not a kvfsm status server: /stats is not an object")
             try:
                 kinds, deadlines = parse_metrics(self._get(f"{url}/metrics").decode())
             except urllib.error.HTTPError as exc:
@@ -464,7 +475,11 @@ class Poller:
                 deadlines=deadlines,
             )
         except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts; bad JSON
-            reason = getattr(exc, "reason", None)
+            # A refused connection or a timeout is a URLError whose reason says it all; an
+            # HTTPError's own text has its status code.
+            reason = (
+                None if isinstance(exc, urllib.error.HTTPError) else getattr(exc, "reason", None)
+            )
             return Sample(url, time.monotonic(), error=str(reason or exc) or type(exc).__name__)
 
 
@@ -539,9 +554,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.once:
-            _step(poller, windows)
-            time.sleep(args.interval)
-            _step(poller, windows)
+            try:
+                _step(poller, windows)
+                time.sleep(args.interval)
+                _step(poller, windows)
+            except KeyboardInterrupt:
+                print("kvfsm top: interrupted", file=sys.stderr)
+                return 130
             frame = draw()
             console.print(frame)
         else:

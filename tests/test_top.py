@@ -362,8 +362,18 @@ def test_metrics_text_gives_failures_by_kind_and_deadlines() -> None:
         'kvfsm_failures_total{kind="chunk # stalled",role="sender"} 2.0\n'
         'kvfsm_failures_total{kind="chunk # stalled",role="receiver"} 1.0\n'
         'kvfsm_failures_total{kind="say \\"no\\"",role="sender"} 1.0\n'
+        # Escaped: a backslash then n (not a newline), and a newline.
+        'kvfsm_failures_total{kind="a\\\\n b\\nc",role="sender"} 1.0\n'
         'kvfsm_failures_created{kind="chunk # stalled",role="sender"} 1.7e9\n'
         'kvfsm_state_deadline_seconds{role="sender",state="Transferring"} 120.0\n'
     )
-    assert kinds == {"chunk # stalled": 3.0, 'say "no"': 1.0}
+    assert kinds == {"chunk # stalled": 3.0, 'say "no"': 1.0, "a\\n b\nc": 1.0}
     assert deadlines == {("sender", "Transferring"): 120.0}
+
+
+def test_urls_are_taken_as_host_port_too_and_each_sampled_once() -> None:
+    poller = Poller(["127.0.0.1:9400", "http://127.0.0.1:9400/", "http://127.0.0.1:9401"])
+    try:
+        assert poller.urls == ["http://127.0.0.1:9400", "http://127.0.0.1:9401"]
+    finally:
+        poller.close()
