@@ -16,8 +16,10 @@ counter that went down (the rank restarted) counts from zero again.
 
 ``kvfsm top URL [URL ...]`` redraws every ``--interval`` seconds (0.5) until Ctrl-C;
 ``--once`` takes two samples ``--interval`` apart and prints one frame. ``--svg FILE`` also
-writes the last frame as an SVG screenshot. The exit status is 1 if no server answered the
-last sample, 2 on a bad flag, 0 otherwise. Needs ``rich``: ``pip install 'kvfsm[top]'``.
+writes the last frame as an SVG screenshot. A URL may be a bare ``host:port``. The exit
+status is 1 if no server answered the last sample, 2 on a bad flag, 130 on Ctrl-C before
+``--once`` has drawn, 0 otherwise (Ctrl-C is how the live view is left). Needs ``rich``:
+``pip install 'kvfsm[top]'``.
 """
 
 from __future__ import annotations
