@@ -63,7 +63,10 @@ def dump_stacks_on_sigusr1() -> None:
     stuck inside C; the stacks say so then. Only the main thread may install it; elsewhere the
     stacks alone are registered."""
     # Unregistered first: faulthandler keeps the handler it found at its first registration,
-    # so installing ours over it would silently unhook faulthandler on a second call.
+    # so installing ours over it would silently unhook faulthandler on a second call. Chained,
+    # faulthandler's handler no longer restarts an interrupted system call: like SIGINT's, the
+    # signal interrupts one, which Python retries (PEP 475); Linux gives a signal sent to the
+    # process to its main thread unless that thread blocks it.
     faulthandler.unregister(signal.SIGUSR1)
     chain = threading.current_thread() is threading.main_thread()
     if chain:
