@@ -161,6 +161,9 @@ class DecodeRouting:
             return []
         # No write this link allowed can start after the last lease it granted ran out.
         settle_at = state.granted + self.config.lease_s + self.config.fence_margin_s
+        if now < state.granted + self.config.lease_s:
+            # Lost under a live lease: only the fence keeps its writes out of pages it exposed.
+            self.stats["leases_fenced"] += 1
         out: list[Action] = []
         for key in list(state.rooms):
             receiver = self._rooms.get(key)

@@ -147,6 +147,7 @@ class _PrefillLink:
         "peer",
         "requests",
         "seq",
+        "until",
     )
 
     def __init__(self, peer: str, leg: int = 0, legs: int = 1, host: str = "") -> None:
@@ -168,6 +169,7 @@ class _PrefillLink:
         self.seq = 0
         self.asked = -math.inf  # when the last lease request went out
         self.requests: dict[int, float] = {}  # lease request seq -> when it was sent
+        self.until = -math.inf  # when the latest lease granted on the link runs out
 
 
 class PrefillRouting:
@@ -275,13 +277,17 @@ class PrefillRouting:
             self.stats["stale_frames"] += 1
             return []
         self.stats["leases_granted"] += 1
-        return [GrantLease(link, sent + lease_ms / 1000.0, state.margin_s)]
+        until = sent + lease_ms / 1000.0
+        state.until = max(state.until, until)
+        return [GrantLease(link, until, state.margin_s)]
 
     def link_lost(self, link: int, reason: str, now: float) -> list[Action]:
         state = self._links.pop(link, None)
         out: list[Action] = [RevokeLease(link)]
         if state is None:
             return out
+        if now < state.until:  # the revocation is what stops writes the lease still allowed
+            self.stats["leases_fenced"] += 1
         for binding in [b for b in self._bound.values() if b.link == link]:
             out.append(Deliver(binding.key, PeerLost(reason)))
             # One that had the pages may still have writes to drain: it is an orphan, which

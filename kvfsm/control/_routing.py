@@ -95,7 +95,9 @@ Leases (law 4).
     decode answers ``LeaseGrant(seq, lease_ms)`` and remembers when it granted. Prefill's fence
     for the link is valid until its *send* time of the granted request plus the lease: a grant
     delayed by a freeze grants nothing. The decode side of a lost link knows no write it
-    allowed starts after its last grant plus the lease.
+    allowed starts after its last grant plus the lease. Each end counts a link lost while its
+    lease was still live (``leases_fenced``): decode by its last grant, prefill by the latest
+    end it was granted; there the fence, not the lease's own end, is what stops the writes.
 
 Cleanup.
     Every per-room entry (binding, held claim, orphan) is dropped when its room is reaped, and

@@ -121,6 +121,7 @@ def new_stats() -> dict[str, int]:
         "claims": 0,
         "reconciled": 0,
         "leases_granted": 0,
+        "leases_fenced": 0,
         "errors_for_rooms": 0,
         "early_aborts_over_quota": 0,
         "early_aborts_dropped": 0,

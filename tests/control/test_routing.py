@@ -473,6 +473,30 @@ def test_a_lost_links_pages_settle_when_the_last_lease_ran_out(decode: DecodeRou
     assert idle(decode) == {}
 
 
+def test_a_link_lost_under_a_live_lease_counts_as_fenced(decode: DecodeRouting) -> None:
+    """``leases_fenced``: links lost while the last lease granted on them was still running
+    (its writes are held off by the fence alone); one whose lease had run out does not count."""
+    assert decode.stats["leases_fenced"] == 0  # present from the start
+    decode.bind(R1, A, 0)
+    decode.metadata(R1, metadata())
+    decode.lease_requested(A, LeaseRequest(1), now=5.0)  # live until 7.0
+    decode.link_lost(A, "cut", 6.9)
+    assert decode.stats["leases_fenced"] == 1
+    decode.link_opened(B, "prefill-0-9", rank=0, now=10.0)  # its Hello's lease: until 12.0
+    decode.link_lost(B, "silent", 12.5)  # a peer frozen past its lease: nothing left to fence
+    assert decode.stats["leases_fenced"] == 1
+    decode.link_lost(B, "again", 13.0)  # a link is lost once
+    assert decode.stats["leases_fenced"] == 1
+
+
+def test_prefill_counts_a_live_lease_it_revokes_as_fenced(prefill: PrefillRouting) -> None:
+    assert prefill.stats["leases_fenced"] == 0
+    assert prefill.link_lost(A, "decode gone", 1.9) == [RevokeLease(A)]  # granted until 2.0
+    assert prefill.stats["leases_fenced"] == 1
+    assert prefill.link_lost(B, "decode silent", 2.0) == [RevokeLease(B)]  # ran out at 2.0
+    assert prefill.stats["leases_fenced"] == 1
+
+
 def test_after_a_reconnect_decode_reconciles_and_settles_early(decode: DecodeRouting) -> None:
     decode.bind(R1, A, 0)
     decode.metadata(R1, metadata())
