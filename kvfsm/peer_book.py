@@ -5,7 +5,8 @@ and the fence of its lease; a receiver: the prefill rank). The book turns that i
 identity (engine, rank, incarnation, agent) from the control plane's links, and remembers links
 after they are gone (a failed room is often read after its link was lost), the last
 :data:`REMEMBERED` of them. It also lists every link, up or down, with how long ago the peer
-was last heard from and whether this rank holds a live write lease on it (prefill).
+was last heard from, whether this rank holds a live write lease on it (prefill), and the
+link's round trip as its heartbeats measured it.
 
 Loop thread only. It reads the control plane's links; it changes nothing there.
 """
@@ -62,12 +63,14 @@ class PeerBook:
                     "agent": str(hello.agent),
                     "link": generation,
                     "up": True,
+                    "rtt_ms": None,
                 }
             row["up"] = not link.closed
             row["last_heard_s"] = round(
                 max(0.0, self._loop_time() - float(link.liveness.last_seen)), 3
             )
             row["leased"] = self._leased(generation, now)
+            row["rtt_ms"] = _ms(getattr(getattr(link, "round_trip", None), "smoothed_s", None))
         for generation, row in self._seen.items():
             if generation not in current and row["up"]:
                 row["up"] = False
@@ -76,7 +79,9 @@ class PeerBook:
             self._seen.popitem(last=False)
 
     def links(self) -> list[dict[str, Any]]:
-        """Every link the book knows, newest last: up or down, last heard, leased."""
+        """Every link the book knows, newest last: up or down, last heard, leased, and its
+        smoothed heartbeat round trip in ms (``rtt_ms``: null until measured; a lost link
+        keeps its last)."""
         self.refresh()
         return [dict(row) for row in self._seen.values()]
 
@@ -120,3 +125,7 @@ class PeerBook:
             return bool(leases.valid(generation, now))
         except Exception:
             return False
+
+
+def _ms(seconds: object) -> float | None:
+    return round(seconds * 1000, 3) if isinstance(seconds, float) else None

@@ -20,6 +20,7 @@ from tests.helpers.observed_pair import (
     get,
     observed_pair,
 )
+from tests.helpers.waiting import wait_until_sync
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,18 @@ def test_links_show_each_peer(pair: ObservedPair) -> None:
     (back,) = get(f"{pair.decode_url}/links")
     assert back["role"] == "prefill"
     assert back["leased"] is False  # decode grants leases, it holds none
+
+
+def test_links_show_their_heartbeat_round_trip(pair: ObservedPair) -> None:
+    """Both ends measure the round trip of their link on its heartbeats (every 0.25 s here):
+    more than nothing, and on loopback far less than the 0.25 s a heartbeat is held at most
+    (which a round trip that forgot to take the holding out would be near)."""
+
+    for url in (pair.prefill_url, pair.decode_url):
+        links = f"{url}/links"
+        wait_until_sync(lambda: get(links)[0]["rtt_ms"] is not None, timeout=10)  # noqa: B023
+        (link,) = get(links)
+        assert 0 < link["rtt_ms"] < 100
 
 
 def test_the_rooms_command_tells_a_story_and_groups_failures(pair: ObservedPair) -> None:

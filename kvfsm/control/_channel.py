@@ -11,6 +11,7 @@ from typing import Final, TypeAlias
 
 from kvfsm.control._codec import FrameCodec, SessionCodec
 from kvfsm.control._frames import FrameError, Hello
+from kvfsm.control._round_trip import RoundTrip
 from kvfsm.control._routing import RoutingConfig
 from kvfsm.link import PEER_ERRORS as _SOCKET_ERRORS
 from kvfsm.link import Liveness
@@ -145,6 +146,7 @@ class Link:
         "outbox",
         "peer_id",
         "queued",
+        "round_trip",
     )
 
     def __init__(
@@ -165,6 +167,9 @@ class Link:
         self.peer_id = peer_id
         #: When the peer was last heard from, on the loop's clock (any frame counts).
         self.liveness = Liveness(now, silence_s)
+        #: The heartbeats both ways and the round trip they measure (``last_s``,
+        #: ``smoothed_s``: None until the peer echoed one of ours).
+        self.round_trip = RoundTrip()
         #: Payloads (``FrameCodec.payload``), sealed by the writer as they go out: with a
         #: session the sequence number is the order on the wire.
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()

@@ -25,7 +25,8 @@ Frames
     frame          direction         meaning
     Hello          both, first       version, role, rank, NIXL agent name and metadata, layout,
                                      incarnation; decode's: its first lease and its fence margin
-    Heartbeat      both              a sign of life on an idle connection (any frame is one)
+    Heartbeat      both              a sign of life on an idle connection (any frame is one);
+                                     echoes the peer's last heartbeat (the round trip)
     LeaseRequest   prefill -> decode asks for a write lease (sequence number)
     LeaseGrant     decode -> prefill grants it: prefill may write into this decode's pages until
                                      its own send time of that request plus ``lease_ms``
@@ -152,8 +153,9 @@ __all__ = [
 #: (``pp_rank``, ``first_layer``); 7: decode's fence margin in its Hello (``fence_margin_ms``);
 #: 8: how state is sharded and which layer each state buffer is (``state_dims``,
 #: ``state_conv``, ``state_outer``, ``state_layers``), state rows on KV-only legs, and
-#: state-only legs (``part`` 3).
-PROTOCOL_VERSION: Final = 8
+#: state-only legs (``part`` 3); 9: heartbeats echo the peer's last one (``Heartbeat.echo``,
+#: ``held_us``).
+PROTOCOL_VERSION: Final = 9
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
@@ -232,10 +234,17 @@ class Hello(Frame, frozen=True):
     fence_margin_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
 
 
-class Heartbeat(Frame, frozen=True):
-    """A sign of life on an otherwise idle connection."""
+class Heartbeat(Frame, frozen=True, omit_defaults=True):
+    """A sign of life on an otherwise idle connection, and half of a round-trip measure: it
+    echoes the last heartbeat this side received, so its receiver, which sent that one, takes
+    the round trip as now - its send time - ``held_us`` (``kvfsm.control._round_trip``).
+    The echo fields are left out of the payload until there is something to echo."""
 
     seq: Count
+    #: ``seq`` of the last heartbeat received from the peer; None: none yet.
+    echo: Count | None = None
+    #: Microseconds between receiving that heartbeat and sending this one.
+    held_us: Count = 0
 
 
 class LeaseRequest(Frame, frozen=True):

@@ -30,7 +30,9 @@ Rules kept here:
 * Liveness: both sides send a heartbeat every ``heartbeat_s``; any frame counts as a sign of
   life. A peer silent for ``liveness_factor * heartbeat_s`` is lost: the connection is closed
   and every room bound to it gets ``PeerLost`` (law 3: detection within 2x the interval by
-  default). A closed or reset socket is the same, only faster.
+  default). A closed or reset socket is the same, only faster. Each heartbeat also echoes the
+  peer's last one, which measures the link's round trip (``Link.round_trip``,
+  :mod:`kvfsm.control._round_trip`).
 * Fencing (law 4): prefill writes into a decode link's pages only under a lease that link
   granted (``LeaseRequest`` / ``LeaseGrant``, see the cores); the transport checks it right
   before each post. A lost link's lease is revoked at once.
@@ -501,8 +503,6 @@ class ControlPlane(CommandSink):
                 await stream.aclose()
 
     async def _write(self, link: Link, stream: SocketStream) -> None:
-        beats = itertools.count()
-
         async def send(payload: bytes) -> None:
             await stream.send(link.codec.seal(payload))
 
@@ -520,7 +520,7 @@ class ControlPlane(CommandSink):
                 send,
                 next_payload,
                 self.config.heartbeat_s,
-                lambda: self._codec.payload(Heartbeat(next(beats))),
+                lambda: self._codec.payload(link.round_trip.beat(self._now())),
                 open_=lambda: not link.closed,
             )
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -587,6 +587,7 @@ class ControlPlane(CommandSink):
 
     def _on_frame(self, link: Link, frame: Frame) -> None:
         if isinstance(frame, Heartbeat):
+            link.round_trip.heard(frame, self._now())
             return
         handler = self.FRAMES.get(type(frame))
         if handler is None:

@@ -52,6 +52,9 @@ FRAMES: list[Frame] = [
     Hello(PROTOCOL_VERSION, "prefill", 0, "p", b"", b"", 0),
     Heartbeat(0),
     Heartbeat(MAX63),
+    Heartbeat(5, 4, 1500),
+    Heartbeat(1, 0),
+    Heartbeat(MAX63, MAX63, MAX63),
     LeaseRequest(1),
     LeaseGrant(1, 2000),
     RoomClaim(7, 1),
@@ -112,6 +115,19 @@ def test_wire_layout_plain() -> None:
     payload = msgspec.msgpack.encode({"t": "Heartbeat", "seq": 9})
     wire = FrameCodec().encode(Heartbeat(9))
     assert wire == (1 + len(payload)).to_bytes(4, "big") + b"\x00" + payload
+
+
+def test_heartbeat_echo_fields_travel_only_once_there_is_an_echo() -> None:
+    assert msgspec.msgpack.decode(FrameCodec().encode(Heartbeat(9))[5:]) == {
+        "t": "Heartbeat",
+        "seq": 9,
+    }
+    assert msgspec.msgpack.decode(FrameCodec().encode(Heartbeat(9, 8, 250))[5:]) == {
+        "t": "Heartbeat",
+        "seq": 9,
+        "echo": 8,
+        "held_us": 250,
+    }
 
 
 def test_wire_layout_signed() -> None:
@@ -188,6 +204,20 @@ INVALID: list[tuple[str, dict[str, Any] | list[Any], str, int | None, int | None
         1,
     ),
     ("heartbeat", {"t": "Heartbeat", "seq": -1}, "Expected `int` >= 0 - at `$.seq`", None, None),
+    (
+        "heartbeat echo",
+        {"t": "Heartbeat", "seq": 1, "echo": -1},
+        "Expected `int` >= 0 - at `$.echo`",
+        None,
+        None,
+    ),
+    (
+        "heartbeat held",
+        {"t": "Heartbeat", "seq": 1, "echo": 0, "held_us": -5},
+        "Expected `int` >= 0 - at `$.held_us`",
+        None,
+        None,
+    ),
     (
         "error room",
         {"t": "Error", "room": "x", "reason": ""},
@@ -594,7 +624,7 @@ frames_st: st.SearchStrategy[Frame] = st.one_of(
         layout=st.binary(max_size=64),
         incarnation=rooms,
     ),
-    st.builds(Heartbeat, seq=rooms),
+    st.builds(Heartbeat, seq=rooms, echo=st.none() | rooms, held_us=rooms),
     st.builds(
         RoomMetadata,
         room=rooms,
