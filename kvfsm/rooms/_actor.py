@@ -102,6 +102,7 @@ class Room:
         "_loop",
         "ending",
         "timeline",
+        "_since",
     )
 
     def __init__(
@@ -152,6 +153,9 @@ class Room:
         self._settle_expired = False
         self._loop = host.loop
         self.born = self._loop.time()
+        #: When the room entered its state (``time.monotonic()``: the loop's clock may tick in
+        #: milliseconds), for the time in each state its observer is told (moved only then).
+        self._since = _monotonic()
         #: The flight recorder (kvfsm.rooms._timeline); None when the engine runs without it.
         self.timeline: list[object] | None = new_timeline() if host.config.flight_recorder else None
 
@@ -349,8 +353,10 @@ class Room:
             stats.failed += 1
         observer = host.observer
         if observer is not None:
+            now = _monotonic()
+            spent, self._since = now - self._since, now
             try:
-                observer.transition(self.role, before, state, self.core.reason)
+                observer.transition(self.role, before, state, self.core.reason, spent)
             except Exception as exc:  # a metric must not cost the room its commands
                 host.record_error(self.key, exc)
         # Structured: every record carries the room's identity and the edge as attributes

@@ -174,7 +174,9 @@ class RaisingObserver:
     def spawned(self, role: Role) -> None:
         pass
 
-    def transition(self, role: Role, before: KVPoll, after: KVPoll, reason: str) -> None:
+    def transition(
+        self, role: Role, before: KVPoll, after: KVPoll, reason: str, seconds: float
+    ) -> None:
         raise RuntimeError("metrics backend exploded")
 
     def reaped(self, role: Role, state: KVPoll) -> None:
