@@ -14,8 +14,10 @@ adapter's own doing.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -511,6 +513,34 @@ def test_transfer_metric(pair: Pair) -> None:
     assert metric.transfer_latency_s is not None
     assert metric.transfer_latency_s >= 0
     assert sender.get_transfer_metric() == metric  # fixed once Success was seen
+    receiver.clear()
+    sender.clear()
+
+
+def test_sglangs_own_transfer_figures_from_the_adapters_metric(pair: Pair) -> None:
+    """SGLang 0.5.23's prefill scheduler hands every request that succeeded, unless its
+    ``kv_mgr.is_dummy_cp_rank``, to ``compute_and_observe_kv_transfer_metrics`` with its
+    sender's ``get_transfer_metric()`` (disaggregation/prefill.py, lines 1245-1263): that is all
+    it reads from a backend for ``sglang:kv_transfer_latency_ms``, ``_total_mb`` and
+    ``_speed_gb_s``, and nothing is observed while ``transfer_total_bytes`` is None. SGLang's
+    own function, fed the adapter's metric after a real transfer, gives figures above zero."""
+    if os.environ.get("KVFSM_NO_SGLANG") == "1":
+        pytest.skip("KVFSM_NO_SGLANG=1: SGLang's own metric code is not importable")
+    # Importing it imports SGLang's GPU kernels' modules, which warn that this machine has none.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
+
+    sender, receiver = pair.transfer(pages=4)
+    assert pair.pm.is_dummy_cp_rank is False
+    metric = sender.get_transfer_metric()
+    stats = SchedulerReqTimeStats(disagg_mode=DisaggregationMode.PREFILL)
+    figures = stats.compute_and_observe_kv_transfer_metrics(metric)
+    assert figures is not None
+    assert figures["latency_ms"] > 0
+    assert figures["speed_gb_s"] > 0
+    assert metric.transfer_total_bytes is not None
+    assert figures["total_mb"] == metric.transfer_total_bytes / 2**20 > 0
     receiver.clear()
     sender.clear()
 
