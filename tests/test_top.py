@@ -77,7 +77,10 @@ def test_once_shows_the_rooms_states_links_and_failures_the_pair_has(pair: Obser
 
     # Prefill: rooms 1 (done), 3 and 4 (failed) all reaped; bytes are counted here, the writer.
     assert "since start: 3 spawned, 1 succeeded, 2 failed" in prefill
-    assert re.search(r"rates over the last 0\.[3-9] s: 0\.000 GB/s +0\.0 rooms/s", prefill)
+    # Over the two samples: --interval apart, and a little more on a busy machine.
+    rated = re.search(r"rates over the last (\d+\.\d) s: 0\.000 GB/s +0\.0 rooms/s", prefill)
+    assert rated is not None, prefill
+    assert float(rated[1]) >= 0.3
     assert re.search(r"WaitingForInput +0\b", prefill)
     assert re.search(r"all +0\b", prefill)
     # Its decode peer, up, with the write lease; the round trip is a number or a dash.
