@@ -627,11 +627,12 @@ def _fill(template: str, values: Mapping[str, str]) -> str:
 
 
 def _worth_showing(timeline: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The last :data:`SHOWN` entries that are not routine traffic, and the last entry."""
-    kept = [dict(e) for e in timeline[:-1] if e.get("kind") not in _ROUTINE]
+    """The last :data:`SHOWN` entries that are not routine traffic, and the last entry; each
+    without the peer it repeats (the finding names it once)."""
+    kept = [e for e in timeline[:-1] if e.get("kind") not in _ROUTINE]
     if timeline:
-        kept.append(dict(timeline[-1]))
-    return kept[-SHOWN:]
+        kept.append(timeline[-1])
+    return [{k: v for k, v in e.items() if k != "peer"} for e in kept[-SHOWN:]]
 
 
 def _finding(source: str, row: Mapping[str, Any], reason: str, pid: int | None) -> Finding:
