@@ -203,8 +203,11 @@ def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
         graceful = decode.receive(8, [3], aux_row=1)
         wait_until_sync(lambda: prefill.ask("status", 7)[0] == KVPoll.WaitingForInput, timeout=10)
         wait_until_sync(lambda: prefill.ask("status", 8)[0] == KVPoll.WaitingForInput, timeout=10)
+        assert decode.control.stats["leases_fenced"] == 0
         # The connection is cut without a goodbye: prefill notices the closed socket.
         decode.engine.call(decode.control.drop_links("test cut the connection"))
+        # Cut under the lease prefill renews every 0.5 s: the fence holds the pages it exposed.
+        assert decode.control.stats["leases_fenced"] == 1
         wait_until_sync(lambda: prefill.ask("status", 7)[0] == KVPoll.Failed, timeout=10)
         assert "peer lost" in prefill.ask("status", 7)[1]
         assert "peer lost" in prefill.ask("status", 8)[1]
