@@ -25,16 +25,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from kvfsm import KVPoll
+from kvfsm.control import ChannelConfig
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.registry import BootstrapServer
 from kvfsm.rooms import RoomConfig
@@ -49,6 +52,9 @@ SLOTS = 30
 CONFIG = ManagerConfig(
     status_port=0,
     metrics=True,
+    # Heartbeats measure each link's round trip, and go out only on a link idle for this long:
+    # short, so that the links have a round trip before the traffic keeps them busy.
+    channel=ChannelConfig(heartbeat_s=0.25),
     # Short, so that a room nobody asks for expires in a few seconds, not five minutes.
     rooms=RoomConfig(deadlines={Role.SENDER: {KVPoll.Bootstrapping: 8.0}}),
 )
@@ -90,13 +96,16 @@ class Traffic:
         self.rooms = 0
         self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
 
-    def start(self) -> None:
-        # Two decode rooms wait for prefill all along (the oldest rooms in kvfsm top).
+    def open(self) -> None:
+        """Two decode rooms that wait for prefill all along (the oldest rooms in kvfsm top); the
+        first opens the control link."""
         for room, first in ((1, SLOTS * PAGES_PER_ROOM), (2, SLOTS * PAGES_PER_ROOM + 4)):
             receiver = self.decode.receiver(room)
             receiver.init(0)
             if wait(lambda r=receiver: r.poll() is KVPoll.WaitingForInput):
                 receiver.send_metadata(np.arange(first, first + 4, dtype=np.int32), 60 + room)
+
+    def start(self) -> None:
         self._thread.start()
 
     def join(self) -> None:
@@ -142,6 +151,16 @@ class Traffic:
         receiver.clear()
 
 
+def links_timed(urls: list[str]) -> bool:
+    """Whether every control link of these status servers has a round trip (``rtt_ms``)."""
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/links", timeout=5) as response:
+            links = json.loads(response.read())
+        if not links or any(link.get("rtt_ms") is None for link in links):
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="traffic before the frame")
@@ -163,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             assert decode.status is not None
             urls = [prefill.status.url, decode.status.url]
             print(f"status servers: prefill {urls[0]}, decode {urls[1]}", flush=True)
+            traffic.open()
+            # Each link has a round trip once both sides heard a heartbeat echoed (a second or
+            # two); until then kvfsm top shows a dash for it.
+            measured_by = time.monotonic() + 10
+            while not links_timed(urls) and time.monotonic() < measured_by:
+                time.sleep(0.05)
             traffic.start()
             top = [sys.executable, "-m", "kvfsm", "top", *urls]
             if args.svg:
