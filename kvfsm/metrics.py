@@ -19,7 +19,8 @@ and, read at each scrape from the engine and its control plane (:meth:`RoomMetri
 * ``kvfsm_peer_up{peer_role,peer_rank,incarnation}`` (1 up, 0 down) and
   ``kvfsm_peer_last_heard_seconds{...}`` per control link;
 * ``kvfsm_peer_heartbeat_rtt_seconds{peer_role,peer_rank,incarnation}``: each live control
-  link's round trip, smoothed, as its heartbeats measure it (absent until measured);
+  link's round trip, smoothed, as the frames it carries anyway measure it (heartbeats and the
+  lease exchange, within a lease renewal of the link's start; absent until measured);
 * ``kvfsm_control_<counter>_total``: the control plane's counters (``frames_rejected``,
   ``handshakes_refused``, ``unexpected_errors``...), each a counter. Among them
   ``leases_granted`` (decode: write leases it granted; prefill: grants it received) and
@@ -288,7 +289,7 @@ class _Scraped:
             )
             rtt = GaugeMetricFamily(
                 "kvfsm_peer_heartbeat_rtt_seconds",
-                "Smoothed round trip of a live control link, measured on its heartbeats",
+                "Smoothed round trip of a live control link, from its heartbeats and leases",
                 labels=["peer_role", "peer_rank", "incarnation"],
             )
             for link in self._links():

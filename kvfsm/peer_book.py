@@ -6,7 +6,7 @@ identity (engine, rank, incarnation, agent) from the control plane's links, and 
 after they are gone (a failed room is often read after its link was lost), the last
 :data:`REMEMBERED` of them. It also lists every link, up or down, with how long ago the peer
 was last heard from, whether this rank holds a live write lease on it (prefill), and the
-link's round trip as its heartbeats measured it.
+link's round trip as its heartbeats and lease exchange measured it.
 
 Loop thread only. It reads the control plane's links; it changes nothing there.
 """
@@ -80,7 +80,7 @@ class PeerBook:
 
     def links(self) -> list[dict[str, Any]]:
         """Every link the book knows, newest last: up or down, last heard, leased, and its
-        smoothed heartbeat round trip in ms (``rtt_ms``: null until measured; a lost link
+        smoothed round trip in ms (``rtt_ms``: null until measured; a lost link
         keeps its last)."""
         self.refresh()
         return [dict(row) for row in self._seen.values()]

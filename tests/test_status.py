@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvfsm.control import ChannelConfig
+from kvfsm.manager import ManagerConfig
 from tests.helpers.observed_pair import (
     DECODE_ABORTED,
     DONE,
@@ -99,9 +101,9 @@ def test_links_show_each_peer(pair: ObservedPair) -> None:
     assert back["leased"] is False  # decode grants leases, it holds none
 
 
-def test_links_show_their_heartbeat_round_trip(pair: ObservedPair) -> None:
-    """Both ends measure the round trip of their link on its heartbeats (every 0.25 s here):
-    more than nothing, and on loopback far less than the 0.25 s a heartbeat is held at most
+def test_links_show_their_round_trip(pair: ObservedPair) -> None:
+    """Both ends measure the round trip of their link on its echoes: more than nothing, and on
+    loopback far less than the 0.25 s a heartbeat or 0.5 s a lease grant is held at most here
     (which a round trip that forgot to take the holding out would be near)."""
 
     for url in (pair.prefill_url, pair.decode_url):
@@ -109,6 +111,22 @@ def test_links_show_their_heartbeat_round_trip(pair: ObservedPair) -> None:
         wait_until_sync(lambda: get(links)[0]["rtt_ms"] is not None, timeout=10)  # noqa: B023
         (link,) = get(links)
         assert 0 < link["rtt_ms"] < 100
+
+
+def test_a_link_busy_with_its_leases_measures_its_round_trip_on_them() -> None:
+    """A heartbeat goes out only after ``heartbeat_s`` with nothing else to send, and every
+    link renews its lease every ``lease_s / 4``: with the default settings (1 s against 0.5 s)
+    no heartbeat is ever sent, and the round trip comes from the lease exchange. Heartbeats
+    every 5 s here: within the wait, only the leases can have measured it."""
+    config = ManagerConfig(
+        channel=ChannelConfig(heartbeat_s=5.0), register_interval_s=0.5, status_port=0, metrics=True
+    )
+    with observed_pair(config) as slow:
+        for url in (slow.prefill_url, slow.decode_url):
+            links = f"{url}/links"
+            wait_until_sync(lambda: get(links)[0]["rtt_ms"] is not None, timeout=4)  # noqa: B023
+            (link,) = get(links)
+            assert 0 < link["rtt_ms"] < 100
 
 
 def test_the_rooms_command_tells_a_story_and_groups_failures(pair: ObservedPair) -> None:

@@ -167,7 +167,7 @@ class Link:
         self.peer_id = peer_id
         #: When the peer was last heard from, on the loop's clock (any frame counts).
         self.liveness = Liveness(now, silence_s)
-        #: The heartbeats both ways and the round trip they measure (``last_s``,
+        #: The echoes both ways (heartbeats, leases) and the round trip they measure (``last_s``,
         #: ``smoothed_s``: None until the peer echoed one of ours).
         self.round_trip = RoundTrip()
         #: Payloads (``FrameCodec.payload``), sealed by the writer as they go out: with a

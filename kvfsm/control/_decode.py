@@ -240,7 +240,12 @@ class DecodeControl(ControlPlane):
     # -- frames ----------------------------------------------------------------------------------
 
     def _lease_requested(self, link: Link, frame: LeaseRequest, now: float) -> list[Action]:
-        return self._routing.lease_requested(link.generation, frame, now)
+        round_trip = link.round_trip
+        round_trip.asked(frame, now)  # the round trip of the grant it echoes
+        actions = self._routing.lease_requested(link.generation, frame, now)
+        if actions:  # the grant goes out now
+            round_trip.grant(frame.seq, now)
+        return actions
 
     def _outcome(self, link: Link, frame: RoomOutcome, now: float) -> list[Action]:
         return self._routing.on_outcome(link.generation, frame)

@@ -27,7 +27,8 @@ Frames
                                      incarnation; decode's: its first lease and its fence margin
     Heartbeat      both              a sign of life on an idle connection (any frame is one);
                                      echoes the peer's last heartbeat (the round trip)
-    LeaseRequest   prefill -> decode asks for a write lease (sequence number)
+    LeaseRequest   prefill -> decode asks for a write lease (sequence number); echoes the last
+                                     grant (the round trip)
     LeaseGrant     decode -> prefill grants it: prefill may write into this decode's pages until
                                      its own send time of that request plus ``lease_ms``
     RoomClaim      decode -> prefill this decode room waits for that prefill room (sent as soon as
@@ -153,8 +154,8 @@ __all__ = [
 #: (``pp_rank``, ``first_layer``); 7: decode's fence margin in its Hello (``fence_margin_ms``);
 #: 8: how state is sharded and which layer each state buffer is (``state_dims``,
 #: ``state_conv``, ``state_outer``, ``state_layers``), state rows on KV-only legs, and
-#: state-only legs (``part`` 3); 9: heartbeats echo the peer's last one (``Heartbeat.echo``,
-#: ``held_us``).
+#: state-only legs (``part`` 3); 9: the round trip: heartbeats echo the peer's last one and
+#: lease requests the last grant (``echo``, ``held_us`` on ``Heartbeat`` and ``LeaseRequest``).
 PROTOCOL_VERSION: Final = 9
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
@@ -247,10 +248,16 @@ class Heartbeat(Frame, frozen=True, omit_defaults=True):
     held_us: Count = 0
 
 
-class LeaseRequest(Frame, frozen=True):
-    """Prefill → decode: please grant a write lease. ``seq`` grows by one per request."""
+class LeaseRequest(Frame, frozen=True, omit_defaults=True):
+    """Prefill → decode: please grant a write lease. ``seq`` grows by one per request. It also
+    echoes the last grant prefill received, so decode measures the round trip of its grants
+    (``kvfsm.control._round_trip``); the echo fields are left out until there is one."""
 
     seq: Count
+    #: ``seq`` of the last ``LeaseGrant`` received; None: none yet.
+    echo: Count | None = None
+    #: Microseconds between receiving that grant and sending this request.
+    held_us: Count = 0
 
 
 class LeaseGrant(Frame, frozen=True):

@@ -30,8 +30,8 @@ Rules kept here:
 * Liveness: both sides send a heartbeat every ``heartbeat_s``; any frame counts as a sign of
   life. A peer silent for ``liveness_factor * heartbeat_s`` is lost: the connection is closed
   and every room bound to it gets ``PeerLost`` (law 3: detection within 2x the interval by
-  default). A closed or reset socket is the same, only faster. Each heartbeat also echoes the
-  peer's last one, which measures the link's round trip (``Link.round_trip``,
+  default). A closed or reset socket is the same, only faster. Heartbeats and the lease
+  exchange also measure the link's round trip (``Link.round_trip``,
   :mod:`kvfsm.control._round_trip`).
 * Fencing (law 4): prefill writes into a decode link's pages only under a lease that link
   granted (``LeaseRequest`` / ``LeaseGrant``, see the cores); the transport checks it right

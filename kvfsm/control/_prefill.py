@@ -27,6 +27,7 @@ from kvfsm.control._frames import (
     Error,
     Hello,
     LeaseGrant,
+    LeaseRequest,
     Reconcile,
     RoomAbort,
     RoomClaim,
@@ -34,7 +35,7 @@ from kvfsm.control._frames import (
     clip_reason,
 )
 from kvfsm.control._plane import ControlPlane, new_stats
-from kvfsm.control._routing import Action, GrantLease, PrefillRouting, RevokeLease
+from kvfsm.control._routing import Action, GrantLease, PrefillRouting, RevokeLease, Send
 from kvfsm.control._state_plan import state_link_plan
 from kvfsm.link import AcceptErrors, RawConnection, accept_forever, describe, peer_host, tune
 from kvfsm.rooms import RoomKey
@@ -311,8 +312,15 @@ class PrefillControl(ControlPlane):
     # -- the watchdog's ticks ---------------------------------------------------------------------
 
     def _link_due(self, link: Link, now: float) -> list[Action]:
-        # Leases are asked for on a timer, not when idle: a busy link must renew.
-        return self._routing.lease_due(link.generation, now)
+        # Leases are asked for on a timer, not when idle: a busy link must renew. Each request
+        # echoes decode's last grant (the link's round trip, measured on every live link).
+        actions = self._routing.lease_due(link.generation, now)
+        return [
+            Send(a.link, link.round_trip.ask(a.frame.seq, now))
+            if isinstance(a, Send) and isinstance(a.frame, LeaseRequest)
+            else a
+            for a in actions
+        ]
 
     def _tick(self, now: float) -> list[Action]:
         return self._routing.tick(now)
@@ -320,6 +328,7 @@ class PrefillControl(ControlPlane):
     # -- frames ----------------------------------------------------------------------------------
 
     def _lease_granted(self, link: Link, frame: LeaseGrant, now: float) -> list[Action]:
+        link.round_trip.answered(frame.seq, now)
         return self._routing.lease_granted(link.generation, frame.seq, frame.lease_ms, now)
 
     def _claim(self, link: Link, frame: RoomClaim, now: float) -> list[Action]:

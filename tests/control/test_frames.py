@@ -56,6 +56,7 @@ FRAMES: list[Frame] = [
     Heartbeat(1, 0),
     Heartbeat(MAX63, MAX63, MAX63),
     LeaseRequest(1),
+    LeaseRequest(2, 1, 499_000),
     LeaseGrant(1, 2000),
     RoomClaim(7, 1),
     RoomClaim(MAX63, MAX63),
@@ -121,6 +122,10 @@ def test_heartbeat_echo_fields_travel_only_once_there_is_an_echo() -> None:
     assert msgspec.msgpack.decode(FrameCodec().encode(Heartbeat(9))[5:]) == {
         "t": "Heartbeat",
         "seq": 9,
+    }
+    assert msgspec.msgpack.decode(FrameCodec().encode(LeaseRequest(3))[5:]) == {
+        "t": "LeaseRequest",
+        "seq": 3,
     }
     assert msgspec.msgpack.decode(FrameCodec().encode(Heartbeat(9, 8, 250))[5:]) == {
         "t": "Heartbeat",
@@ -208,6 +213,13 @@ INVALID: list[tuple[str, dict[str, Any] | list[Any], str, int | None, int | None
         "heartbeat echo",
         {"t": "Heartbeat", "seq": 1, "echo": -1},
         "Expected `int` >= 0 - at `$.echo`",
+        None,
+        None,
+    ),
+    (
+        "lease request echo",
+        {"t": "LeaseRequest", "seq": 2, "echo": "1"},
+        "Expected `int | null`, got `str` - at `$.echo`",
         None,
         None,
     ),
@@ -625,6 +637,7 @@ frames_st: st.SearchStrategy[Frame] = st.one_of(
         incarnation=rooms,
     ),
     st.builds(Heartbeat, seq=rooms, echo=st.none() | rooms, held_us=rooms),
+    st.builds(LeaseRequest, seq=rooms, echo=st.none() | rooms, held_us=rooms),
     st.builds(
         RoomMetadata,
         room=rooms,

@@ -1,4 +1,4 @@
-"""A control link's round trip from its heartbeats (``kvfsm.control._round_trip``): the
+"""A control link's round trip from its heartbeats and leases (``kvfsm.control._round_trip``): the
 arithmetic, with ``now`` passed in, on both ends of one link played by two ``RoundTrip``s. The
 measure against a real link is in tests/test_status.py and tests/test_metrics.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfsm.control._frames import Heartbeat
+from kvfsm.control._frames import Heartbeat, LeaseRequest
 from kvfsm.control._round_trip import KEPT, SMOOTHING, RoundTrip
 
 
@@ -53,3 +53,21 @@ def test_only_the_latest_beats_wait_for_an_echo() -> None:
     # Ours before an echoed one are never echoed after it: they are dropped.
     assert a.heard(Heartbeat(2, 1, 0), 20.0) is None
     assert a.heard(Heartbeat(3, KEPT + 1, 0), 20.0) == pytest.approx(20.0 - (KEPT + 1))
+
+
+def test_the_lease_exchange_measures_both_ends() -> None:
+    """Prefill's round trip is a grant's arrival less its request's send time (decode answers
+    at once); decode's is a grant's echo in prefill's next request, less prefill's holding."""
+    prefill, decode = RoundTrip(), RoundTrip()
+    first = prefill.ask(1, 10.0)
+    assert first == LeaseRequest(1)  # no grant heard yet: nothing to echo
+    assert decode.asked(first, 70.000_4) is None
+    decode.grant(1, 70.000_4)
+    assert prefill.answered(1, 10.000_9) == pytest.approx(0.000_9)
+    second = prefill.ask(2, 10.500_9)
+    assert second == LeaseRequest(2, 1, 500_000)
+    # Decode granted at 70.0004 and hears the echo at 70.5012: 0.5 s of it was prefill's.
+    assert decode.asked(second, 70.501_2) == pytest.approx(0.000_8)
+    assert decode.smoothed_s == pytest.approx(0.000_8)
+    assert prefill.answered(7, 11.0) is None  # a grant of a request never sent measures nothing
+    assert prefill.samples == decode.samples == 1

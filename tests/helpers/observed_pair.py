@@ -72,7 +72,7 @@ class _Lines(logging.Handler):
 
 
 @contextlib.contextmanager
-def observed_pair() -> Iterator[ObservedPair]:
+def observed_pair(config: ManagerConfig = CONFIG) -> Iterator[ObservedPair]:
     """The pair, after: room 1 done, room 3 aborted by prefill's caller, room 4 aborted by
     decode's caller mid-way (prefill sees the peer's abort), room 2 waiting on decode."""
     lines: list[str] = []
@@ -87,10 +87,10 @@ def observed_pair() -> Iterator[ObservedPair]:
             fill_sources(src_kv, src_aux)
             dst_kv, dst_aux = make_buffers(SHAPE)
             prefill = PrefillManager(
-                make_layout(src_kv, src_aux), registry, engine_id="t", config=CONFIG
+                make_layout(src_kv, src_aux), registry, engine_id="t", config=config
             )
             decode = DecodeManager(
-                make_layout(dst_kv, dst_aux), registry, engine_id="t", config=CONFIG
+                make_layout(dst_kv, dst_aux), registry, engine_id="t", config=config
             )
             try:
                 pair = ObservedPair(prefill, decode, lines)
