@@ -5,8 +5,11 @@ runs it.
 through the bootstrap registry, moving real KV over NIXL. ``kvfsm run``
 (:mod:`kvfsm.workload.peer_run`) is the data path alone, into a passive decode process; both
 take the workload flags of :func:`~kvfsm.workload.options.add_workload_flags`. ``kvfsm chaos``,
-``kvfsm bootstrap`` and ``kvfsm diagram`` bring their own parsers; ``kvfsm rooms`` reads a
-running rank's status server.
+``kvfsm bootstrap`` and ``kvfsm diagram`` bring their own parsers. The operator's tools:
+``kvfsm rooms`` reads a running rank's status server (its rooms, one room's story, recent
+failures), ``kvfsm top`` (:mod:`kvfsm.top`) shows one or more of them live, and ``kvfsm explain``
+(:mod:`kvfsm.explain`) reads failed-room log lines and ``kill -USR1`` dumps and says what ended
+each room and what to check first.
 
 Each subcommand is registered by name with its one-line help; the modules that define its flags
 and run it are imported only once it is chosen, so ``kvfsm --help`` (and a typo) costs an
@@ -175,6 +178,8 @@ def _get_json(url: str, path: str) -> Any:
     """One GET from a status server; raises OSError (HTTP errors included)."""
     import urllib.request  # noqa: PLC0415 - only the rooms subcommand needs it
 
+    if "://" not in url:  # host:port, as a Prometheus target's instance names a rank
+        url = f"http://{url}"
     with urllib.request.urlopen(url.rstrip("/") + path, timeout=5) as response:
         return json.loads(response.read())
 

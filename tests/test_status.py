@@ -148,3 +148,11 @@ def test_the_rooms_command_tells_a_story_and_groups_failures(pair: ObservedPair)
     assert "aborted (peer): 1" in failed.stdout
     grouped = json.loads(kvfsm("rooms", "--url", pair.prefill_url, "--failed", "--json").stdout)
     assert [r["room"] for r in grouped["aborted (peer)"]] == [DECODE_ABORTED]
+
+
+def test_the_rooms_command_takes_a_bare_host_and_port(pair: ObservedPair) -> None:
+    """A Prometheus target's ``instance`` (host:port) names the same status server."""
+    bare = pair.prefill_url.removeprefix("http://")
+    shown = kvfsm("rooms", "--url", bare, "--room", str(DONE), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert [r["room"] for r in json.loads(shown.stdout)] == [DONE]
