@@ -292,8 +292,18 @@ class _Scraped:
                 "Smoothed round trip of a live control link, from its heartbeats and leases",
                 labels=["peer_role", "peer_rank", "incarnation"],
             )
+            # One series per label set: the same incarnation reconnecting opens a new link
+            # beside its lost one, and two samples with one label set are a broken exposition
+            # (Prometheus keeps either). The up link wins, else the newest (rows come oldest
+            # first).
+            chosen: dict[tuple[str, str, str], dict[str, Any]] = {}
             for link in self._links():
-                labels = [str(link["role"]), str(link["rank"]), str(link["incarnation"])]
+                peer = (str(link["role"]), str(link["rank"]), str(link["incarnation"]))
+                kept = chosen.get(peer)
+                if kept is None or link["up"] or not kept["up"]:
+                    chosen[peer] = link
+            for peer, link in chosen.items():
+                labels = list(peer)
                 up.add_metric(labels, 1.0 if link["up"] else 0.0)
                 if "last_heard_s" in link:
                     heard.add_metric(labels, float(link["last_heard_s"]))

@@ -4,6 +4,7 @@ prefill-decode pair; the room hooks' arithmetic on a ``RoomMetrics`` of its own.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 
@@ -115,3 +116,31 @@ def test_state_times_fall_in_the_bucket_of_their_upper_bound() -> None:
     )
     metrics.reaped(Role.SENDER, KVPoll.Failed)
     assert value(metrics.exposition().decode(), "kvfsm_rooms", 'role="sender",state="Failed"') == 0
+
+
+def test_a_peer_with_a_lost_link_and_a_new_one_is_one_series() -> None:
+    """The same incarnation reconnecting leaves its lost link in the peer book beside the new
+    one: the exposition has one sample per label set, the up one, and a peer whose links are
+    all down reads down (the newest)."""
+    rows = [
+        {"role": "decode", "rank": 0, "incarnation": 7, "up": False, "last_heard_s": 9.0},
+        {"role": "decode", "rank": 0, "incarnation": 7, "up": True, "last_heard_s": 0.1},
+        {"role": "decode", "rank": 0, "incarnation": 7, "up": False, "last_heard_s": 30.0},
+        {"role": "decode", "rank": 1, "incarnation": 8, "up": False, "last_heard_s": 5.0},
+        {"role": "decode", "rank": 1, "incarnation": 8, "up": False, "last_heard_s": 2.0},
+    ]
+    metrics = RoomMetrics()
+    metrics.watch(list, links=lambda: rows)
+
+    async def scrape() -> str:  # scrapes run on the engine's loop
+        return metrics.exposition().decode()
+
+    text = asyncio.run(scrape())
+    for name in ("kvfsm_peer_up", "kvfsm_peer_last_heard_seconds"):
+        assert len(re.findall(f"^{name}{{", text, re.MULTILINE)) == 2, text
+    live = 'incarnation="7",peer_rank="0",peer_role="decode"'
+    assert value(text, "kvfsm_peer_up", live) == 1
+    assert value(text, "kvfsm_peer_last_heard_seconds", live) == 0.1
+    gone = 'incarnation="8",peer_rank="1",peer_role="decode"'
+    assert value(text, "kvfsm_peer_up", gone) == 0
+    assert value(text, "kvfsm_peer_last_heard_seconds", gone) == 2.0
