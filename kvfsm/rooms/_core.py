@@ -58,6 +58,15 @@ from kvfsm.states import (
 
 __all__ = ["Claim", "IllegalEventError", "RoomCore", "page_count"]
 
+# Python 3.11's EnumType defines ``__getattr__``, which sends every attribute read on an enum
+# class (``KVPoll.Failed``) through a slow slot hook: several times a module global's cost. What
+# runs per room step reads these globals instead.
+_BOOTSTRAPPING: Final = KVPoll.Bootstrapping
+_FAILED: Final = KVPoll.Failed
+_SUCCESS: Final = KVPoll.Success
+_TRANSFERRING: Final = KVPoll.Transferring
+_SENDER: Final = Role.SENDER
+
 _PAGE_BYTES: Final = 4  # pages travel as packed int32
 _NO_COMMANDS: Final[tuple[Command, ...]] = ()
 
@@ -137,7 +146,7 @@ class RoomCore:
         #: Written only by :meth:`_fire`, along an edge of the role's compiled dispatch (the
         #: built ``transitions`` machine's edges; ``trigger`` and ``set_state`` never run on the
         #: hot path), and read by everyone.
-        self.state: KVPoll = KVPoll.Bootstrapping
+        self.state: KVPoll = _BOOTSTRAPPING
         #: Why the room failed; empty until it does.
         self.reason = ""
         self._dispatch = DISPATCH[role]
@@ -223,11 +232,11 @@ class RoomCore:
         if state in TERMINAL:
             # Late or duplicate: a chunk finishing after an abort, a peer's abort after Success.
             self._stats.late_events += 1
-            if kind is DestinationReceived and state is KVPoll.Failed:
+            if kind is DestinationReceived and state is _FAILED:
                 # The receiver reserved pages for a sender that already failed (say, aborted
                 # while bootstrapping, before it knew its peer): answer, or they wait for a
                 # deadline. Nothing was ever posted to them, so they are settled too.
-                return (ReportOutcome(KVPoll.Failed, self.reason), ReportSettled())
+                return (ReportOutcome(_FAILED, self.reason), ReportSettled())
             return settled_now
         dest = self._dispatch[state].get(kind)
         if dest is None:
@@ -251,7 +260,7 @@ class RoomCore:
         self._fire(event, dest)
         action = self._actions.get(kind)
         commands = action(self, event) if action is not None else _NO_COMMANDS
-        if self.state is KVPoll.Transferring and self._complete():
+        if self.state is _TRANSFERRING and self._complete():
             return commands + self.handle(TransferCompleted())
         return commands
 
@@ -274,7 +283,7 @@ class RoomCore:
             assert isinstance(event, (ChunkDone, ChunkFailed))
             if event.chunk in self._in_flight:
                 self._in_flight.discard(event.chunk)
-                if self.state is KVPoll.Failed and not self._in_flight and self._peer_known():
+                if self.state is _FAILED and not self._in_flight and self._peer_known():
                     return (ReportSettled(),)
         elif kind is PeerSettled or kind is TransferConfirmed:
             self._exposed = False
@@ -297,7 +306,7 @@ class RoomCore:
         if isinstance(event, DeadlineExpired):
             self._stats.deadline_expiries += 1
         dest = self._dispatch[self.state].get(type(event))
-        if dest is not KVPoll.Failed:  # every non-terminal state has its failure edges: a bug
+        if dest is not _FAILED:  # every non-terminal state has its failure edges: a bug
             raise RuntimeError(f"no edge {type(event).__name__} -> Failed from {self.state.name}")
         self.reason = failure_reason(event)
         self._fire(event, dest)
@@ -308,21 +317,21 @@ class RoomCore:
         # an abort that the sender acknowledges with ReportSettled. A sender that fails before
         # it knows its receiver reports too: the control channel keeps the outcome for the
         # receiver's page list that may still be on its way.
-        if not _from_peer(event) and (self._peer_known() or self.role is Role.SENDER):
-            commands.append(ReportOutcome(KVPoll.Failed, self.reason))
-        if self._peer_known() and self.role is Role.SENDER and not self._in_flight:
+        if not _from_peer(event) and (self._peer_known() or self.role is _SENDER):
+            commands.append(ReportOutcome(_FAILED, self.reason))
+        if self._peer_known() and self.role is _SENDER and not self._in_flight:
             commands.append(ReportSettled())
         return tuple(commands)
 
     def _peer_known(self) -> bool:
-        if self.role is Role.SENDER:
+        if self.role is _SENDER:
             return self._dst_known
         return self._peer_rank >= 0
 
     def _complete(self) -> bool:
-        if self.state is not KVPoll.Transferring:
+        if self.state is not _TRANSFERRING:
             return False
-        if self.role is Role.SENDER:
+        if self.role is _SENDER:
             return self._last_submitted and not self._in_flight
         return not self._exposed
 
@@ -419,7 +428,7 @@ class RoomCore:
         return (self._post(event.pages, event.state),)
 
     def _on_sender_completed(self, event: TransferCompleted) -> tuple[Command, ...]:
-        return (ReportOutcome(KVPoll.Success),)
+        return (ReportOutcome(_SUCCESS),)
 
     def _on_receiver_init(self, event: Initialized) -> tuple[Command, ...]:
         self._peer_rank = event.peer_rank

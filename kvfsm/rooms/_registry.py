@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from kvfsm.rooms._actor import Room
 from kvfsm.rooms._config import RoomConfig
@@ -23,6 +23,12 @@ from kvfsm.rooms._timeline import Finished, PeerNamer, RoomRecord, dropped, entr
 from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
+
+# Python 3.11's EnumType defines ``__getattr__``, which sends every attribute read on an enum
+# class (``KVPoll.Failed``) through a slow slot hook: several times a module global's cost. What
+# runs per room step reads these globals instead.
+_FAILED: Final = KVPoll.Failed
+_RECEIVER: Final = Role.RECEIVER
 
 _log = logging.getLogger("kvfsm.rooms")
 _monotonic = time.monotonic
@@ -179,7 +185,7 @@ class Registry:
             self.spawn(key, role, publication, leg=leg, group=group)
         except (DuplicateRoomError, RuntimeError) as exc:
             publication.reason = f"refused: {exc}"
-            publication.status = KVPoll.Failed
+            publication.status = _FAILED
             publication.settled = True  # the refused room never exposed a page
             _log.warning("room %s gen %s refused: %s", key.room, key.generation, exc)
 
@@ -347,7 +353,7 @@ class Registry:
             del self._current[ident]
         self.stats.reaped += 1
         self._remember(room)
-        if room.role is Role.RECEIVER and room.key in self.owners:
+        if room.role is _RECEIVER and room.key in self.owners:
             self._release_destinations(room)
         # The control plane drops every per-room entry it keeps for this room.
         try:

@@ -81,6 +81,12 @@ __all__ = [
     "reason_kind",
 ]
 
+# Python 3.11's EnumType defines ``__getattr__``, which sends every attribute read on an enum
+# class (``KVPoll.Failed``) through a slow slot hook: several times a module global's cost. What
+# runs per room step reads these globals instead.
+_FAILED: Final = KVPoll.Failed
+_RECEIVER: Final = Role.RECEIVER
+
 #: Entries a timeline shows at most: the first HEAD, then the latest.
 CAPACITY: Final = 32
 HEAD: Final = 8
@@ -248,7 +254,7 @@ def _object_row(item: object, role: Role, row: dict[str, Any]) -> None:
             if "write lease" in item.reason:
                 row["kind"], row["what"] = "fenced", "chunk refused: its write lease is gone"
     elif isinstance(item, Initialized):
-        if role is Role.RECEIVER:
+        if role is _RECEIVER:
             row["rank"] = item.peer_rank
         else:
             row.update(pages=item.num_pages, aux=item.aux_index)
@@ -361,7 +367,7 @@ class Finished:
         self.failed: deque[RoomRecord] = deque(maxlen=kept)
 
     def add(self, record: RoomRecord) -> None:
-        if record.state is KVPoll.Failed:
+        if record.state is _FAILED:
             self.failed.append(record)
         else:
             self.recent.append(record)
