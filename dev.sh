@@ -60,10 +60,11 @@ promtool_step() {
 fetch_promtool() {
     local dir rc=0
     dir=$(mktemp -d)
-    # Without package lists (a fresh image) only root can fetch them first.
-    (cd "$dir" && apt-get download prometheus) \
-        || { [ "$(id -u)" -eq 0 ] && apt-get update -qq \
-            && (cd "$dir" && apt-get download prometheus); } \
+    # Without package lists (a fresh image) only root can fetch them first. Bounded: a mirror
+    # that does not answer costs these checks, never the set-up.
+    (cd "$dir" && timeout 120 apt-get download prometheus) \
+        || { [ "$(id -u)" -eq 0 ] && timeout 300 apt-get update -qq \
+            && (cd "$dir" && timeout 120 apt-get download prometheus); } \
         || rc=$?
     if [ "$rc" -eq 0 ]; then
         { dpkg-deb -x "$dir"/prometheus_*.deb "$dir/unpacked" \
