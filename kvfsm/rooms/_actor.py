@@ -47,7 +47,6 @@ from kvfsm.rooms._timeline import (
     STATE_MARKS,
     compact,
     failure_line,
-    new_timeline,
 )
 from kvfsm.states import (
     SETTLEMENT_EVENTS,
@@ -166,7 +165,8 @@ class Room:
         #: milliseconds), for the time in each state its observer is told (moved only then).
         self._since = _monotonic()
         #: The flight recorder (kvfsm.rooms._timeline); None when the engine runs without it.
-        self.timeline: list[object] | None = new_timeline() if host.config.flight_recorder else None
+        #: ``new_timeline()`` inlined: a Python call less per room.
+        self.timeline: list[object] | None = [_monotonic()] if host.config.flight_recorder else None
 
     def __repr__(self) -> str:
         return f"<Room {self.role.value} {self.key.room} gen {self.key.generation}>"

@@ -19,7 +19,15 @@ from kvfsm.rooms._owners import DestinationOwners
 from kvfsm.rooms._ports import CommandSink, Observer, Publication, RoomKey
 from kvfsm.rooms._scheduler import RoomScheduler
 from kvfsm.rooms._stats import RoomStats
-from kvfsm.rooms._timeline import Finished, PeerNamer, RoomRecord, dropped, entries, reason_kind
+from kvfsm.rooms._timeline import (
+    Finished,
+    PeerNamer,
+    RoomRecord,
+    dropped,
+    entries,
+    freeze,
+    reason_kind,
+)
 from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
@@ -322,24 +330,23 @@ class Registry:
             return
         core, key = room.core, room.key
         agent, rank, fence = room.peer_identity()
-        self.finished.add(
-            tuple.__new__(  # NamedTuple's own constructor costs a Python call: hot path
-                RoomRecord,
-                (
-                    key.room,
-                    key.generation,
-                    room.role,
-                    core.state,
-                    core.reason,
-                    room.publication.settled,
-                    timeline,
-                    _monotonic(),
-                    agent,
-                    rank,
-                    fence,
-                ),
-            )
+        state = core.state
+        record = RoomRecord(
+            key.room,
+            key.generation,
+            room.role,
+            state,
+            core.reason,
+            room.publication.settled,
+            freeze(timeline),  # one object for the ring to drop later (kvfsm.rooms._timeline)
+            _monotonic(),
+            agent,
+            rank,
+            fence,
         )
+        # Finished.add, inlined (a Python call per room on the hot path): failures apart.
+        finished = self.finished
+        (finished.failed if state is _FAILED else finished.recent).append(record)
 
     # -- reaping and errors --------------------------------------------------------------------
 

@@ -23,8 +23,10 @@ from kvfsm.rooms._timeline import (
     compact,
     dropped,
     entries,
+    freeze,
     new_timeline,
     reason_kind,
+    thaw,
 )
 from kvfsm.states import (
     AbortRequested,
@@ -244,3 +246,30 @@ def test_finished_keeps_failures_apart_from_successes() -> None:
 def test_reason_kinds_strip_numbers() -> None:
     assert reason_kind("chunk 12 stalled: no progress") == "chunk # stalled"
     assert reason_kind("") == "unknown"
+
+
+def test_a_frozen_timeline_reads_as_the_live_one() -> None:
+    """The ring keeps a reaped room's timeline frozen into bytes: it reads back the same rows,
+    events, markers and times included."""
+    timeline = new_timeline()
+    born = timeline[0]
+    assert isinstance(born, float)
+    for i in range(60):
+        if len(timeline) >= SLOTS:
+            compact(timeline)
+        timeline.append(born + i / 1000)
+        timeline.append(ChunkDone(i))
+        timeline.append(ENCODERS[PostChunk](PostChunk(i, pages(1, 2), pages(3, 4), False)))
+    timeline.append(STATE_MARKS[KVPoll.Failed])
+    timeline.append(AbortRequested("bye", origin="peer"))
+    frozen = freeze(timeline)
+    assert type(frozen) is bytes
+    assert thaw(frozen) == timeline
+    assert entries(frozen, Role.SENDER, page_bytes=10) == entries(
+        timeline, Role.SENDER, page_bytes=10
+    )
+    assert dropped(frozen) == dropped(timeline) > 0
+    record = RoomRecord(1, 1, Role.SENDER, KVPoll.Failed, "", True, frozen, born + 1, "", -1, 0)
+    assert record.born == born
+    odd: list[object] = [born, object()]  # something that does not encode stays a list
+    assert freeze(odd) is odd
