@@ -9,7 +9,10 @@ error lines of SGLang's own log.
 
 (``mooncake-transfer-engine`` itself, the CUDA build, does not import on a machine without an
 NVIDIA driver: its engine links ``libcudart.so.12`` and ``libcuda.so.1``; the non-CUDA build
-of the same release does, and also needs ``libibverbs1`` and ``librdmacm1`` from apt.)
+of the same release does, and also needs ``libibverbs1`` and ``librdmacm1`` from apt. Remove
+those after probing: with them installed and no RDMA device, UCX loads its verbs transport, and
+on this machine a process that had used NIXL then died of SIGSEGV at interpreter exit, which
+fails tests that check a child's exit status.)
 
 SGLang's NIXL backend cannot serve a CPU pool (it registers the KV pool as VRAM), so Mooncake is
 the SGLang backend that kvfsm's fault campaigns could be compared with on this machine. What the
