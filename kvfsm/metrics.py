@@ -35,7 +35,6 @@ when Prometheus scrapes.
 from __future__ import annotations
 
 import asyncio
-import re
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
@@ -48,11 +47,10 @@ from prometheus_client.core import (
     Metric,
 )
 
-from kvfsm.states import NON_TERMINAL, KVPoll, Role, deadline_of
+from kvfsm.states import NON_TERMINAL, KVPoll, Role, deadline_of, reason_kind
 
 __all__ = ["STATE_BUCKETS", "RoomMetrics", "reason_kind"]
 
-_DIGITS: Final = re.compile(r"\d+")
 _BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0, 30.0)
 #: ``kvfsm_room_state_seconds``'s upper bounds: a loopback handshake takes a few hundred
 #: microseconds, and the longest default deadline (a receiver's WaitingForInput) is 300 s.
@@ -83,11 +81,6 @@ _STATES: Final = len(KVPoll)
 _SENDER: Final = Role.SENDER
 _FAILED: Final = KVPoll.Failed
 _BOOTSTRAPPING: Final = int(KVPoll.Bootstrapping)
-
-
-def reason_kind(reason: str) -> str:
-    """The class of a failure reason: the part before the first colon, numbers as ``#``."""
-    return _DIGITS.sub("#", reason.split(":", 1)[0].strip()) or "unknown"
 
 
 class _Tally:

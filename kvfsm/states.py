@@ -60,6 +60,7 @@ the table drops them as late.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, Literal, TypeAlias
@@ -106,6 +107,7 @@ __all__ = [
     "TransferConfirmed",
     "deadline_of",
     "failure_reason",
+    "reason_kind",
 ]
 
 
@@ -431,6 +433,15 @@ def failure_reason(event: Event) -> str:
     if isinstance(event, EventRejected):
         return f"rejected: {event.reason}"
     raise TypeError(f"{type(event).__name__} is not a failure event")
+
+
+_DIGITS: Final = re.compile(r"\d+")
+
+
+def reason_kind(reason: str) -> str:
+    """The class of a failure reason, what operators group failures by (metrics, the status
+    server, the failed-room log line): the part before the first colon, numbers as ``#``."""
+    return _DIGITS.sub("#", reason.split(":", 1)[0].strip()) or "unknown"
 
 
 # --------------------------------------------------------------------------------------------

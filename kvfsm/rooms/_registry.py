@@ -26,9 +26,17 @@ from kvfsm.rooms._timeline import (
     dropped,
     entries,
     freeze,
+)
+from kvfsm.states import (
+    NON_TERMINAL,
+    TERMINAL,
+    AbortRequested,
+    Event,
+    KVPoll,
+    Role,
+    deadline_of,
     reason_kind,
 )
-from kvfsm.states import NON_TERMINAL, TERMINAL, AbortRequested, Event, KVPoll, Role, deadline_of
 
 __all__ = ["DuplicateRoomError", "Observer", "Registry"]
 

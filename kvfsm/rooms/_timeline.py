@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -74,6 +73,7 @@ from kvfsm.states import (
     SendMetadata,
     TransferCompleted,
     TransferConfirmed,
+    reason_kind,
 )
 
 __all__ = [
@@ -93,7 +93,6 @@ __all__ = [
     "failure_line",
     "freeze",
     "new_timeline",
-    "reason_kind",
     "thaw",
 ]
 
@@ -118,7 +117,6 @@ FINISHED_KEPT: Final = 1000
 #: incarnation, agent), or None. Called only when a timeline is read.
 PeerNamer = Callable[[Role, str, int, int], "dict[str, Any] | None"]
 
-_DIGITS: Final = re.compile(r"\d+")
 
 # -- encoded entries ---------------------------------------------------------------------------
 #
@@ -430,11 +428,6 @@ class Finished:
         found += [r for r in self.failed if r.room == room]
         found.sort(key=lambda r: r.generation, reverse=True)
         return found
-
-
-def reason_kind(reason: str) -> str:
-    """The class of a failure reason: the part before the first colon, numbers as ``#``."""
-    return _DIGITS.sub("#", reason.split(":", 1)[0].strip()) or "unknown"
 
 
 def failure_line(
