@@ -184,6 +184,19 @@ def _get_json(url: str, path: str) -> Any:
         return json.loads(response.read())
 
 
+def _read(url: str, path: str, *, missing: str | None = None) -> Any:
+    """``_get_json``, or None once the error is printed: ``missing`` (on stdout) for a 404 where
+    the caller gave one, else why the status server could not be read (on stderr)."""
+    try:
+        return _get_json(url, path)
+    except OSError as exc:  # an HTTPError too
+        if missing is not None and getattr(exc, "code", None) == 404:
+            print(f"kvfsm rooms: {missing}")
+        else:
+            print(f"kvfsm rooms: cannot read {url}{path}: {exc}", file=sys.stderr)
+        return None
+
+
 def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
     table = [[str("" if row.get(c) is None else row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in table]) for i, c in enumerate(columns)]
@@ -194,10 +207,8 @@ def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
 
 def _show_rooms(url: str, *, as_json: bool) -> int:
     """``kvfsm rooms``: one GET of ``/rooms`` from a rank's status server, as a table."""
-    try:
-        rows: list[dict[str, Any]] = _get_json(url, "/rooms")
-    except OSError as exc:
-        print(f"kvfsm rooms: cannot read {url}/rooms: {exc}", file=sys.stderr)
+    rows: list[dict[str, Any]] | None = _read(url, "/rooms")
+    if rows is None:
         return 1
     if as_json:
         print(json.dumps(rows))
@@ -226,18 +237,9 @@ def _peer_text(peer: dict[str, Any] | None) -> str:
 
 def _show_story(url: str, room: int, *, as_json: bool) -> int:
     """``kvfsm rooms --room ID``: every room of that id the rank knows, with its timeline."""
-    import urllib.error  # noqa: PLC0415 - only the rooms subcommand needs it
-
-    try:
-        rows: list[dict[str, Any]] = _get_json(url, f"/rooms/{room}")
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
-            print(f"kvfsm rooms: {url} knows no live or recently finished room {room}")
-            return 1
-        print(f"kvfsm rooms: cannot read {url}/rooms/{room}: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"kvfsm rooms: cannot read {url}/rooms/{room}: {exc}", file=sys.stderr)
+    missing = f"{url} knows no live or recently finished room {room}"
+    rows: list[dict[str, Any]] | None = _read(url, f"/rooms/{room}", missing=missing)
+    if rows is None:
         return 1
     if as_json:
         print(json.dumps(rows))
@@ -269,10 +271,8 @@ def _show_story(url: str, room: int, *, as_json: bool) -> int:
 
 def _show_failures(url: str, *, as_json: bool) -> int:
     """``kvfsm rooms --failed``: the last failed rooms, grouped by reason kind (biggest first)."""
-    try:
-        rows: list[dict[str, Any]] = _get_json(url, "/failures")
-    except OSError as exc:
-        print(f"kvfsm rooms: cannot read {url}/failures: {exc}", file=sys.stderr)
+    rows: list[dict[str, Any]] | None = _read(url, "/failures")
+    if rows is None:
         return 1
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
