@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -156,3 +157,13 @@ def test_the_rooms_command_takes_a_bare_host_and_port(pair: ObservedPair) -> Non
     shown = kvfsm("rooms", "--url", bare, "--room", str(DONE), "--json")
     assert shown.returncode == 0, shown.stderr
     assert [r["room"] for r in json.loads(shown.stdout)] == [DONE]
+
+
+def test_the_rooms_command_says_when_a_status_server_cannot_be_read() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{s.getsockname()[1]}"
+    for extra in ((), ("--room", "1"), ("--failed",)):
+        shown = kvfsm("rooms", "--url", url, *extra)
+        assert shown.returncode == 1
+        assert f"kvfsm rooms: cannot read {url}/" in shown.stderr
