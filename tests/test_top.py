@@ -15,16 +15,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from rich.console import Console
 
 from kvfsm import KVPoll
-from kvfsm.states import TERMINAL
 from kvfsm.top import DASH as D
 from kvfsm.top import Poller, Sample, Window, parse_metrics, rates, render
 from tests.helpers.cli import REPO, _sigint_not_ignored
-from tests.helpers.observed_pair import WAITING, ObservedPair, get, observed_pair
+from tests.helpers.observed_pair import WAITING, ObservedPair, get, move_room, observed_pair
 from tests.helpers.waiting import wait_until_sync
 
 
@@ -133,16 +131,8 @@ def test_rates_of_rooms_moved_between_two_samples() -> None:
 
 def _move_a_room_and_abort_another(pair: ObservedPair) -> None:
     """Room 10 moves 4 pages and an aux row and succeeds; room 11 is aborted by prefill."""
-    receiver, sender = pair.decode.receiver(10), pair.prefill.sender(10)
-    receiver.init(0)
-    wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
-    receiver.send_metadata(np.asarray([30, 31, 32, 33], np.int32), 5)
-    wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
-    sender.init(4, 6)
-    sender.send([9, 10])
-    sender.send([11, 12])
-    wait_until_sync(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=10)
-    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    moved = move_room(pair, 10, [[9, 10], [11, 12]], [30, 31, 32, 33], src_aux=6, dst_aux=5)
+    assert moved == (KVPoll.Success, KVPoll.Success)
     pair.prefill.sender(11).abort("operator test")
     wait_until_sync(lambda: pair.prefill.stats()["rooms"]["failed"] == 3, timeout=10)
     wait_until_sync(lambda: pair.prefill.stats()["rooms"]["live"] == 0, timeout=10)

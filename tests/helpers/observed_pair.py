@@ -104,18 +104,34 @@ def observed_pair(config: ManagerConfig = CONFIG) -> Iterator[ObservedPair]:
         logger.setLevel(old_level)
 
 
-def _run_rooms(pair: ObservedPair) -> None:
-    prefill, decode = pair.prefill, pair.decode
-    receiver, sender = decode.receiver(DONE), prefill.sender(DONE)
+def move_room(
+    pair: ObservedPair,
+    room: int,
+    chunks: list[list[int]],
+    dst: list[int],
+    *,
+    src_aux: int,
+    dst_aux: int,
+) -> tuple[KVPoll, KVPoll]:
+    """Room ``room`` through the scheduler's calls on both sides: decode's pages ``dst`` and
+    aux row, then prefill's ``chunks`` of source pages and aux row; (sender, receiver) status
+    once both ended."""
+    receiver, sender = pair.decode.receiver(room), pair.prefill.sender(room)
     receiver.init(0)
     wait_until_sync(lambda: receiver.poll() is KVPoll.WaitingForInput, timeout=10)
-    receiver.send_metadata(np.asarray([5, 6, 7, 8], np.int32), 0)
+    receiver.send_metadata(np.asarray(dst, np.int32), dst_aux)
     wait_until_sync(lambda: sender.poll() is KVPoll.WaitingForInput, timeout=10)
-    sender.init(4, 1)
-    sender.send([1, 2])
-    sender.send([3, 4])
+    sender.init(sum(len(c) for c in chunks), src_aux)
+    for chunk in chunks:
+        sender.send(chunk)
     wait_until_sync(lambda: receiver.poll() in TERMINAL and sender.poll() in TERMINAL, timeout=10)
-    assert receiver.poll() is KVPoll.Success
+    return sender.poll(), receiver.poll()
+
+
+def _run_rooms(pair: ObservedPair) -> None:
+    prefill, decode = pair.prefill, pair.decode
+    moved = move_room(pair, DONE, [[1, 2], [3, 4]], [5, 6, 7, 8], src_aux=1, dst_aux=0)
+    assert moved[1] is KVPoll.Success
     failing = prefill.sender(PREFILL_ABORTED)
     failing.abort("operator test")
     # Decode aborts a room whose destination prefill already has: prefill's room fails with
