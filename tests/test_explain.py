@@ -20,6 +20,7 @@ import pytest
 
 from kvfsm import explain as ex
 from kvfsm.control import ChannelConfig
+from kvfsm.explain import _rules as rules
 from kvfsm.rooms import RoomConfig, RoomEngine
 from kvfsm.rooms._engine import live_rooms_lines
 from kvfsm.rooms._loopback import LoopbackSink
@@ -175,62 +176,67 @@ def test_every_failure_event_has_a_family() -> None:
             "chunk 2 failed: write lease of fence 9 expired 0.25s ago: not posted",
             "sender",
             "fenced",
-            ex.LAW_FENCE,
+            rules.LAW_FENCE,
         ),
         (
             "chunk 2 stalled: write lease of fence 9 revoked; released",
             "sender",
             "fenced",
-            ex.LAW_FENCE,
+            rules.LAW_FENCE,
         ),
         (
             "chunk 2 failed: write lease of fence 9 void: the stale-progress gate refused "
             "(see kvfsm.transport._fence)",
             "sender",
             "fenced_out",
-            ex.LAW_FENCE,
+            rules.LAW_FENCE,
         ),
         (
             "chunk 4 stalled: in flight past its 30s deadline; released",
             "sender",
             "chunk_stalled",
-            ex.LAW_STALL,
+            rules.LAW_STALL,
         ),
-        ("chunk 4 stalled: peer lost; released", "sender", "chunk_peer_lost", ex.LAW_LIVENESS),
+        ("chunk 4 stalled: peer lost; released", "sender", "chunk_peer_lost", rules.LAW_LIVENESS),
         (
             "chunk 1 failed: page index 900 out of range [0, 64)",
             "sender",
             "page_out_of_range",
-            ex.LAW_INPUT,
+            rules.LAW_INPUT,
         ),
-        ("rejected: mailbox overflow (> 1024)", "receiver", "mailbox_overflow", ex.LAW_QUOTA),
+        ("rejected: mailbox overflow (> 1024)", "receiver", "mailbox_overflow", rules.LAW_QUOTA),
         (
             "rejected: could not execute PostChunk: boom",
             "sender",
             "internal_error",
-            ex.LAW_INTERNAL,
+            rules.LAW_INTERNAL,
         ),
         (
             "rejected: page 70 already held by room 3 gen 5",
             "receiver",
             "bad_pages",
-            ex.LAW_INPUT,
+            rules.LAW_INPUT,
         ),
-        ("rejected: ChunkSubmitted in Bootstrapping", "sender", "illegal_event", ex.LAW_INPUT),
+        ("rejected: ChunkSubmitted in Bootstrapping", "sender", "illegal_event", rules.LAW_INPUT),
         (
             "peer lost: cannot reach prefill rank 0: handshake refused: prefill rank 0 refused "
             "decode rank 0: over ChannelConfig.max_links",
             "receiver",
             "handshake_refused",
-            ex.LAW_HANDSHAKE,
+            rules.LAW_HANDSHAKE,
         ),
         (
             "peer lost: kvfsm-decode-t-r0-h-pid9-ab silent for more than 2s",
             "sender",
             "peer_silent",
-            ex.LAW_LIVENESS,
+            rules.LAW_LIVENESS,
         ),
-        ("refused: engine is shutting down; no new rooms", "sender", "shutdown", ex.LAW_SHUTDOWN),
+        (
+            "refused: engine is shutting down; no new rooms",
+            "sender",
+            "shutdown",
+            rules.LAW_SHUTDOWN,
+        ),
     ],
 )
 def test_reasons_built_from_parameters(reason: str, role: str, kind: str, law: str) -> None:
@@ -268,7 +274,7 @@ def test_an_unknown_reason_is_reported_with_its_words() -> None:
     )
     report = ex.explain("some prefix: " + line)
     (finding,) = report.failed
-    assert (finding.kind, finding.law, finding.reason) == ("unknown", ex.LAW_UNKNOWN, "zap")
+    assert (finding.kind, finding.law, finding.reason) == ("unknown", rules.LAW_UNKNOWN, "zap")
     assert "zap" in finding.explanation
 
 
@@ -322,11 +328,11 @@ def test_a_real_pair_s_failed_rooms(failed_log: _Lines) -> None:
     rooms = _by_room(ex.explain(text).failed)
 
     mine = rooms[(PREFILL_ABORTED, "sender")]
-    assert (mine.kind, mine.law) == ("caller_abort", ex.LAW_ABORT)
+    assert (mine.kind, mine.law) == ("caller_abort", rules.LAW_ABORT)
     assert "operator test" in mine.explanation
 
     theirs = rooms[(DECODE_ABORTED, "sender")]
-    assert (theirs.kind, theirs.law) == ("peer_aborted", ex.LAW_PEER)
+    assert (theirs.kind, theirs.law) == ("peer_aborted", rules.LAW_PEER)
     assert theirs.cause is not None
     assert theirs.cause["kind"] == "caller_abort"
     assert "client went away" in theirs.cause["explanation"]
@@ -341,7 +347,7 @@ def test_a_real_pair_s_failed_rooms(failed_log: _Lines) -> None:
 
     lost = rooms[(WAITING, "receiver")]
     assert lost.kind in ("peer_closed", "peer_silent"), lost.reason
-    assert lost.law in (ex.LAW_LINK, ex.LAW_LIVENESS)
+    assert lost.law in (rules.LAW_LINK, rules.LAW_LIVENESS)
     assert lost.peer is not None
     assert (lost.peer["engine"], lost.peer["rank"], lost.peer["agent"]) == (
         "t",
@@ -376,7 +382,7 @@ def test_a_real_peer_fallen_silent(failed_log: _Lines) -> None:
         decode.close()
         prefill.close()
     (lost,) = [f for f in ex.explain("\n".join(failed_log.lines)).failed if f.room == 60]
-    assert (lost.kind, lost.law) == ("peer_silent", ex.LAW_LIVENESS)
+    assert (lost.kind, lost.law) == ("peer_silent", rules.LAW_LIVENESS)
     assert lost.reason.endswith("silent for more than 0.4s")
     assert "sent nothing, not even a heartbeat, for 0.4s" in lost.explanation
     assert lost.peer is not None
@@ -399,7 +405,7 @@ def test_deadlines_of_a_real_engine_and_the_summary(
     report = ex.explain("\n".join(failed_log.lines))
     assert len(report.failed) == ex.SUMMARY_FROM
     for finding in report.failed:
-        assert (finding.kind, finding.law) == ("deadline", ex.LAW_DEADLINE)
+        assert (finding.kind, finding.law) == ("deadline", rules.LAW_DEADLINE)
         assert "send_metadata within 0.2s" in finding.explanation
         assert "KV pool" in finding.check
         assert any(e["kind"] == "deadline" for e in finding.timeline)
