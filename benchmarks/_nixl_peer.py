@@ -3,7 +3,7 @@
 Started by the benchmark with ``multiprocessing`` (spawn context) as ``serve(conn, nbytes,
 name)``. It creates one NIXL agent (UCX, progress thread off), allocates ``nbytes`` of DRAM
 (pre-faulted), registers it, and sends ``("ready", agent_metadata, base_address, nbytes)`` over
-the pipe. Then it loops:
+the pipe (and, last, every agent's metadata: see ``serve``'s ``agents``). Then it loops:
 
 * progressing its agent: ``get_new_notifs()`` in a tight loop with a short sleep. With progress
   threads off, the initiator's transfers can stay ``PROC`` forever unless the target's UCX worker
@@ -133,15 +133,19 @@ def _handle(command: tuple[Any, ...], buffer: npt.NDArray[np.uint8], gpu: Any) -
             raise ValueError(f"unknown command {command!r:.80}")
 
 
-def serve(conn: Connection, nbytes: int, name: str, mem: str = "DRAM") -> None:
+def serve(conn: Connection, nbytes: int, name: str, mem: str = "DRAM", agents: int = 1) -> None:
     """Process entry point (see the module docstring). ``mem="VRAM"``: the buffer is on CUDA
-    device 0 (torch), registered as VRAM."""
+    device 0 (torch), registered as VRAM. ``agents`` > 1: that many agents (several decode
+    peers in one process, ``benchmarks/scaling.py``), agent ``i`` named ``name-i`` (agent 0
+    ``name``) with slice ``i`` of ``agents`` equal slices of the buffer registered; the ready
+    message's last item lists their metadata, agent 0's first."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines go to stdout
     from kvfsm.transport._nixl import nixl_agent, nixl_agent_config
 
     parent = os.getppid()
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    every = [nixl_agent(name if i == 0 else f"{name}-{i}", config) for i in range(agents)]
     gpu: Any = None
     if mem == "VRAM":
         import torch
@@ -153,13 +157,19 @@ def serve(conn: Connection, nbytes: int, name: str, mem: str = "DRAM") -> None:
         buffer = np.empty(nbytes, dtype=np.uint8)
         buffer.fill(0)  # fault every page in now, not during the first timed transfer
         base = buffer.ctypes.data
-    reg = agent.register_memory([(base, nbytes, 0, "")], mem)
+    part = nbytes // agents
+    regs = [
+        agent.register_memory([(base + i * part, part, 0, "")], mem)
+        for i, agent in enumerate(every)
+    ]
     try:
-        conn.send(("ready", agent.get_agent_metadata(), base, nbytes))
-        progress = agent.get_new_notifs
+        metadata = [agent.get_agent_metadata() for agent in every]
+        conn.send(("ready", metadata[0], base, nbytes, metadata))
+        progress = [agent.get_new_notifs for agent in every]
         ticks = 0
         while True:
-            progress()
+            for step in progress:
+                step()
             if conn.poll(0):
                 try:
                     command = conn.recv()
@@ -181,4 +191,5 @@ def serve(conn: Connection, nbytes: int, name: str, mem: str = "DRAM") -> None:
     except (BrokenPipeError, ConnectionResetError):
         return
     finally:
-        agent.deregister_memory(reg)
+        for agent, reg in zip(every, regs, strict=True):
+            agent.deregister_memory(reg)

@@ -388,12 +388,12 @@ def _tp_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[Case]:
 class Peer:
     """The shared "decode" process (``_nixl_peer.serve``): a NIXL agent and a registered buffer."""
 
-    def __init__(self, nbytes: int, name: str, mem: str = "DRAM") -> None:
+    def __init__(self, nbytes: int, name: str, mem: str = "DRAM", agents: int = 1) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=serve, args=(child, nbytes, name, mem), name="nixl-peer", daemon=True
+            target=serve, args=(child, nbytes, name, mem, agents), name="nixl-peer", daemon=True
         )
         self.process.start()
         child.close()
@@ -404,7 +404,8 @@ class Peer:
         except BaseException:
             self.close()
             raise
-        _, self.metadata, self.base, self.nbytes = reply
+        # With agents > 1, agent i has slice i of the buffer registered (benchmarks/scaling.py).
+        _, self.metadata, self.base, self.nbytes, self.metadatas = reply
 
     def _recv(self, timeout: float) -> Any:
         deadline = time.monotonic() + timeout
@@ -771,9 +772,16 @@ class RawNixl:
             )
 
     def _send(
-        self, case: Case, local: nixl_prepped_dlist_handle, remote: nixl_prepped_dlist_handle
+        self,
+        case: Case,
+        local: nixl_prepped_dlist_handle,
+        remote: nixl_prepped_dlist_handle,
+        route: Sequence[tuple[nixl_prepped_dlist_handle, int]] | None = None,
     ) -> dict[str, float]:
-        """Every chunk of ``case``, ``case.window`` rooms in flight. The timed loop."""
+        """Every chunk of ``case``, ``case.window`` rooms in flight. The timed loop. ``route``
+        (several decode peers, ``benchmarks/scaling.py``): each room's remote list and the
+        first page of its slice, subtracted from the room's destination pages."""
+        targets = route if route is not None else [(remote, 0)] * len(case.rooms)
         agent = self.agent
         make, transfer = agent.make_prepped_xfer, agent.transfer
         check, release = agent.check_xfer_state, agent.release_xfer_handle
@@ -791,9 +799,10 @@ class RawNixl:
                     i = next_room
                     next_room += 1
                     posted_at[i] = clock()
+                    target, shift = targets[i]
                     for src, dst in rooms[i]:
-                        s, d = _request_indices(case, src, dst)
-                        handle = make("WRITE", local, s, remote, d)
+                        s, d = _request_indices(case, src, dst - shift if shift else dst)
+                        handle = make("WRITE", local, s, target, d)
                         if transfer(handle) == "DONE":
                             release(handle)
                             done_at_post += 1
@@ -936,8 +945,22 @@ class Kvfsm:
                 raise BenchError(f"link_piece planned {planned!r} for {heads}: no KV to move")
             piece = planned  # None with equal TP: whole pages (the raw runner still slices rows)
         self.piece = piece
-        self.engine.call(self.transport.connect_peer("decode", peer.metadata, remote, piece))
+        self._connect(remote, piece)
         self._rooms = 0
+
+    def _connect(self, remote: Any, piece: Any) -> None:
+        """Connect the decode side the rooms send to: the shared peer, as "decode" (a subclass
+        may connect several, ``benchmarks/scaling.py``)."""
+        self.engine.call(
+            self.transport.connect_peer("decode", self.bench.peer.metadata, remote, piece)
+        )
+
+    def _destinations(self, case: Case) -> list[tuple[str, bytes]]:
+        """Each room's decode peer and page list, packed as it arrives off the wire."""
+        return [
+            ("decode", np.concatenate([d for _, d in room]).astype(np.int32).tobytes())
+            for room in case.rooms
+        ]
 
     def close(self) -> None:
         self.engine.close()
@@ -953,9 +976,7 @@ class Kvfsm:
     def run(self, case: Case) -> Result:
         # Decode's page list of each room, packed as it arrives off the wire: built before the
         # clock starts (the control plane is not measured here, and raw NIXL builds none).
-        destinations = [
-            np.concatenate([d for _, d in room]).astype(np.int32).tobytes() for room in case.rooms
-        ]
+        destinations = self._destinations(case)
         return measure(
             self.name,
             case,
@@ -965,7 +986,7 @@ class Kvfsm:
             checksum=lambda: self.bench.peer.checksum(case),
         )
 
-    def _send(self, case: Case, destinations: list[bytes]) -> dict[str, float]:
+    def _send(self, case: Case, destinations: list[tuple[str, bytes]]) -> dict[str, float]:
         from kvfsm import KVPoll
         from kvfsm.states import TERMINAL, DestinationReceived
 
@@ -991,8 +1012,8 @@ class Kvfsm:
                 next_room += 1
                 self._rooms += 1
                 sender = engine.sender(self._rooms)
-                dst = destinations[next_room - 1]
-                engine.post(sender.key, DestinationReceived(dst, 0, peer="decode", fence=_FENCE))
+                peer, dst = destinations[next_room - 1]
+                engine.post(sender.key, DestinationReceived(dst, 0, peer=peer, fence=_FENCE))
                 live.append((sender, room, 0.0))
             moved = False
             keep = []
