@@ -13,6 +13,12 @@
   ``_campaign_scoring``, its helpers inside network namespaces ``_netns_helpers``; what a rank
   answers over its pipe and counts is ``_rank_service``. ``add_chaos_parser`` and
   ``run_chaos`` are the subcommand, for ``kvfsm.cli``.
+* ``_servers``, ``_server_*``, ``_decode_dropper``: ``kvfsm chaos servers``, the campaign against
+  real SGLang servers (a reference, a kvfsm prefill and decode, the router): its seeded plan
+  (``_server_plan``) and scores (``_server_scoring``), both pure; the servers and what is read of
+  them (``_servers``, ``_server_rig``), the clients (``_server_client``), the proxy that drops
+  the router's request to decode (``_decode_dropper``), the soak's samples (``_server_soak``),
+  the report (``_server_report``) and the command (``_server_cli``).
 * ``_netns``, ``_two_hosts``: two network namespaces joined by a veth pair, the demo and a
   link-cut scenario across them (``kvfsm demo --two-hosts``); ``kvfsm chaos --two-hosts`` runs
   the campaign across them, with link cuts as one more fault.

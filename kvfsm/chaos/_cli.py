@@ -8,6 +8,8 @@ import sys
 from typing import Any
 
 from kvfsm.chaos._options import TRANSPORTS, CampaignOptions
+from kvfsm.chaos._server_cli import add_parser as add_servers_parser
+from kvfsm.chaos._server_cli import run as run_servers
 from kvfsm.workload.command import run_command
 
 __all__ = ["add_parser", "print_text", "run"]
@@ -87,6 +89,10 @@ def add_parser(
     a("--break", dest="break_invariant", choices=("canary",), default="", help=argparse.SUPPRESS)
     a("--json", action="store_true", help="print the report as one JSON object")
     a("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging")
+    # ``kvfsm chaos servers``: the campaign against real SGLang servers; without it, the
+    # campaign against kvfsm's own ranks above.
+    modes = p.add_subparsers(dest="chaos_mode", metavar="{servers}")
+    add_servers_parser(modes)
     return p
 
 
@@ -157,6 +163,8 @@ def print_text(s: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "chaos_mode", None) == "servers":
+        return run_servers(args)
     from kvfsm.chaos._campaign import ok, run_campaign  # noqa: PLC0415 - NIXL import
 
     opts = options(args)

@@ -1,0 +1,287 @@
+"""``kvfsm chaos servers``: the seeded plan (:mod:`._server_plan`) run against real SGLang
+servers (:mod:`._server_rig`), one episode per fault, and scored (:mod:`._server_scoring`).
+
+An episode: the reference server answers the episode's requests first (greedy: the tokens a
+completed request must equal); then the requests go to the router at their planned times and
+the fault lands while they are in flight; when every request has ended (or its client gave up:
+hung), a killed or restarted server is started again behind the same port, the router is
+waited for until it serves, and both kvfsm servers are read until they hold no live room, no
+page and no NIXL handle (or the drain bound passes); their ``/failures`` name the rooms that
+ended by a deadline and those the unclaimed bound failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvfsm.chaos._server_client import payload, send_request
+from kvfsm.chaos._server_plan import Action, PlanOptions, ServerEpisode, plan_episodes
+from kvfsm.chaos._server_rig import Rig, group_usage, scheduler_pids
+from kvfsm.chaos._server_scoring import (
+    SGLANG_SLACK_S,
+    EpisodeRecord,
+    RequestOutcome,
+    Score,
+    end_bound_s,
+    score,
+)
+from kvfsm.chaos._server_soak import Sample, Sampler
+from kvfsm.chaos._servers import KVFSM_ENV, LIVENESS_S, SHIM
+
+__all__ = ["LINK_CUT_SKIP", "CampaignResult", "ServerCampaignOptions", "run_server_campaign"]
+
+#: Why the link-cut faults are not injected: the servers all share this host's loopback.
+LINK_CUT_SKIP = (
+    "not injected: every SGLang server of this campaign runs in one network namespace, on "
+    "loopback, which no cut separates; starting them in two namespaces (as kvfsm chaos "
+    "--two-hosts does for its own ranks, where link cuts are one of its faults) is not built"
+)
+
+
+@dataclass
+class ServerCampaignOptions:
+    seed: int
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    kinds: list[str] | None = None
+    #: Run the plan again (new seeds) until this many minutes passed (a soak).
+    minutes: float | None = None
+    #: The prefill's unclaimed bound in these servers (``KVFSM_UNCLAIMED_S``).
+    unclaimed_s: float = 8.0
+    #: How many router-to-decode requests the dropped-decode-half fault resets.
+    drops: int = 2
+    log_dir: Path | None = None
+    shim: Path = SHIM
+    sample_every_s: float = 60.0
+
+
+@dataclass
+class CampaignResult:
+    seed: int
+    records: list[EpisodeRecord]
+    outcomes: list[RequestOutcome]
+    score: Score
+    samples: list[Sample]
+    skipped: dict[str, str]
+    elapsed_s: float
+    log_dir: Path
+    liveness_s: float
+    lease_s: float
+    unclaimed_s: float
+    #: The soak's length asked for (None: one pass of the plan).
+    minutes: float | None = None
+
+
+def _lease_s() -> float:
+    return float(KVFSM_ENV["KVFSM_LEASE_S"])
+
+
+def _episodes(o: ServerCampaignOptions, cycle: int) -> list[ServerEpisode]:
+    return plan_episodes(o.seed + cycle, o.plan, o.kinds)
+
+
+async def _reference(url: str, episode: ServerEpisode) -> dict[int, list[int]]:
+    """The reference server's greedy output for each request, a few at a time."""
+    gate = asyncio.Semaphore(4)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+
+        async def one(i: int) -> tuple[int, list[int]]:
+            req = episode.requests[i]
+            body = {**payload(req, f"kvfsm-chaos-ref-{os.getpid()}-{req.index}"), "stream": False}
+            async with gate, s.post(url + "/generate", json=body) as resp:
+                answer: Any = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise RuntimeError(f"the reference server answered {resp.status}: {answer}")
+                return req.index, list(answer["output_ids"])
+
+        pairs = await asyncio.gather(*(one(i) for i in range(len(episode.requests))))
+    return dict(pairs)
+
+
+class _Injector:
+    """Lands one episode's fault on the rig; ``at`` is when it landed (monotonic)."""
+
+    def __init__(self, rig: Rig, drops: int) -> None:
+        self.rig, self.drops = rig, drops
+        self.at: float | None = None
+
+    async def land(self, episode: ServerEpisode, start: float) -> None:
+        await asyncio.sleep(max(0.0, start + episode.fault_at_s - time.monotonic()))
+        fault, rig = episode.fault, self.rig
+        self.at = time.monotonic()
+        if fault.action is Action.KILL_SCHEDULER:
+            for pid in scheduler_pids(rig.by_name(fault.target)):
+                os.kill(pid, signal.SIGKILL)
+        elif fault.action is Action.KILL_SERVER:
+            await asyncio.to_thread(rig.by_name(fault.target).kill)
+        elif fault.action is Action.STOP:
+            pids = scheduler_pids(rig.by_name(fault.target))
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(fault.pause_s)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+        elif fault.action is Action.DROP_DECODE_HALF:
+            rig.dropper.arm(self.drops)
+        elif fault.action is Action.RESTART:
+            # Behind the same address and port, while requests are in flight: SIGTERM (a
+            # deployment's restart), then started again at once.
+            server = rig.by_name(fault.target)
+            await asyncio.to_thread(server.stop)
+            await asyncio.to_thread(server.start)
+        # DISCONNECT and ABORT are the plan's own requests; they land at their times.
+
+
+async def _episode_load(
+    rig: Rig, episode: ServerEpisode, *, epoch: float, hang_s: float, injector: _Injector, tag: str
+) -> list[RequestOutcome]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        start = time.monotonic() + 0.1
+        abort_urls = [rig.prefill.url, rig.decode.url]
+        fault = asyncio.ensure_future(injector.land(episode, start))
+        sends = [
+            send_request(
+                s,
+                rig.router.url,
+                abort_urls,
+                r,
+                episode.index,
+                epoch=epoch,
+                start=start,
+                hang_s=hang_s,
+                tag=tag,
+            )
+            for r in episode.requests
+        ]
+        outcomes = await asyncio.gather(*sends)
+        await fault
+    return list(outcomes)
+
+
+def _drain(rig: Rig, record: EpisodeRecord, bound_s: float) -> None:
+    give_up = time.monotonic() + bound_s
+    while True:
+        readings = [rig.read_drain(rig.prefill), rig.read_drain(rig.decode)]
+        if all(r.clean for r in readings) or time.monotonic() > give_up:
+            record.drain = readings
+            return
+        time.sleep(0.5)
+
+
+def _run_episode(
+    rig: Rig,
+    episode: ServerEpisode,
+    o: ServerCampaignOptions,
+    epoch: float,
+    say: Callable[[str], None],
+) -> tuple[EpisodeRecord, list[RequestOutcome], dict[int, list[int]]]:
+    fault = episode.fault
+    bound = end_bound_s(fault, LIVENESS_S, _lease_s(), o.unclaimed_s)
+    reference = asyncio.run(_reference(rig.reference.url, episode))
+    began = time.monotonic()
+    injector = _Injector(rig, o.drops)
+    tag = f"{o.seed}-{int(began)}"
+    outcomes = asyncio.run(
+        _episode_load(rig, episode, epoch=epoch, hang_s=bound + 30.0, injector=injector, tag=tag)
+    )
+    rig.dropper.disarm()
+    record = EpisodeRecord(episode, None if injector.at is None else injector.at - epoch)
+    restart = fault.restarts
+    if restart is not None and fault.action is not Action.RESTART:
+        rig.restart(restart)
+    elif restart is not None:
+        rig.by_name(restart).wait_ready()
+    rig.wait_serving()
+    _drain(rig, record, LIVENESS_S + _lease_s() + o.unclaimed_s + SGLANG_SLACK_S)
+    for server in (rig.prefill, rig.decode):
+        for row in rig.failures_since(server, began):
+            reason = str(row.get("reason", ""))
+            if str(row.get("reason_kind", "")).startswith("deadline"):
+                record.deadline_rooms.append(row)
+            if "no decode room claimed" in reason:
+                record.unclaimed_rooms.append(row)
+    ended = sum(1 for x in outcomes if x.status != "hung")
+    say(
+        f"episode {episode.index} {fault.kind}: {ended}/{len(outcomes)} ended, "
+        f"{sum(x.status == 'completed' for x in outcomes)} completed, "
+        f"drained {all(d.clean for d in record.drain)} ({time.monotonic() - began:.0f}s)"
+    )
+    return record, outcomes, reference
+
+
+def run_server_campaign(
+    o: ServerCampaignOptions, say: Callable[[str], None] = print
+) -> CampaignResult:
+    skipped = {kind: LINK_CUT_SKIP for kind in ("link-down link", "link-blackhole link")}
+    o.plan = PlanOptions(**{**o.plan.__dict__, "skip": frozenset(skipped) | o.plan.skip})
+    for kind, why in skipped.items():
+        say(f"fault {kind!r} {why}")
+    log_dir = o.log_dir or Path(tempfile.mkdtemp(prefix="kvfsm-chaos-servers-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {"KVFSM_UNCLAIMED_S": str(o.unclaimed_s)}
+    rig = Rig(log_dir, env, o.shim)
+    epoch = time.monotonic()
+    records: list[EpisodeRecord] = []
+    outcomes: list[RequestOutcome] = []
+    reference: dict[int, list[int]] = {}
+    sampler = Sampler(
+        lambda: [(s.name, s.starts, *group_usage(s)) for s in (rig.prefill, rig.decode) if s.proc],
+        lambda: len(outcomes),
+        epoch,
+        o.sample_every_s,
+    )
+    say(f"seed {o.seed}; servers' logs in {log_dir}")
+    try:
+        rig.start()
+        say(f"servers up in {time.monotonic() - epoch:.0f}s")
+        sampler.start()
+        cycle = 0
+        while True:
+            for episode in _episodes(o, cycle):
+                record, got, ref = _run_episode(rig, episode, o, epoch, say)
+                records.append(record)
+                outcomes += got
+                reference.update(ref)
+                if o.minutes is not None and time.monotonic() - epoch > o.minutes * 60:
+                    break
+            cycle += 1
+            if o.minutes is None or time.monotonic() - epoch > o.minutes * 60:
+                break
+    finally:
+        sampler.stop()
+        rig.stop()
+    result = score(
+        records,
+        outcomes,
+        reference,
+        liveness_s=LIVENESS_S,
+        lease_s=_lease_s(),
+        unclaimed_s=o.unclaimed_s,
+    )
+    return CampaignResult(
+        o.seed,
+        records,
+        outcomes,
+        result,
+        sampler.samples,
+        skipped,
+        time.monotonic() - epoch,
+        log_dir,
+        LIVENESS_S,
+        _lease_s(),
+        o.unclaimed_s,
+        o.minutes,
+    )

@@ -1,0 +1,140 @@
+"""The scores of ``kvfsm chaos servers``: what makes a violation, what the table counts."""
+
+from __future__ import annotations
+
+from kvfsm.chaos._server_plan import Action, Fault, PlannedRequest, ServerEpisode
+from kvfsm.chaos._server_scoring import (
+    SGLANG_SLACK_S,
+    DrainReading,
+    EpisodeRecord,
+    RequestOutcome,
+    classify_error,
+    end_bound_s,
+    score,
+)
+
+BOUNDS = {"liveness_s": 10.0, "lease_s": 10.0, "unclaimed_s": 8.0}
+REQ = PlannedRequest(0, (5, 6), 4, False, 0.0)
+
+
+def episode(fault: Fault, index: int = 0) -> ServerEpisode:
+    return ServerEpisode(index, fault, 0.5, (REQ,))
+
+
+def clean(name: str = "prefill") -> DrainReading:
+    return DrainReading(name, 0, 0, 3, 3)
+
+
+def outcome(
+    status: str, ended: float = 2.0, ids: list[int] | None = None, **kw: str
+) -> RequestOutcome:
+    return RequestOutcome(0, 0, status, 1.0, ended, ids or [], **kw)
+
+
+KILL = Fault(Action.KILL_SERVER, "prefill")
+
+
+def test_bound_is_the_pause_liveness_lease_and_slack() -> None:
+    stop = Fault(Action.STOP, "decode", 30.0, "long")
+    assert end_bound_s(stop, 10, 10, 8) == 30 + 10 + 10 + SGLANG_SLACK_S
+    drop = Fault(Action.DROP_DECODE_HALF, "router")
+    assert end_bound_s(drop, 10, 10, 8) == 10 + 10 + 8 + SGLANG_SLACK_S
+
+
+def test_a_clean_episode_has_no_violation_and_counts_its_row() -> None:
+    rec = EpisodeRecord(episode(KILL), 1.5, [clean(), clean("decode")])
+    outs = [
+        outcome("completed", ids=[1, 2, 3, 4]),
+        outcome("errored", reason="kvfsm: peer lost"),
+        outcome("disconnected"),
+        outcome("aborted"),
+    ]
+    s = score([rec], outs, {0: [1, 2, 3, 4]}, **BOUNDS)
+    assert s.ok, s.violations
+    (row,) = s.rows
+    assert (row.kind, row.requests, row.completed, row.exact) == ("sigkill-server prefill", 4, 1, 1)
+    assert (row.disconnected, row.aborted, row.hung, row.over_bound) == (1, 1, 0, 0)
+    assert row.errored == {"kvfsm: peer lost": 1}
+    assert row.slowest_end_s == 0.5  # ended at 2.0, the fault at 1.5 after it was sent
+
+
+def test_inexact_hung_late_and_undrained_are_violations() -> None:
+    late = 1.5 + end_bound_s(KILL, 10, 10, 8) + 1
+    dirty = DrainReading("decode", 1, 16, 0, 0)
+    leak = DrainReading("prefill", 0, 0, 5, 4)
+    rec = EpisodeRecord(episode(KILL), 1.5, [leak, dirty])
+    outs = [outcome("completed", ids=[9]), outcome("hung"), outcome("errored", ended=late)]
+    s = score([rec], outs, {0: [1]}, **BOUNDS)
+    text = "\n".join(s.violations)
+    assert "completed inexact" in text
+    assert "hung" in text
+    assert "after the fault" in text
+    assert "decode not drained (live 1, pages 16" in text
+    assert "prefill not drained (live 0, pages 0, handles 5 created / 4 released" in text
+    (row,) = s.rows
+    assert (row.hung, row.over_bound, row.drained) == (1, 1, False)
+
+
+def test_an_unreadable_status_server_is_not_drained() -> None:
+    rec = EpisodeRecord(episode(KILL), 1.5, [DrainReading("prefill", -1, -1, read=False)])
+    s = score([rec], [], {}, **BOUNDS)
+    assert not s.ok
+    assert "unreadable" in s.violations[0]
+
+
+def test_the_dropped_decode_half_must_fail_by_the_unclaimed_bound() -> None:
+    drop = Fault(Action.DROP_DECODE_HALF, "router")
+    none = EpisodeRecord(episode(drop), 1.0, [clean()])
+    assert (
+        "no prefill room failed by the unclaimed bound"
+        in score([none], [], {}, **BOUNDS).violations[0]
+    )
+    room = {"room": 7, "duration_s": 8.4, "reason": "peer lost: no decode room claimed it"}
+    good = EpisodeRecord(episode(drop), 1.0, [clean()], unclaimed_rooms=[room])
+    assert score([good], [], {}, **BOUNDS).ok
+    slow = EpisodeRecord(
+        episode(drop), 1.0, [clean()], unclaimed_rooms=[{**room, "duration_s": 300}]
+    )
+    assert "failed unclaimed after 300s" in score([slow], [], {}, **BOUNDS).violations[0]
+    waited = {"room": 8, "server": "prefill", "reason": "deadline expired: Bootstrapping"}
+    by_deadline = EpisodeRecord(episode(drop), 1.0, [clean()], [waited], [room])
+    s = score([by_deadline], [], {}, **BOUNDS)
+    assert "ended by a deadline" in s.violations[0]
+    assert s.deadline_rooms == [("drop-decode-half router", "prefill", 8, waited["reason"])]
+
+
+def test_a_deadline_room_elsewhere_is_named_not_a_violation() -> None:
+    row = {
+        "room": 3,
+        "server": "decode",
+        "reason": "deadline expired: Transferring for more than 30s",
+    }
+    rec = EpisodeRecord(episode(KILL), 1.0, [clean()], [row])
+    s = score([rec], [], {}, **BOUNDS)
+    assert s.ok
+    assert s.deadline_rooms == [("sigkill-server prefill", "decode", 3, row["reason"])]
+    assert s.rows[0].deadline_rooms == 1
+
+
+def test_episodes_of_one_kind_merge_into_one_row() -> None:
+    a = EpisodeRecord(episode(KILL, 0), 1.0, [clean()])
+    b = EpisodeRecord(episode(KILL, 1), 50.0, [clean()])
+    outs = [
+        RequestOutcome(0, 0, "errored", 0.5, 3.0, reason="http 500"),
+        RequestOutcome(1, 1, "errored", 50.0, 51.0, reason="http 500"),
+    ]
+    (row,) = score([a, b], outs, {}, **BOUNDS).rows
+    assert row.requests == 2
+    assert row.errored == {"http 500": 2}
+    assert row.slowest_end_s == 2.0
+
+
+def test_classify_error_names_kvfsm_reasons_first() -> None:
+    assert classify_error(500, "Failed: peer lost: link down") == "kvfsm: peer lost"
+    assert (
+        classify_error(500, "peer lost: no decode room claimed it within 8s") == "kvfsm: unclaimed"
+    )
+    assert classify_error(500, "deadline expired: Bootstrapping") == "kvfsm: deadline"
+    assert classify_error(0, "ClientConnectorError(Connection refused)") == "connection refused"
+    assert classify_error(0, "ServerDisconnectedError('Server disconnected')") == "connection reset"
+    assert classify_error(502, "bad gateway") == "http 502"
