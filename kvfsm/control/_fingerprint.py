@@ -14,10 +14,11 @@ Rules
 
 1. **Layout fields must be equal** (:data:`MUST_MATCH`): dtype, page size in tokens, MLA or
    not, and the state types; and the layers, except that a prefill pipeline stage holds only
-   its own span of them (rule 5). A field left at its default (0 or empty: "not declared")
-   is compared like any other value, so a side that declares nothing pairs only with a side
-   that declares nothing; the layout check of the data path (item sizes,
-   ``Layout.compatible_with``) still applies to those.
+   its own span of them, and of the state types those its layers have buffers of (rule 5).
+   A field left at its default (0 or empty: "not declared") is compared like any other
+   value, so a side that declares nothing pairs only with a side that declares nothing; the
+   layout check of the data path (item sizes, ``Layout.compatible_with``) still applies to
+   those.
 2. **Head fields must be equal where both sides declare them** (:data:`DECLARED_MATCH`): KV
    heads of the whole model and head size in bytes. SGLang's decode does not know its head
    counts (its scheduler sets them only for staging, after the manager exists), so decode may
@@ -43,8 +44,11 @@ Rules
    their sizes). Pipeline parallelism pairs only with equal attention TP, and with state
    pools only when both sides name the model layer of every state buffer (SGLang's
    ``state_layer_ids``): a stage's state buffers then pair with decode's by layer
-   (:func:`stage_state`). MiniMax's state and state without layer ids are refused by name, as
-   SGLang's NIXL backend refuses them.
+   (:func:`stage_state`). A stage that holds no buffer of one of decode's state types (that
+   type's layers all sit on other stages) sends nothing of it, as SGLang's NIXL backend does
+   (``stage_types``); decode's rows of that type are left out of the page lists its link
+   hands that stage's senders (``_stage_rows``). MiniMax's state and state without layer ids
+   are refused by name, as SGLang's NIXL backend refuses them.
 6. The protocol version is checked before the fingerprint (``check_hello``): a peer of another
    version may not even have one.
 
@@ -79,6 +83,7 @@ __all__ = [
     "mismatch",
     "stage_buffers",
     "stage_state",
+    "stage_types",
 ]
 
 _Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
@@ -188,15 +193,17 @@ def mismatch(prefill: Fingerprint, decode: Fingerprint) -> str | None:
         return problem
     for name, label in MUST_MATCH:
         mine, theirs = getattr(prefill, name), getattr(decode, name)
-        if mine != theirs:
-            stage = (
-                f" (prefill pipeline stage {prefill.pp_rank} must hold buffers of every state type)"
-                if name == "state_types" and prefill.pp > 1
-                else ""
-            )
+        if name == "state_types" and prefill.pp > 1:
+            if isinstance(stage_types(prefill, decode), str):
+                return (
+                    f"fingerprint mismatch: {label} ({name}): prefill pipeline stage "
+                    f"{prefill.pp_rank} has {_show(mine)}, not among decode's {_show(theirs)} "
+                    "in their order"
+                )
+        elif mine != theirs:
             return (
                 f"fingerprint mismatch: {label} ({name}): prefill has {_show(mine)}, "
-                f"decode has {_show(theirs)}{stage}"
+                f"decode has {_show(theirs)}"
             )
     for name, label in DECLARED_MATCH:
         mine, theirs = getattr(prefill, name), getattr(decode, name)
@@ -250,7 +257,10 @@ def _stage_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
             f"attention TP (prefill {prefill.attn_tp}, decode {decode.attn_tp}) is not "
             "supported (pp, attn_tp)"
         )
-    refused = [t for t in prefill.state_types if t in SGLANG_REFUSES_PP]
+    # Every stage declares the model's types, its buffers or none (SGLang's
+    # ``setup_state_kv_args``), and SGLang refuses by type: a stage without MiniMax buffers is
+    # refused as the others are.
+    refused = [t for t in decode.state_types if t in SGLANG_REFUSES_PP]
     if refused:
         return (
             f"fingerprint mismatch: prefill pipeline parallelism (pp {prefill.pp}) with state "
@@ -282,8 +292,13 @@ def stage_state(
     they cannot pair. Regions pair by model layer within their state type, occurrences in order
     (a layer has several state tensors: Mamba's conv and SSM), as SGLang's
     ``build_transfer_entry_pairs`` pairs them."""
-    if prefill.pp == 1 or not local_groups:
+    if prefill.pp == 1:
         return None
+    if not local_groups:  # a stage holding no state buffer: it writes none of decode's
+        return () if remote_groups else None
+    kinds = stage_types(prefill, decode)
+    if isinstance(kinds, str):
+        return kinds
     mine, theirs = prefill.state_layers, decode.state_layers
     if len(mine) != sum(local_groups) or len(theirs) != sum(remote_groups):
         return (
@@ -296,7 +311,7 @@ def stage_state(
     for t, count in enumerate(local_groups):
         free: dict[int, list[int]] = {}
         for j, layer in enumerate(theirs):
-            if decode_types[j] == t:
+            if decode_types[j] == kinds[t]:
                 free.setdefault(layer, []).append(j)
         for layer in mine[start : start + count]:
             if not free.get(layer):
@@ -307,6 +322,28 @@ def stage_state(
                 )
             picked.append(free[layer].pop(0))
         start += count
+    return tuple(picked)
+
+
+def stage_types(prefill: Fingerprint, decode: Fingerprint) -> tuple[int, ...] | str:
+    """Which of decode's state types each of a prefill rank's state types is (its position
+    in decode's ``state_types``), or why they do not pair. A pipeline stage holds the state
+    buffers of its own layers only, so it may hold no buffer of a type (a hybrid model whose
+    linear-attention layers all sit on another stage): SGLang then sends nothing of that type
+    from that stage and goes on, and so does kvfsm. Its types must be decode's in decode's
+    order, some left out; without pipeline parallelism they must be decode's exactly."""
+    mine, theirs = prefill.state_types, decode.state_types
+    if prefill.pp == 1:
+        return tuple(range(len(mine))) if mine == theirs else "state types differ"
+    picked: list[int] = []
+    at = 0
+    for name in mine:
+        while at < len(theirs) and theirs[at] != name:
+            at += 1
+        if at == len(theirs):
+            return f"state type {name!r} is not among decode's {_show(theirs)} in their order"
+        picked.append(at)
+        at += 1
     return tuple(picked)
 
 

@@ -21,6 +21,7 @@ from kvfsm.control._fingerprint import (
     link_slot,
     stage_buffers,
     stage_state,
+    stage_types,
 )
 from kvfsm.control._frames import (
     PROTOCOL_VERSION,
@@ -36,6 +37,7 @@ from kvfsm.control._frames import (
 )
 from kvfsm.control._plane import ControlPlane, new_stats
 from kvfsm.control._routing import Action, GrantLease, PrefillRouting, RevokeLease, Send
+from kvfsm.control._stage_rows import StageRows
 from kvfsm.control._state_plan import state_link_plan
 from kvfsm.link import AcceptErrors, RawConnection, accept_forever, describe, peer_host, tune
 from kvfsm.rooms import RoomKey
@@ -92,6 +94,9 @@ class PrefillControl(ControlPlane):
         self._hosts: dict[anyio.CancelScope, str] = {}  # handshakes in progress -> peer host
         self._refusals = Throttled(_log)
         self._accept_errors = AcceptErrors(_log, f"prefill rank {rank} control", stats=self.stats)
+        #: A pipeline stage's state row translation per decode agent, from its admission to
+        #: its link's opening (``_stage_rows``); kept by the routing core's link from then on.
+        self._stage_rows: dict[str, StageRows | None] = {}
 
     # -- commands and registry hooks ------------------------------------------------------------
 
@@ -256,6 +261,7 @@ class PrefillControl(ControlPlane):
         one agent name get ``NIXL_ERR_NOT_ALLOWED``): otherwise it would see only a closed
         connection."""
         await self._take_slot(stream, codec, peer_id, theirs, scope)
+        self._stage_rows.pop(peer_id, None)  # a refused earlier handshake's, if any
         try:
             summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
             # A pipeline stage: its buffers pair with its span of decode's layers only.
@@ -273,7 +279,13 @@ class PrefillControl(ControlPlane):
             if isinstance(regions, str):
                 raise ValueError(regions)
             if regions is not None:
+                whole = summary
                 summary = summary.select_state(regions, layout.state_groups)
+                kinds = stage_types(self.fingerprint, theirs.fingerprint)
+                assert not isinstance(kinds, str)  # stage_state paired them
+                self._stage_rows[peer_id] = StageRows.plan(
+                    whole.state_type_rows(), summary.state_type_rows(), kinds
+                )
             # Unequal attention TP: the head slice of each page this rank writes there.
             plan = link_plan(self.fingerprint, theirs.fingerprint)
             piece = NO_KV if plan == "none" else plan
@@ -297,6 +309,7 @@ class PrefillControl(ControlPlane):
     def _opened(self, link: Link, hello_sent: float, now: float) -> list[Action]:
         theirs = link.hello
         leg, legs = link_slot(self.fingerprint, theirs.fingerprint)
+        rows = self._stage_rows.pop(link.peer_id, None)
         return self._routing.link_opened(
             link.generation,
             link.peer_id,
@@ -307,6 +320,7 @@ class PrefillControl(ControlPlane):
             legs=legs,
             margin_ms=theirs.fence_margin_ms,
             host=self._admission.host_of(link.generation),
+            rows=rows,
         )
 
     # -- the watchdog's ticks ---------------------------------------------------------------------

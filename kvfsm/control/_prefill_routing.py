@@ -52,6 +52,7 @@ from kvfsm.control._routing_common import (
     join_stats,
     new_stats,
 )
+from kvfsm.control._stage_rows import StageRows
 from kvfsm.rooms import RoomKey
 from kvfsm.states import (
     AbortRequested,
@@ -146,12 +147,16 @@ class _PrefillLink:
         "noted",
         "peer",
         "requests",
+        "rows",
         "seq",
         "until",
     )
 
     def __init__(self, peer: str, leg: int = 0, legs: int = 1, host: str = "") -> None:
         self.peer = peer
+        #: A pipeline stage holding none of some state type: decode's state rows as this
+        #: link's summary numbers them (``_stage_rows``); None: they need no translation.
+        self.rows: StageRows | None = None
         #: Decode's fence margin for this link (``Hello.fence_margin_ms``); None: not told.
         self.margin_s: float | None = None
         #: Which of the decode ranks this prefill rank writes each room into the link's peer
@@ -234,6 +239,7 @@ class PrefillRouting:
         legs: int = 1,
         margin_ms: int = 0,
         host: str = "",
+        rows: StageRows | None = None,
     ) -> list[Action]:
         """A link after the Hello exchange. Decode's Hello answers ours, sent at ``hello_sent``,
         and grants ``lease_ms`` (``Hello.lease_ms``; None: this side's ``lease_s``, for a peer
@@ -241,10 +247,13 @@ class PrefillRouting:
         ``margin_ms``: decode's fence margin (``Hello.fence_margin_ms``; 0: not told), passed
         on with every lease of this link. ``leg`` of ``legs``: see "Legs" in the routing
         rules. ``host``: the peer's address as the link bounds count it (``peer_host``): the
-        early-abort marks the link leaves when it is lost count against that host's share."""
+        early-abort marks the link leaves when it is lost count against that host's share.
+        ``rows``: how decode's state rows translate for this link (a pipeline stage that holds
+        none of some state type), or None."""
         if lease_ms is None:
             lease_ms = round(self.config.lease_s * 1000)
         state = _PrefillLink(peer, leg, legs, host)
+        state.rows = rows
         if margin_ms > 0:
             state.margin_s = margin_ms / 1000.0
         self._links[link] = state
@@ -588,16 +597,16 @@ class PrefillRouting:
 
     def _destination(self, binding: _Binding, frame: RoomMetadata) -> list[Action]:
         self._move(binding, _E.PAGES)
-        peer = self._links[binding.link].peer
-        legs = self._links[binding.link].legs
+        link = self._links[binding.link]
+        state = frame.state if link.rows is None else link.rows.translate(frame.state)
         event = DestinationReceived(
             frame.pages,
             frame.aux_index,
-            peer,
-            frame.state,
+            link.peer,
+            state,
             binding.link,
             frame.part,
-            legs,
+            link.legs,
             prefix=frame.prefix,
         )
         return [Deliver(binding.key, event)]

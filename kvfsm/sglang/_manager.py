@@ -160,7 +160,10 @@ class KvfsmKVManager(BaseKVManager):
         self._http: aiohttp.ClientSession | None = None
         self.layout = layout_from_kv_args(args, self.server_config.device)
         #: Its state types, and which layout rows a request's ``state_indices`` name.
-        self.states = StateMap.from_kv_args(args).placed(self.layout.state_type_rows())
+        states = StateMap.from_kv_args(args).placed(self.layout.state_type_rows())
+        if self.mode == "prefill" and self.topology.pp_size > 1:
+            states = dataclasses.replace(states, stage=True)
+        self.states = states
         self.bootstrap_url = bootstrap_url(self.server_config)
         #: Prefill: rooms with transfer state on this rank. kvfsm keeps that state in the rooms
         #: themselves; SGLang reads this only for staging prefetch, which kvfsm does not do.

@@ -161,6 +161,11 @@ class StateMap:
     #: Per registered buffer: its model layer (``state_layer_ids``), -1 where none is given;
     #: empty when none is (what a pipeline stage's state pairs by).
     layers: tuple[int, ...] = ()
+    #: A prefill pipeline stage: a type the model declares but this stage holds no buffer of
+    #: (its layers sit on other stages) is skipped in a request's indices, as SGLang's NIXL
+    #: backend skips it (it sends nothing of a type without buffers); elsewhere such indices
+    #: are refused.
+    stage: bool = False
 
     @classmethod
     def from_kv_args(cls, args: Any) -> StateMap:
@@ -241,6 +246,8 @@ class StateMap:
             return None
         registered = {pool.index for pool in self.pools}
         for i, entry in enumerate(state_indices):
+            if self.stage and i < self.types:
+                continue  # declared by the model: another stage holds its buffers
             if i not in registered and entry is not None and len(entry):
                 return (
                     f"state indices for state type {i}, but this rank registered no buffers of it"

@@ -22,8 +22,10 @@ from kvfsm.control._fingerprint import (
     mismatch,
     stage_buffers,
     stage_state,
+    stage_types,
 )
 from kvfsm.control._frames import PROTOCOL_VERSION, Hello
+from kvfsm.control._stage_rows import StageRows
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager
 from kvfsm.states import TERMINAL
 from kvfsm.transport._slices import KvPiece, RowSlice
@@ -469,3 +471,50 @@ def test_a_stage_state_buffers_pair_with_decodes_by_layer_in_order() -> None:
     assert reason is not None
     assert "needs the model layer of every state buffer (SGLang's state_layer_ids)" in reason
     assert reason.endswith("PP-heterogeneous transfer requires layer ids on both peers")
+
+
+def test_a_stage_without_buffers_of_a_state_type_pairs_its_other_types() -> None:
+    # Mamba on layers 0 and 1 only, DSA on layers 0 to 3; stage 1 holds layers 2 and 3: no
+    # Mamba buffer (SGLang declares the type there with no buffers, and sends none of it).
+    decode = msgspec.structs.replace(
+        LLAMA, layers=4, state_types=("mamba", "dsa"), state_layers=(0, 1, 0, 1, 0, 1, 2, 3)
+    )
+    stage = msgspec.structs.replace(
+        decode, pp=2, pp_rank=1, layers=2, first_layer=2, state_types=("dsa",), state_layers=(2, 3)
+    )
+    assert mismatch(stage, decode) is None
+    assert stage_types(stage, decode) == (1,)
+    assert stage_state(stage, decode, (2,), (4, 4)) == (6, 7)
+    # A stage with no state buffer at all writes none of decode's.
+    bare = msgspec.structs.replace(stage, state_types=(), state_layers=())
+    assert mismatch(bare, decode) is None
+    assert stage_state(bare, decode, (), (4, 4)) == ()
+    # Out of decode's order, or a type decode lacks: refused by name.
+    swapped = msgspec.structs.replace(decode, state_types=("dsa", "mamba"))
+    odd = msgspec.structs.replace(stage, state_types=("mamba", "dsa"), state_layers=(2, 2, 3))
+    assert mismatch(odd, swapped) == (
+        "fingerprint mismatch: state types (state_types): prefill pipeline stage 1 has "
+        "[mamba, dsa], not among decode's [dsa, mamba] in their order"
+    )
+    swa = msgspec.structs.replace(stage, state_types=("swa",))
+    assert "not among decode's [mamba, dsa]" in str(mismatch(swa, decode))
+    # Without pipeline parallelism the types stay equal.
+    assert stage_types(msgspec.structs.replace(decode, state_types=("dsa",)), decode) == (
+        "state types differ"
+    )
+    # MiniMax is refused on every stage, whether or not it holds MiniMax buffers.
+    minimax = msgspec.structs.replace(decode, state_types=("minimax_index_k", "dsa"))
+    assert "PP>1 not supported for MiniMax state yet" in str(mismatch(stage, minimax))
+
+
+def test_decodes_state_rows_are_renumbered_for_a_stage_that_lacks_a_type() -> None:
+    # Decode: Mamba rows 0-9, DSA rows 10-109, a tail ring's rows 110-119. The stage holds DSA
+    # and the ring: its summary numbers DSA 0-99 and the ring 100-109.
+    rows = StageRows.plan(((0, 10), (10, 100), (110, 10)), ((0, 100), (100, 10)), (1, 2))
+    assert rows is not None
+    packed = np.asarray([3, 10, 57, 109, 111, 500], np.int32).tobytes()
+    got = np.frombuffer(rows.translate(packed), np.int32).tolist()
+    assert got == [0, 47, 99, 101, -1]  # Mamba's row left out; a row past decode's: -1
+    assert rows.translate(b"") == b""
+    # Every type held: the numberings agree, nothing to translate.
+    assert StageRows.plan(((0, 10), (10, 100)), ((0, 10), (10, 100)), (0, 1)) is None

@@ -14,6 +14,8 @@ What the adapter does (the feature's contract):
 * A hybrid model's state buffers belong to layers (SGLang's ``state_layer_ids``): each stage
   writes the items of its own layers' state buffers, paired with decode's by layer
   (``_fingerprint.stage_state``), over its leg.
+* A stage that holds no buffer of a state type (all that type's layers on other stages) sends
+  none of it and goes on, as SGLang's NIXL backend does.
 * Refused by name: PP on decode, PP with unequal attention TP, stages whose layers do not tile
   decode's, state buffers without layer ids (SGLang refuses those too).
 """
@@ -138,21 +140,64 @@ def test_state_without_layer_ids_under_pipeline_parallelism_is_refused_by_name(
         assert any("state_layer_ids" in why for why in req.decode_reasons), req.decode_reasons
 
 
-def test_a_stage_without_buffers_of_a_state_type_is_refused_by_name(
-    bootstrap: KvfsmKVBootstrapServer,
+#: Mamba on layers 0 and 1 only (a conv and an SSM tensor each), DSA on every layer: with 2
+#: stages of 3 layers, stage 1 holds no Mamba buffer; with 3 stages of 2, stages 1 and 2 none.
+SPARSE_STATE = (
+    StateSpec("mamba", (96, 96, 160, 160), layers=(0, 1, 0, 1)),
+    STAGED_STATE[1],
+)
+#: Mamba on layer 0 only: the later stages hold no state buffer at all.
+FIRST_STAGE_STATE = (StateSpec("mamba", (96, 160), layers=(0, 0)),)
+
+
+@pytest.mark.parametrize(
+    ("pp", "state"),
+    [(2, SPARSE_STATE), (3, SPARSE_STATE), (2, FIRST_STAGE_STATE)],
+    ids=["pp2-no-mamba-on-stage-1", "pp3-mamba-on-stage-0-only", "pp2-no-state-on-stage-1"],
+)
+def test_a_stage_without_buffers_of_a_state_type_sends_none_of_it(
+    bootstrap: KvfsmKVBootstrapServer, pp: int, state: tuple[StateSpec, ...]
 ) -> None:
-    # Mamba on layer 0 only: stage 1 (layers 3 to 5) holds no Mamba buffer.
-    sparse = (StateSpec("mamba", (96,), layers=(0,)), STAGED_STATE[1])
-    with started(bootstrap, tp=1, pp=2, layers=STAGED_LAYERS, state=sparse) as pair:
-        requests = random_requests(random.Random(6), 2)
+    """SGLang declares every state type on every stage, with no buffers where a stage has
+    none of its layers, passes every type's indices on every stage, and its NIXL backend sends
+    nothing of a type without buffers. Every byte of every state item is checked on decode
+    (written by the stage that holds its layer); each stage moved exactly its own buffers'
+    bytes, none of a type it does not hold; an abort mid-transfer on a stage without Mamba
+    and one on decode end their requests, their pages released only once no stage can
+    write them."""
+    with started(bootstrap, tp=1, pp=pp, layers=STAGED_LAYERS, state=state) as pair:
+        for s, stage in enumerate(pair.pipeline.stages):
+            held = stage.managers[0].states.names
+            assert (held == ("mamba", "dsa")[: len(state)]) == (s == 0), (s, held)
+        # Disjoint pages and rows for both runs: the first delivers, the second aborts.
+        drawn = random_requests(random.Random(80 + pp + len(state)), 16)
+        requests = with_empty_request(drawn[:10])
         out = pair.run(requests)
-    assert out.leaks == []
-    for req in requests:
-        assert req.decode_outcome == "Failed"
-        assert any(
-            "prefill pipeline stage 1 must hold buffers of every state type" in why
-            for why in req.decode_reasons
-        ), req.decode_reasons
+        assert_clean(out)
+        assert_all_succeeded(requests)  # every state item of every layer checked on decode
+        snaps = pair.pipeline.transport_snapshots()
+        pages = sum(len(r.src_pages) for r in requests)
+        for s, stage in enumerate(pair.pipeline.stages):
+            b = stage.buffers[0]
+            want = pages * b.page_bytes() + sum(b.state_bytes(req) for req in requests)
+            if s == pp - 1:
+                want += len(requests) * b.aux_row_bytes()
+            assert snaps[s][0]["bytes_done"] == want, s
+
+        aborted = [r for r in drawn[10:] if len(r.src_pages) >= 3][:2]
+        assert len(aborted) == 2
+        for req in aborted:
+            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
+        aborted[0].prefill_abort_after, aborted[0].prefill_abort_rank = 1, pp - 1  # last stage
+        aborted[1].decode_abort_after = 1
+        out = pair.run(aborted)
+        assert_clean(out)
+        for req in aborted:
+            assert req.decode_outcome == "Failed", req.room
+            assert all(req.decode_reasons), req.decode_reasons
+        assert any("AbortReq" in r for r in aborted[0].prefill_reasons)
+        assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
+        assert stray_writes(requests + aborted, pair.pipeline.view, pair.decode) == []
 
 
 def test_sglang_splits_layers_over_stages_as_the_rig_does() -> None:
