@@ -44,6 +44,7 @@ from kvfsm.sglang._args import (
 from kvfsm.sglang._bases import BaseKVManager, DisaggregationMode, KVArgs
 from kvfsm.sglang._dp_ranks import dp_by_room, force_flag, force_query
 from kvfsm.sglang._settings import manager_config
+from kvfsm.sglang._staging import EmptyStagingRing, StagingContext
 from kvfsm.sglang._states import StateMap
 from kvfsm.states import KVPoll as RoomStatus
 from kvfsm.states import Part
@@ -132,14 +133,14 @@ class KvfsmKVManager(BaseKVManager):
         #: SGLang's configuration as its own backends read it (runtime context first).
         self.server_config = ServerConfig.read(server_args)
         self.topology = Topology.of(args, self.server_config)
-        if self.mode == "decode" and force_flag("SGLANG_DISAGG_STAGING_BUFFER"):
-            # SGLang's decode then builds its staging handler from the backend's staging
-            # allocator, which kvfsm has none of: it writes each head slice where it belongs
-            # (head-sliced descriptors), so unequal TP needs no staging buffer.
-            raise UnsupportedError(
-                "SGLANG_DISAGG_STAGING_BUFFER=1 is not supported by kvfsm on decode: kvfsm "
-                "writes unequal-TP head slices in place, without staging buffers; unset it"
-            )
+        #: SGLang's staging buffers (``SGLANG_DISAGG_STAGING_BUFFER``): kvfsm never stages, but
+        #: SGLang's decode builds its staging handler from these at start-up (``_staging``).
+        self.enable_staging = force_flag("SGLANG_DISAGG_STAGING_BUFFER")
+        self._staging_ctx = StagingContext(
+            EmptyStagingRing() if self.enable_staging and self.mode == "decode" else None
+        )
+        self._staging_handler: Any = None  # SGLang's decode sets its handler here
+        self.kv_buffer_tensors: dict[str, Any] | None = None
         policy = self.server_config.disaggregation_decode_allocation_policy or "early"
         if policy != "early":
             raise UnsupportedError(
@@ -447,6 +448,27 @@ class KvfsmKVManager(BaseKVManager):
             client = BootstrapClient(f"http://{addr}", secret=self.config.secret)
             self._clients[addr] = client
         return client
+
+    @property
+    def attn_tp_size(self) -> int:
+        """This instance's attention TP (SGLang's staging handler reads it)."""
+        return self.topology.attn_tp_size
+
+    def set_kv_buffer_tensors(
+        self,
+        k_buffers: list[Any],
+        v_buffers: list[Any],
+        page_size: int,
+        slot_layer_ids: list[int] | None = None,
+    ) -> None:
+        """SGLang hands its KV pool tensors over with staging enabled; kvfsm keeps them only
+        for SGLang's staging handler to read (it moves KV through the registered layout)."""
+        self.kv_buffer_tensors = {
+            "k_buffers": k_buffers,
+            "v_buffers": v_buffers,
+            "page_size": page_size,
+            "slot_layer_ids": slot_layer_ids,
+        }
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """True once ``prefill_info_table`` knows ``bootstrap_addr``; otherwise start the lookup

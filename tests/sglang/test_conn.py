@@ -748,19 +748,6 @@ def test_the_deferred_decode_allocation_policy_is_refused_by_name(
         KvfsmKVManager(buffers.kv_args(0), DisaggregationMode(mode), args, False)
 
 
-def test_staging_buffers_are_refused_on_decode_by_name(
-    bootstrap: KvfsmKVBootstrapServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SGLang's decode would build its staging handler from the backend's allocator: refused
-    at start-up with the reason. Prefill ignores the variable (SGLang only offers kvfsm the
-    pools there, if it has ``set_kv_buffer_tensors``), so it starts."""
-    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
-    keep: list[RankBuffers] = []
-    with pytest.raises(UnsupportedError, match="SGLANG_DISAGG_STAGING_BUFFER=1 is not"):
-        _stateless("decode", bootstrap.port, keep)
-    _stateless("prefill", bootstrap.port, keep).close()
-
-
 def test_decode_lends_the_scheduler_an_executor_and_shuts_it_down_on_close(
     bootstrap: KvfsmKVBootstrapServer,
 ) -> None:

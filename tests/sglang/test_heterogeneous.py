@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvfsm.chaos._plan import FaultPlan, TransferRates
 from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
@@ -525,3 +528,68 @@ def test_a_stalled_chunk_on_one_leg_fails_its_request_and_every_leg_settles(
         assert_all_succeeded([r for r in requests if r not in failed])
         assert {r.room for r in pair.d.released} >= {r.room for r in failed}
         assert stray_writes(requests, pair.prefill, pair.decode) == []
+
+
+class _DeviceTensor:
+    """What SGLang's staging handler reads of a KV pool tensor when it is built: its device.
+    SGLang's handler asserts an indexed accelerator device (a CPU tensor's has no index);
+    this machine has none, so a stand-in names GPU 0, as the pools of a GPU decode would."""
+
+    device = torch.device("cuda", 0)
+
+
+def test_staging_buffers_on_decode_are_served_without_staging(
+    bootstrap: KvfsmKVBootstrapServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SGLANG_DISAGG_STAGING_BUFFER=1`` on both sides, prefill TP 4 into decode TP 2 (the
+    shape SGLang's NIXL backend stages), decode's head counts set after its manager as
+    SGLang's staging decode sets them. SGLang's own staging handler is built from kvfsm's
+    decode managers as SGLang's decode builds it at start-up; kvfsm's receivers never ask for
+    staging, so the handler never holds a request and its ring never allocates. Every head
+    slice of every request is checked; an abort mid-transfer on decode and one on a prefill
+    rank end their requests, their pages released only once no write can reach them."""
+    if os.environ.get("KVFSM_NO_SGLANG") == "1":
+        pytest.skip("KVFSM_NO_SGLANG=1: SGLang's staging handler is not importable")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SGLang's model stack warns that AWQ/GGUF need CUDA
+        from sglang.srt.disaggregation.common.staging_handler import DecodeStagingHandler
+
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    shape = Shape(4, 2, heads=4, decode_head_counts="after")
+    with started(bootstrap, shape) as pair:
+        handlers = []
+        for r, mgr in enumerate(pair.decode.managers):
+            assert mgr.enable_staging
+            # DecodePreallocQueue._init_kv_manager: the pools' K and V buffers, then
+            # _init_staging_handler (sglang/srt/disaggregation/decode.py).
+            half = len(pair.decode.buffers[r].kv) // 2
+            mgr.set_kv_buffer_tensors([_DeviceTensor()] * half, [_DeviceTensor()] * half, 4)
+            handler = DecodeStagingHandler.create(mgr, None, r)
+            mgr._staging_handler = handler
+            assert handler.decode_tp == 2
+            assert handler.total_kv_heads == 4
+            handlers.append(handler)
+        for mgr in pair.prefill.managers:
+            assert mgr.enable_staging
+            assert mgr._staging_ctx.allocator is None  # prefill keeps no ring
+        requests = with_empty_request(random_requests(random.Random(46), 10, max_pages=8))
+        staged = [r for r in requests if len(r.src_pages) >= 3][:2]
+        assert len(staged) == 2
+        for req in staged:
+            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
+        staged[0].decode_abort_after, staged[0].decode_abort_rank = 1, 1
+        staged[1].prefill_abort_after, staged[1].prefill_abort_rank = 1, 3
+        out = pair.run(requests)
+        assert_clean(out)
+        assert_all_succeeded([r for r in requests if r not in staged])  # every slice checked
+        for req in staged:
+            assert req.decode_outcome == "Failed", req.room
+            assert all(req.decode_reasons), req.decode_reasons
+        assert "AbortReq" in staged[1].prefill_reasons[3], staged[1].prefill_reasons
+        assert {r.room for r in pair.d.released} >= {r.room for r in staged}
+        assert stray_writes(requests, pair.prefill, pair.decode) == []
+        for handler in handlers:
+            assert not any(handler.is_staging_room(r.room) for r in requests)
+            ring = handler.staging_allocator
+            assert (ring.get_total_size(), ring.get_watermark()) == (0, (0, 0))
+            assert ring.assign(1) is None  # a ring of no bytes: nothing fits
