@@ -30,6 +30,7 @@ XDIST_GROUPS: dict[str, str] = {
     "tests/e2e/test_unservable_shapes.py": "sglang-servers",
     "tests/e2e/test_kv_checksum.py": "sglang-servers",
     "tests/e2e/test_prefill_killed.py": "sglang-servers",
+    "tests/e2e/test_server_campaign.py": "sglang-servers",
     "tests/test_examples.py::test_sglang_cpu_pd_example_runs": "sglang-servers",
 }
 

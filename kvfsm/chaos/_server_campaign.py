@@ -79,6 +79,8 @@ class CampaignResult:
     unclaimed_s: float
     #: The soak's length asked for (None: one pass of the plan).
     minutes: float | None = None
+    #: The reference server's tokens for each request.
+    reference: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _lease_s() -> float:
@@ -114,18 +116,49 @@ class _Injector:
     def __init__(self, rig: Rig, drops: int) -> None:
         self.rig, self.drops = rig, drops
         self.at: float | None = None
+        #: Why the fault could not land, if it could not.
+        self.missed = ""
+
+    def _schedulers(self, name: str) -> list[int]:
+        pids = scheduler_pids(self.rig.by_name(name))
+        if not pids:
+            self.missed = f"no scheduler process in {name}'s process group"
+        return pids
+
+    async def _rooms_in_flight(self, name: str, within_s: float) -> None:
+        """Until ``name`` has a live room (its status server says), for at most ``within_s``:
+        a fault of a kvfsm server lands while it holds rooms, not between them."""
+        server = self.rig.by_name(name)
+        give_up = time.monotonic() + within_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+            while time.monotonic() < give_up:
+                try:
+                    async with s.get(server.status_url + "/stats") as resp:
+                        if (await resp.json())["rooms"]["live"] > 0:
+                            return
+                except (aiohttp.ClientError, OSError, TimeoutError, KeyError, ValueError):
+                    pass
+                await asyncio.sleep(0.02)
 
     async def land(self, episode: ServerEpisode, start: float) -> None:
-        await asyncio.sleep(max(0.0, start + episode.fault_at_s - time.monotonic()))
         fault, rig = episode.fault, self.rig
+        if fault.action is Action.DROP_DECODE_HALF:
+            # Armed before the first request goes out: the router sends a request's two halves
+            # as soon as it has it.
+            self.at = time.monotonic()
+            rig.dropper.arm(self.drops)
+            return
+        await asyncio.sleep(max(0.0, start + episode.fault_at_s - time.monotonic()))
+        if fault.target in ("prefill", "decode"):
+            await self._rooms_in_flight(fault.target, 5.0)
         self.at = time.monotonic()
         if fault.action is Action.KILL_SCHEDULER:
-            for pid in scheduler_pids(rig.by_name(fault.target)):
+            for pid in self._schedulers(fault.target):
                 os.kill(pid, signal.SIGKILL)
         elif fault.action is Action.KILL_SERVER:
             await asyncio.to_thread(rig.by_name(fault.target).kill)
         elif fault.action is Action.STOP:
-            pids = scheduler_pids(rig.by_name(fault.target))
+            pids = self._schedulers(fault.target)
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
             try:
@@ -133,8 +166,6 @@ class _Injector:
             finally:
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
-        elif fault.action is Action.DROP_DECODE_HALF:
-            rig.dropper.arm(self.drops)
         elif fault.action is Action.RESTART:
             # Behind the same address and port, while requests are in flight: SIGTERM (a
             # deployment's restart), then started again at once.
@@ -199,6 +230,7 @@ def _run_episode(
     )
     rig.dropper.disarm()
     record = EpisodeRecord(episode, None if injector.at is None else injector.at - epoch)
+    record.skipped = injector.missed
     restart = fault.restarts
     if restart is not None and fault.action is not Action.RESTART:
         rig.restart(restart)
@@ -284,4 +316,5 @@ def run_server_campaign(
         _lease_s(),
         o.unclaimed_s,
         o.minutes,
+        reference,
     )

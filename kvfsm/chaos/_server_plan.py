@@ -3,10 +3,11 @@ each fault's episode sends. Pure: a seed and the options give the same plan ever
 nothing here touches a process, a socket or a clock.
 
 An episode is one fault under its own load: its requests start at seeded offsets (at most
-``concurrency`` in flight), the fault lands ``fault_at_s`` after the first one, while some are
-in flight. Each request has a prompt of 4 to 2,000 tokens (log-uniform: most are short, some
-fill most of the context), is streamed or not, and may be disconnected by its client or
-aborted by ``/abort_request`` at a seeded time.
+``concurrency`` in flight), the fault lands ``fault_at_s`` after the first one at the earliest
+(a fault of prefill or decode waits, up to 5 s, until that server holds a live room). Each
+request has a prompt of 4 to 2,000 tokens (log-uniform: most are short, some fill most of the
+context), is streamed or not, and may be disconnected by its client or aborted by
+``/abort_request`` at a seeded time.
 """
 
 from __future__ import annotations

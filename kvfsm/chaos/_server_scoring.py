@@ -168,6 +168,8 @@ def _row(
 ) -> FaultRow:
     fault = record.episode.fault
     row = FaultRow(fault.kind, requests=len(outcomes), skipped=record.skipped)
+    if record.skipped:
+        violations.append(f"{fault.kind}: not injected: {record.skipped}")
     row.bound_s = end_bound_s(fault, *bounds)
     errors: Counter[str] = Counter()
     for o in outcomes:

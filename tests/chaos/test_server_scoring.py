@@ -138,3 +138,9 @@ def test_classify_error_names_kvfsm_reasons_first() -> None:
     assert classify_error(0, "ClientConnectorError(Connection refused)") == "connection refused"
     assert classify_error(0, "ServerDisconnectedError('Server disconnected')") == "connection reset"
     assert classify_error(502, "bad gateway") == "http 502"
+
+
+def test_a_fault_that_did_not_land_is_a_violation() -> None:
+    rec = EpisodeRecord(episode(KILL), None, [clean()], skipped="no scheduler process")
+    s = score([rec], [], {}, **BOUNDS)
+    assert s.violations == ["sigkill-server prefill: not injected: no scheduler process"]

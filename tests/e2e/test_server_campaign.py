@@ -1,0 +1,70 @@
+"""``kvfsm chaos servers``, short and seeded, on real SGLang 0.5.23 servers on this CPU machine:
+a reference server, a kvfsm prefill and decode, SGLang's router; one fault of each kind the
+campaign injects here, under a small streamed and non-streamed load.
+
+The campaign's own checks are the invariants (``kvfsm/chaos/_server_scoring.py``), and this test
+asserts them from its record, not only its verdict:
+
+* every request ended (none hung), each within its fault's bound after the fault;
+* every completed request's tokens equal the reference server's;
+* after each fault's drain, prefill and decode show 0 live rooms, 0 held pages, and prefill's
+  NIXL handles created equal those released;
+* the dropped decode half: prefill's room failed by the unclaimed bound (``KVFSM_UNCLAIMED_S``,
+  short here), not by the 300 s Bootstrapping deadline;
+* faults that cannot be injected here (link cuts) are reported with their reason, not dropped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfsm.chaos._server_campaign import (
+    LINK_CUT_SKIP,
+    ServerCampaignOptions,
+    run_server_campaign,
+)
+from kvfsm.chaos._server_plan import ALL_FAULTS, PlanOptions
+from kvfsm.chaos._server_report import as_json
+
+pytestmark = pytest.mark.timeout(900)
+
+SEED = 29
+#: Short: 3 requests per fault (the plan gives each fault kind its own), prompts up to 2,000
+#: tokens, the long SIGSTOP 20 s (past the liveness bound and the lease, as 30 s is).
+PLAN = PlanOptions(requests=3, concurrency=3, long_stop_s=20.0)
+UNCLAIMED_S = 6.0
+
+
+def test_a_short_server_campaign_accounts_for_every_request_and_drains(
+    tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log_dir = tmp_path_factory.mktemp("chaos-servers")
+    opts = ServerCampaignOptions(seed=SEED, plan=PLAN, unclaimed_s=UNCLAIMED_S, log_dir=log_dir)
+    with capsys.disabled():
+        result = run_server_campaign(opts, lambda line: print(f"chaos servers: {line}"))
+        print(f"chaos servers report: {as_json(result)}")
+    score = result.score
+
+    ran = {row.kind for row in score.rows}
+    links = {"link-down link", "link-blackhole link"}
+    assert ran == set(ALL_FAULTS) - links
+    assert result.skipped == dict.fromkeys(links, LINK_CUT_SKIP)
+
+    assert [o.index for o in result.outcomes if o.status == "hung"] == []
+    assert sum(row.over_bound for row in score.rows) == 0, score.violations
+    completed = [o for o in result.outcomes if o.status == "completed"]
+    assert completed, "no request completed"
+    wrong = [o.index for o in completed if o.output_ids != result.reference[o.index]]
+    assert wrong == []
+    for record in result.records:
+        assert [d.server for d in record.drain] == ["prefill", "decode"]
+        for reading in record.drain:
+            assert reading.clean, (record.episode.fault.kind, reading)
+
+    (dropped,) = [r for r in result.records if r.episode.fault.action.value == "drop-decode-half"]
+    assert dropped.unclaimed_rooms, "no prefill room failed by the unclaimed bound"
+    for room in dropped.unclaimed_rooms:
+        assert float(room["duration_s"]) < UNCLAIMED_S + result.liveness_s, room
+    assert dropped.deadline_rooms == []
+
+    assert score.ok, score.violations
