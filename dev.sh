@@ -5,11 +5,12 @@
 #   ./dev.sh main     the main job (kvfsm demo): a prefill-decode pair moving real KV over NIXL
 #   ./dev.sh test     the test suite
 #   ./dev.sh lint     ruff and mypy (strict on kvfsm/)
-#   ./dev.sh bench    the benchmarks
+#   ./dev.sh bench    the benchmarks (all of benchmarks/, about 15 minutes; NAME... some)
 #
-# Extra arguments go to the underlying command (kvfsm run / pytest / the benchmark). The set-up
-# prints one line per step; pip's output goes to $VENV/kvfsm-setup.log. VENV=path and PYTHON=exe
-# choose another virtualenv and the interpreter that creates it (defaults .venv, python3).
+# Extra arguments go to the underlying command (kvfsm run / pytest), or name the benchmarks to
+# run. The set-up prints one line per step; pip's output goes to $VENV/kvfsm-setup.log.
+# VENV=path and PYTHON=exe choose another virtualenv and the interpreter that creates it
+# (defaults .venv, python3).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -110,6 +111,65 @@ setup() {
     fi
 }
 
+# Every benchmark of benchmarks/, in this order, with the options that fit the whole run in
+# 15 minutes on a 2-vCPU machine (each one's defaults measure longer; benchmarks/README.md
+# gives both). A name, then its arguments; vs_sglang.py and tp_shapes.py need the repository
+# on the path (they use the test rigs), so every one runs as a module from here.
+BENCHMARKS=(
+    "room_lifecycle --rooms 3000 --runs 3"
+    "transfer --repeat 2"
+    "control --frames 50000 --pings 1000"
+    "gil --seconds 2 --rounds 2"
+    "gil_backends --seconds 2 --rounds 1"
+    "sglang_adapter --requests 1000 --rounds 3"
+    "vs_sglang --requests 200 --rounds 1"
+    "idle --rooms 2000 --idle 2"
+    "peer_loss"
+    "routing_quotas"
+    "tp_shapes"
+    "scaling --quick"
+)
+
+# run_benchmarks [NAME...]: the benchmarks named (all by default), each one's output on the
+# console and in benchmarks/figures/NAME.txt (scaling.py also writes its JSON and plots
+# there). One that is not in the tree is skipped with a line; one that fails does not stop
+# the others, and the exit status is 1 if any failed.
+run_benchmarks() {
+    local entry name args failed=() started=$SECONDS began known=" "
+    for entry in "${BENCHMARKS[@]}"; do
+        known+="${entry%% *} "
+    done
+    for name in "$@"; do
+        if [[ "$known" != *" $name "* ]]; then
+            say "bench: no benchmark named '$name'; the names:$known"
+            return 2
+        fi
+    done
+    mkdir -p benchmarks/figures
+    for entry in "${BENCHMARKS[@]}"; do
+        name=${entry%% *}
+        args=${entry#"$name"}
+        if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then
+            continue
+        fi
+        if [ ! -f "benchmarks/$name.py" ]; then
+            say "bench: $name: benchmarks/$name.py is not here, skipped"
+            continue
+        fi
+        say "bench: $name$args"
+        began=$SECONDS
+        # shellcheck disable=SC2086  # $args: the options above, split on spaces
+        if ! PYTHONUNBUFFERED=1 PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" \
+            python -m "$name" $args \
+            2>&1 | tee "benchmarks/figures/$name.txt"; then
+            failed+=("$name")
+        fi
+        say "bench: $name took $((SECONDS - began)) s"
+    done
+    say "bench: all in $((SECONDS - started)) s${failed[*]:+; failed: ${failed[*]}}"
+    [ ${#failed[@]} -eq 0 ]
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -142,7 +202,7 @@ case "$cmd" in
         ;;
     bench)
         setup
-        python benchmarks/room_lifecycle.py "$@"
+        run_benchmarks "$@"
         ;;
     *)
         sed -n '2,12p' "$0"
