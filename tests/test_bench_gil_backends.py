@@ -21,6 +21,7 @@ def _run(*args: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_both_backends_move_checked_rooms_and_report_the_ratio() -> None:
     report = _run()
     assert set(report["backends"]) == {"kvfsm", "sglang"}
@@ -37,6 +38,7 @@ def test_both_backends_move_checked_rooms_and_report_the_ratio() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_rooms_that_deliver_other_bytes_than_prefills_are_counted_wrong() -> None:
     report = _run("--backends", "kvfsm", "--prefill-fill", "9")
     decode = report["backends"]["kvfsm"]["decode"]
