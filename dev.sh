@@ -135,7 +135,7 @@ BENCHMARKS=(
 # there). One that is not in the tree is skipped with a line; one that fails does not stop
 # the others, and the exit status is 1 if any failed.
 run_benchmarks() {
-    local entry name args failed=() started=$SECONDS began known=" "
+    local entry name args failed=() started=$SECONDS began load known=" "
     for entry in "${BENCHMARKS[@]}"; do
         known+="${entry%% *} "
     done
@@ -157,13 +157,17 @@ run_benchmarks() {
             continue
         fi
         say "bench: $name$args"
-        began=$SECONDS
+        began=$SECONDS load=$(cut -d' ' -f1 /proc/loadavg)
         # shellcheck disable=SC2086  # $args: the options above, split on spaces
         if ! PYTHONUNBUFFERED=1 PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" \
             python -m "$name" $args \
             2>&1 | tee "benchmarks/figures/$name.txt"; then
             failed+=("$name")
         fi
+        # What produced the file, and the machine's state: the figures mean little without it.
+        printf '\n# ./dev.sh bench: python benchmarks/%s.py%s; %d s; load average %s -> %s; %s\n' \
+            "$name" "$args" "$((SECONDS - began))" "$load" "$(cut -d' ' -f1 /proc/loadavg)" \
+            "$(nproc) CPUs" >>"benchmarks/figures/$name.txt"
         say "bench: $name took $((SECONDS - began)) s"
     done
     say "bench: all in $((SECONDS - started)) s${failed[*]:+; failed: ${failed[*]}}"

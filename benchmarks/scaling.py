@@ -571,6 +571,7 @@ def plot_curve(name: str, c: dict[str, Any], path: Path) -> None:
                 label="raw NIXL process CPU")  # fmt: skip
         ax.set_ylabel("CPU per room (us)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
     elif name == "descriptors":
         for layout, rows, style in (("scattered", pts, "-"), ("contiguous", c["contiguous"], ":")):
             dx = [p["x"] for p in rows]
@@ -583,6 +584,7 @@ def plot_curve(name: str, c: dict[str, Any], path: Path) -> None:
         ax.plot(xs, [p["kvfsm_gbps"] for p in pts], "o-", label="kvfsm")
         ax.plot(xs, [p["raw_nixl_gbps"] for p in pts], "^-", label="raw NIXL")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x // MIB} MiB" if x >= MIB else f"{x // KIB} KiB" for x in xs])
         ax.set_ylabel("GB/s")
         ratio = ax.twinx()
         ratio.plot(xs, [p["ratio"] for p in pts], "k:", label="kvfsm/raw")
@@ -594,6 +596,7 @@ def plot_curve(name: str, c: dict[str, Any], path: Path) -> None:
         ax.plot(xs, [p["rss_bytes_per_live_room"] for p in pts], "s--", label="RSS")
         ax.axhline(8 * KIB, color="grey", lw=0.8, label="target 8 KiB")
         ax.set_xscale("log")
+        ax.set_xticks(xs, [f"{x:,}" for x in xs])
         ax.set_ylabel("bytes per live room")
     ax.set_xlabel(c["x_label"])
     ax.set_ylim(bottom=0 if ax.get_yscale() == "linear" else None)
