@@ -171,7 +171,9 @@ class _Injector:
             # deployment's restart), then started again at once.
             server = rig.by_name(fault.target)
             await asyncio.to_thread(server.stop)
-            await asyncio.to_thread(server.start)
+            # Started from this (the main) thread: a server dies with the thread that started
+            # it (its parent-death signal), and the loop's worker threads end with the loop.
+            server.start()
         # DISCONNECT and ABORT are the plan's own requests; they land at their times.
 
 
