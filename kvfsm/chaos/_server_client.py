@@ -108,7 +108,8 @@ async def send_request(
     else:
         if answer is None:
             out.status = "disconnected"
-        elif status == 200 and _finish(answer) != "abort" and "error" not in answer:
+        elif status == 200 and _finish(answer) == "length" and "error" not in answer:
+            # Greedy with EOS ignored: a whole answer ends by its length, nothing else.
             out.status = "completed"
             out.output_ids = list(answer.get("output_ids") or [])
         elif req.abort_s is not None and (status != 200 or _finish(answer) == "abort"):
@@ -116,6 +117,8 @@ async def send_request(
         else:
             out.detail = json.dumps(answer)[:300] if not isinstance(answer, str) else answer[:300]
             out.reason = classify_error(status, out.detail)
+            if status == 200 and out.reason == "http 200":
+                out.reason = "ended without a finish reason"
     finally:
         if aborter is not None:
             aborter.cancel()
