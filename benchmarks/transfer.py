@@ -1062,6 +1062,7 @@ class Kvfsm:
             * (stats["done_at_post"] - stats0["done_at_post"])
             / max(chunks, 1),
             "pump_rounds": float(stats["pump_rounds"] - stats0["pump_rounds"]),
+            "nixl_requests": float(stats["handles_created"] - stats0["handles_created"]),
             "pump_sleeps": float(stats["pump_sleeps"] - stats0["pump_sleeps"]),
             **_latency(latency),
         }
