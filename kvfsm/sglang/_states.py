@@ -120,8 +120,8 @@ class _Shards:
         entry = lists[i] if i < len(lists) else None
         return entry[k] if entry and k < len(entry) else None
 
-    def add(self, i: int, buffers: int) -> None:
-        for k in range(buffers):
+    def add(self, i: int, buffers: Sequence[int]) -> None:
+        for k in buffers:
             dim = self._entry("state_dim_per_tensor", i, k)
             self.dims.append(None if dim is None else int(dim))
             conv = self._entry("state_conv_shard_groups", i, k)
@@ -198,11 +198,18 @@ class StateMap:
                     f"state type {name!r}: {len(group)} state_data_ptrs, {len(sizes)} "
                     f"state_data_lens, {len(item)} state_item_lens"
                 )
+            # An empty buffer (no rows, item length 0) holds a layer's place only: DeepSeek's
+            # index-sharing layers have no tail ring of their own, and SGLang keeps their entry
+            # so that the peers' layers stay aligned, and moves nothing of it. Both sides leave
+            # out the same places (the layout check refuses a pair that does not).
+            kept = [k for k in range(len(group)) if int(item[k]) > 0 and int(sizes[k]) > 0]
+            if not kept:
+                continue
             pools.append(_Pool(i, name))
             for target, values in zip(flat, (group, sizes, item), strict=True):
-                target.extend(int(v) for v in values)
-            groups.append(len(group))
-            shards.add(i, len(group))
+                target.extend(int(values[k]) for k in kept)
+            groups.append(len(kept))
+            shards.add(i, kept)
         return cls(
             len(names),
             tuple(pools),

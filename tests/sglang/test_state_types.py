@@ -143,3 +143,40 @@ def test_tail_rings_of_different_sizes_are_refused_at_the_handshake(
         assert any("state region 0 item_bytes differs" in why for why in req.decode_reasons), (
             req.decode_reasons
         )
+
+
+def test_zero_row_state_buffers_are_kept_in_place_and_move_nothing(
+    bootstrap: KvfsmKVBootstrapServer,
+) -> None:
+    """DeepSeek's index-sharing layers have no tail ring of their own: SGLang keeps an empty
+    buffer (no rows, item length 0) in their place in ``state_data_ptrs`` so that the layers
+    stay aligned between the peers, and its NIXL backend skips it (``item_len=0`` in
+    ``get_compress_tail_buf_infos``, skipped by ``build_dsa_tail_transfer_blocks``). Here
+    layers 1 and 3 of 4 share: every other buffer moves byte for byte, in its own place."""
+    ring = StateSpec(
+        "dsa_tail",
+        (RING_SLOTS * 24, 0, RING_SLOTS * 16, 0, RING_SLOTS * 8, 0, RING_SLOTS * 4, 0),
+        names="ring",
+    )
+    pages = StateSpec("dsa", (PAGE_BYTES // 4, 0, 40, 0), items=PAGES, names="window", window=3)
+    pair = start(bootstrap.port, (pages, ring))
+    try:
+        rings = tuple(RING_SLOTS * n for n in (24, 16, 8, 4))
+        assert pair.p.instance.managers[0].states.items == (PAGE_BYTES // 4, 40, *rings)
+        requests = random_requests(random.Random(33), 8, max_pages=8)
+        aborted = [r for r in requests if len(r.src_pages) >= 3][:2]
+        assert len(aborted) == 2
+        for req in aborted:
+            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
+        aborted[0].prefill_abort_after, aborted[0].prefill_abort_rank = 1, 1
+        aborted[1].decode_abort_after, aborted[1].decode_abort_rank = 1, 0
+        out = pair.run(requests)
+    finally:
+        pair.d.instance.close()
+        pair.p.instance.close()
+    assert_clean(out)
+    for req in requests:
+        if req in aborted:
+            assert req.decode_outcome == "Failed", req.room
+        else:  # every byte of every non-empty buffer checked on decode
+            assert (req.prefill_outcome, req.decode_outcome) == ("Success", "Success"), req.room
