@@ -26,7 +26,10 @@ from kvfsm.chaos._server_campaign import (
 from kvfsm.chaos._server_plan import ALL_FAULTS, PlanOptions
 from kvfsm.chaos._server_report import as_json
 
-pytestmark = pytest.mark.timeout(900)
+#: Most of the run is the servers' start-ups: the rig's four, then five restarts (two scheduler
+#: kills, two server kills, the prefill restart), about 30 s each on a machine to itself and
+#: three minutes each under a load average of 9 (docs/reliability.md has the figures).
+pytestmark = pytest.mark.timeout(1800)
 
 SEED = 29
 #: Short: 3 requests per fault (the plan gives each fault kind its own), prompts up to 2,000
