@@ -120,7 +120,9 @@ class _Shards:
         entry = lists[i] if i < len(lists) else None
         return entry[k] if entry and k < len(entry) else None
 
-    def add(self, i: int, buffers: Sequence[int]) -> None:
+    def add(self, i: int, buffers: Sequence[int], ring_of: int = 0) -> None:
+        """Buffers ``buffers`` of state type ``i``; ``ring_of``: a tail-ring type's buffer
+        count, whose layers SGLang implies when it names none (:meth:`_ring_layer`)."""
         for k in buffers:
             dim = self._entry("state_dim_per_tensor", i, k)
             self.dims.append(None if dim is None else int(dim))
@@ -129,7 +131,21 @@ class _Shards:
             outer = self._entry("state_slice_outer_counts", i, k)
             self.outer.append(int(outer) if outer else 1)
             layer = self._entry("state_layer_ids", i, k)
+            if layer is None and ring_of:
+                layer = self._ring_layer(k, ring_of)
             self.layers.append(None if layer is None else int(layer))
+
+    def _ring_layer(self, k: int, count: int) -> int | None:
+        """The model layer of buffer ``k`` of a tail ring SGLang lists without layer ids: the
+        key ring of every layer of this rank's span, then the score ring of every layer
+        (``get_compress_tail_buf_infos``), the span starting at ``prefill_start_layer`` (0
+        on decode, which holds every layer). SGLang's NIXL backend pairs a pipeline stage's
+        rings with decode's by exactly these layers (``slice_dsa_tail_dst_ptrs_for_pp`` in
+        sglang/srt/disaggregation/utils.py)."""
+        if count % 2:
+            return None
+        first = int(getattr(self.args, "prefill_start_layer", 0) or 0)
+        return first + k % (count // 2)
 
     @staticmethod
     def declared(values: list[int | None]) -> tuple[int, ...]:
@@ -209,7 +225,7 @@ class StateMap:
             for target, values in zip(flat, (group, sizes, item), strict=True):
                 target.extend(int(values[k]) for k in kept)
             groups.append(len(kept))
-            shards.add(i, kept)
+            shards.add(i, kept, len(group) if name in RING_ROW else 0)
         return cls(
             len(names),
             tuple(pools),

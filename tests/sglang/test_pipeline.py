@@ -36,6 +36,7 @@ from kvfsm.sglang._manager import KvfsmKVManager
 from tests.helpers.sglang_pipeline import Pipeline, PipelinePair, spans
 from tests.helpers.sglang_replay import (
     PAGES,
+    RING_SLOTS,
     Instance,
     Outcome,
     RankBuffers,
@@ -198,6 +199,53 @@ def test_a_stage_without_buffers_of_a_state_type_sends_none_of_it(
         assert any("AbortReq" in r for r in aborted[0].prefill_reasons)
         assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
         assert stray_writes(requests + aborted, pair.pipeline.view, pair.decode) == []
+
+
+#: DeepSeek V4's tail rings, SGLang's way: no layer ids, the key ring of every layer, then the
+#: score ring of every layer; layer 4 shares its index (an empty buffer in its place).
+TAIL_RINGS = (
+    StateSpec(
+        "dsa_tail",
+        tuple(0 if layer == 4 else RING_SLOTS * 24 for layer in range(6))
+        + tuple(0 if layer == 4 else RING_SLOTS * 8 for layer in range(6)),
+        names="ring",
+        layers=tuple(range(6)) * 2,
+        declare_layers=False,
+    ),
+)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_tail_rings_without_layer_ids_pair_by_their_implied_layers(
+    bootstrap: KvfsmKVBootstrapServer, pp: int
+) -> None:
+    """SGLang lists a DSA tail ring's buffers without layer ids, every key ring then every
+    score ring of the rank's layers, and its NIXL backend pairs a stage's with decode's by
+    those layers (``slice_dsa_tail_dst_ptrs_for_pp``): so does kvfsm. Every ring byte checked
+    on decode, each stage moving only its own layers' rings; an abort mid-transfer on decode
+    ends its request with its pages released only once no stage can write them."""
+    with started(bootstrap, tp=1, pp=pp, layers=STAGED_LAYERS, state=TAIL_RINGS) as pair:
+        drawn = random_requests(random.Random(90 + pp), 16)
+        requests = with_empty_request(drawn[:10])
+        out = pair.run(requests)
+        assert_clean(out)
+        assert_all_succeeded(requests)
+        snaps = pair.pipeline.transport_snapshots()
+        pages = sum(len(r.src_pages) for r in requests)
+        for s, stage in enumerate(pair.pipeline.stages):
+            b = stage.buffers[0]
+            want = pages * b.page_bytes() + sum(b.state_bytes(req) for req in requests)
+            if s == pp - 1:
+                want += len(requests) * b.aux_row_bytes()
+            assert snaps[s][0]["bytes_done"] == want, s
+        aborted = next(r for r in drawn[10:] if len(r.src_pages) >= 3)
+        aborted.chunks = [aborted.src_pages[:1], aborted.src_pages[1:2], aborted.src_pages[2:]]
+        aborted.decode_abort_after = 1
+        out = pair.run([aborted])
+        assert_clean(out)
+        assert aborted.decode_outcome == "Failed"
+        assert aborted.room in {r.room for r in pair.d.released}
+        assert stray_writes([*requests, aborted], pair.pipeline.view, pair.decode) == []
 
 
 def test_sglang_splits_layers_over_stages_as_the_rig_does() -> None:
