@@ -16,8 +16,10 @@ What the adapter does (the feature's contract):
   (``_fingerprint.stage_state``), over its leg.
 * A stage that holds no buffer of a state type (all that type's layers on other stages) sends
   none of it and goes on, as SGLang's NIXL backend does.
+* DSA tail rings carry no layer ids in SGLang; their layers are implied (every key ring, then
+  every score ring, of the stage's span) and they pair by those, as SGLang's do.
 * Refused by name: PP on decode, PP with unequal attention TP, stages whose layers do not tile
-  decode's, state buffers without layer ids (SGLang refuses those too).
+  decode's, other state buffers without layer ids (SGLang refuses those too).
 """
 
 from __future__ import annotations
