@@ -116,10 +116,10 @@ class RoomCore:
         "_dst",
         "_dst_pages",
         "_dst_aux",
-        "_dst_peer",
+        "peer_agent",
         "_dst_state",
         "_dst_known",
-        "_fence",
+        "fence",
         "_prefix",
         "part",
         "legs",
@@ -130,7 +130,7 @@ class RoomCore:
         "_last_submitted",
         "_in_flight",
         # receiver
-        "_peer_rank",
+        "peer_rank",
         "_exposed",
     )
 
@@ -158,12 +158,17 @@ class RoomCore:
         self._dst = b""
         self._dst_pages = 0
         self._dst_aux = -1
-        self._dst_peer = ""
+        #: Sender: the receiver's transport agent, once its destination arrived ("" before; a
+        #: receiver's stays ""). The peer attributes are plain slots, read (never written)
+        #: outside the core: a reaped room's record reads all three without a call.
+        self.peer_agent = ""
         self._dst_state = b""
         # A dummy leg's destination names no page and no aux row, yet its receiver waits for
         # this sender's word (ReportSettled) like any other: it is known once it arrived.
         self._dst_known = False
-        self._fence = 0
+        #: Sender: the write lease its destination came under (0: none yet, or unfenced; a
+        #: receiver's stays 0).
+        self.fence = 0
         #: Prompt tokens the receiver holds already (decode prefix caching): the sender's
         #: ``DestinationReceived.prefix``, the receiver's ``MetadataSubmitted.prefix``.
         self._prefix = 0
@@ -177,7 +182,8 @@ class RoomCore:
         self._next_chunk = 0
         self._last_submitted = False
         self._in_flight: set[int] = set()
-        self._peer_rank = -1
+        #: Receiver: the prefill rank serving it (-1 before ``init``; a sender's stays -1).
+        self.peer_rank = -1
         self._exposed = False
 
     # -- reads ---------------------------------------------------------------------------------
@@ -197,21 +203,6 @@ class RoomCore:
         The actor publishes it before the sender's WaitingForInput, so a caller that sees
         WaitingForInput reads it (SGLang's ``pop_decode_prefix_len``)."""
         return self._prefix
-
-    @property
-    def peer_agent(self) -> str:
-        """Sender: the receiver's transport agent, once its destination arrived."""
-        return self._dst_peer
-
-    @property
-    def fence(self) -> int:
-        """Sender: the write lease its destination came under (0: none yet, or unfenced)."""
-        return self._fence
-
-    @property
-    def peer_rank(self) -> int:
-        """Receiver: the prefill rank serving it (-1 before ``init``)."""
-        return self._peer_rank
 
     @property
     def in_flight(self) -> frozenset[int]:
@@ -326,7 +317,7 @@ class RoomCore:
     def _peer_known(self) -> bool:
         if self.role is _SENDER:
             return self._dst_known
-        return self._peer_rank >= 0
+        return self.peer_rank >= 0
 
     def _complete(self) -> bool:
         if self.state is not _TRANSFERRING:
@@ -410,10 +401,10 @@ class RoomCore:
         self._dst = event.pages
         self._dst_pages = len(event.pages) // _PAGE_BYTES
         self._dst_aux = event.aux_index
-        self._dst_peer = event.peer
+        self.peer_agent = event.peer
         self._dst_state = event.state
         self._dst_known = True
-        self._fence = event.fence
+        self.fence = event.fence
         self._prefix = event.prefix
         self.part = event.part
         self.legs = event.legs
@@ -431,11 +422,11 @@ class RoomCore:
         return (ReportOutcome(_SUCCESS),)
 
     def _on_receiver_init(self, event: Initialized) -> tuple[Command, ...]:
-        self._peer_rank = event.peer_rank
+        self.peer_rank = event.peer_rank
         return (ResolvePeer(event.peer_rank),)
 
     def _on_resolved(self, event: PeerResolved) -> tuple[Command, ...]:
-        self._peer_rank = event.peer_rank
+        self.peer_rank = event.peer_rank
         return _NO_COMMANDS
 
     def _on_metadata(self, event: MetadataSubmitted) -> tuple[Command, ...]:
@@ -462,10 +453,10 @@ class RoomCore:
             is_last=last,
             src_aux=self._src_aux if last else -1,
             dst_aux=self._dst_aux if last else -1,
-            peer=self._dst_peer,
+            peer=self.peer_agent,
             src_state=src_state if last else b"",
             dst_state=self._dst_state if last else b"",
-            fence=self._fence,
+            fence=self.fence,
         )
 
 

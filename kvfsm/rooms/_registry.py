@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -47,7 +46,6 @@ _FAILED: Final = KVPoll.Failed
 _RECEIVER: Final = Role.RECEIVER
 
 _log = logging.getLogger("kvfsm.rooms")
-_monotonic = time.monotonic
 
 
 class DuplicateRoomError(RuntimeError):
@@ -263,8 +261,8 @@ class Registry:
 
     def name_peer(self, room: Room) -> dict[str, Any] | None:
         """Who ``room``'s peer is: what the peer namer knows, else what the room knows."""
-        agent, rank, fence = room.peer_identity()
-        return self._name(room.role, agent, rank, fence)
+        core = room.core
+        return self._name(room.role, core.peer_agent, core.peer_rank, core.fence)
 
     def _name(self, role: Role, agent: str, rank: int, fence: int) -> dict[str, Any] | None:
         if not agent and rank < 0:
@@ -337,7 +335,6 @@ class Registry:
         if timeline is None:
             return
         core, key = room.core, room.key
-        agent, rank, fence = room.peer_identity()
         state = core.state
         record = RoomRecord(
             key.room,
@@ -347,10 +344,10 @@ class Registry:
             core.reason,
             room.publication.settled,
             freeze(timeline),  # one object for the ring to drop later (kvfsm.rooms._timeline)
-            _monotonic(),
-            agent,
-            rank,
-            fence,
+            self.tasks.now,  # the room's last step's time: it is reaped as that step ends
+            core.peer_agent,  # (a receiver's is "", a sender's rank -1: no branch on the role)
+            core.peer_rank,
+            core.fence,
         )
         # Finished.add, inlined (a Python call per room on the hot path): failures apart.
         finished = self.finished

@@ -12,7 +12,10 @@ taken from the caller's scheduler through the GIL, for every room of every reque
 timeline is one plain list and recording is an append of what is already there:
 
 * a ``float`` is a time (``time.monotonic()``): one per room step (an event and the commands
-  and state change it caused share it), the first one the room's creation;
+  and state change it caused share it), the first one the room's creation. A step's time is
+  the room scheduler's clock (``RoomScheduler.now``, read once per few steps of a batch), not
+  a clock read of its own: a room that was created inside a batch may see a first step a few
+  microseconds "before" its creation, which the reading side shows as 0;
 * an event or command *object* is itself the entry: it is immutable and already allocated, so
   keeping a reference costs a pointer. Those that carry page lists (which must not be kept
   alive) are encoded instead (:data:`ENCODERS`) as an ``int``;
@@ -346,7 +349,8 @@ def entries(
     pages_of: dict[int, int] = {}
     knows_peer = False
     for t, item in steps:
-        row: dict[str, Any] = {"t_ms": round((t - born) * 1000, 3)}
+        # (a step's time may precede the creation's by a few steps' work: see the module doc)
+        row: dict[str, Any] = {"t_ms": round(max(t - born, 0.0) * 1000, 3)}
         if type(item) is Dropped:
             row.update(kind="dropped", what=f"{item.count} entries not kept")
         elif type(item) is int and item & _WHAT == _STATE:
@@ -382,7 +386,7 @@ class RoomRecord(msgspec.Struct, gc=False):
     settled: bool
     #: Frozen (:func:`freeze`) when the registry keeps it.
     timeline: list[object] | bytes
-    #: ``time.monotonic()`` when it was reaped.
+    #: ``time.monotonic()`` when it was reaped (its last step's time: RoomScheduler.now).
     reaped: float
     #: The peer the room named: its agent (sender), prefill rank (receiver) and fence.
     agent: str
@@ -397,8 +401,9 @@ class RoomRecord(msgspec.Struct, gc=False):
 
     @property
     def duration_s(self) -> float:
-        """From creation to reaping."""
-        return self.reaped - self.born
+        """From creation to reaping (never negative: ``reaped`` is the scheduler's clock,
+        which a room created and reaped within a few steps may not have seen move)."""
+        return max(self.reaped - self.born, 0.0)
 
     @property
     def created(self) -> float:

@@ -316,3 +316,47 @@ async def test_a_hook_between_steps_that_cancels_the_rest_of_the_batch_ends_it_c
     assert log == ["a::True", "after", "after"]  # between the steps, and the batch's end
     assert all(toy.coro is None for toy in toys[1:])  # cancelled before their first step
     assert scheduler.ready == 0
+
+
+async def test_now_is_read_at_each_batch_and_every_clock_steps_steps_of_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step's time is the scheduler's clock: read when a batch begins and every CLOCK_STEPS
+    steps of it (a flight recorder's times are then a few steps' work old at most), and before
+    a step outside any batch (a cancel)."""
+    import kvfsm.rooms._scheduler as scheduler_module
+
+    reads: list[float] = []
+
+    def clock() -> float:
+        reads.append(float(len(reads)))
+        return reads[-1]
+
+    monkeypatch.setattr(scheduler_module, "_monotonic", clock)
+    steps = scheduler_module.CLOCK_STEPS
+    scheduler = RoomScheduler(asyncio.get_running_loop(), batch=10 * steps)
+    seen: list[float] = []
+
+    class Clocked(Toy):
+        async def run(self) -> None:
+            try:
+                while True:
+                    seen.append(self.scheduler.now)
+                    await SUSPEND
+            except asyncio.CancelledError:
+                seen.append(self.scheduler.now)
+                raise
+
+    toys = [Clocked(scheduler, str(i), []) for i in range(2 * steps + 1)]
+    for toy in toys:
+        scheduler.start(toy)
+    before = len(reads)
+    await asyncio.sleep(0)  # one batch of 2 * CLOCK_STEPS + 1 steps
+    assert len(seen) == 2 * steps + 1
+    assert len(reads) - before == 3  # steps 0, CLOCK_STEPS and 2 * CLOCK_STEPS
+    assert seen == sorted(seen)
+    assert seen[0] == seen[steps - 1] != seen[steps]
+    assert seen[-1] == reads[-1]
+    scheduler.cancel(toys[0])
+    assert seen[-1] == reads[-1]  # a cancel reads the clock for its own step
+    assert len(reads) - before == 4

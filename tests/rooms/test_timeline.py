@@ -273,3 +273,17 @@ def test_a_frozen_timeline_reads_as_the_live_one() -> None:
     assert record.born == born
     odd: list[object] = [born, object()]  # something that does not encode stays a list
     assert freeze(odd) is odd
+
+
+def test_a_step_timed_before_the_room_was_created_reads_as_its_creation() -> None:
+    """A step's time is the scheduler's clock, read at most a few steps before the step: a room
+    created inside a batch may carry a step time just before its creation. It reads as 0 ms,
+    never negative, and its record's duration is never negative either."""
+    born = 100.0
+    timeline: list[object] = [born, born - 1e-5, ChunkDone(0), born + 0.002, ChunkDone(1)]
+    rows = entries(timeline, Role.SENDER)
+    assert [r["t_ms"] for r in rows] == [0.0, 2.0]
+    record = RoomRecord(
+        1, 1, Role.SENDER, KVPoll.Success, "", True, freeze(timeline), born - 1e-5, "", -1, 0
+    )
+    assert record.duration_s == 0.0
