@@ -622,6 +622,14 @@ def plot_curve(name: str, c: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory where it is below it (the printed output is
+    kept in the repository), else as given."""
+    with contextlib.suppress(ValueError):
+        return str(path.resolve().relative_to(Path.cwd()))
+    return str(path)
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -679,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print_curve(curve, result)
             print(f"load {load0:.2f} -> {result['loadavg_end']:.2f}, {result['wall_s']:.1f} s; "
-                  f"{args.figures / f'scaling_{curve}.png'}", flush=True)  # fmt: skip
+                  f"{_shown(args.figures / f'scaling_{curve}.png')}", flush=True)  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
