@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,7 @@ from _backends import (
     SGLangNixl,
     backend,
     process_cpu,
+    thread_cpu,
 )
 
 BACKENDS = ("kvfsm", "sglang")
@@ -91,7 +93,7 @@ class Scheduler:
         sender_cls, mgr, addr = self.be.sender_cls, self.child.mgr, self.child.addr
         step, clock = self.step, time.perf_counter
         failed0 = len(self.failed)
-        decode0 = process_cpu(self.child.pid)
+        decode0, threads0 = process_cpu(self.child.pid), thread_cpu()
         thread0, cpu0, t0 = time.thread_time(), time.process_time(), clock()
         give_up = time.monotonic() + 120
         while len(latencies) < requests:
@@ -106,7 +108,7 @@ class Scheduler:
                 raise RuntimeError(f"{len(live)} requests did not end within 120 s")
         wall = clock() - t0
         cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
-        decode = process_cpu(self.child.pid) - decode0
+        decode, threads = process_cpu(self.child.pid) - decode0, thread_cpu()
         latencies.sort()
         return {
             "requests": requests,
@@ -119,6 +121,12 @@ class Scheduler:
             "scheduler_cpu_us": thread / requests * 1e6,
             "decode_cpu_us": decode / requests * 1e6,
             "failed": len(self.failed) - failed0,
+            # The prefill process's other threads, by OS name (kvfsm names its threads).
+            "threads_cpu_us": {
+                name: round((cpu - threads0.get(name, 0.0)) / requests * 1e6, 1)
+                for name, cpu in sorted(threads.items())
+                if cpu > threads0.get(name, 0.0)
+            },
         }
 
     def _advance(self, live: list[list[Any]], latencies: list[float]) -> None:
@@ -191,6 +199,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], windows: list[int]) -> di
             per_window[w] = {m: statistics.median(row[m] for row in rows) for m in measures}
             per_window[w]["failed"] = sum(row["failed"] for row in rows)
             per_window[w]["rounds"] = {m: [round(row[m], 3) for row in rows] for m in measures}
+            per_window[w]["threads_cpu_us"] = [row["threads_cpu_us"] for row in rows]
         decode = {
             k: sum(r["decode"].get(k, 0) for r in runs)
             for k in ("succeeded", "failed", "wrong_bytes")
@@ -283,8 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-fill", type=int, default=FILL, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.one:
-        print(json.dumps(one_round(a.one, a)), flush=True)
-        os._exit(0)  # see _backends.decode_main
+        # os._exit either way: SGLang's backend leaves non-daemon threads that would keep this
+        # process alive after an error (as after its parent was killed: stdout is gone).
+        try:
+            print(json.dumps(one_round(a.one, a)), flush=True)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
     names = a.backends.split(",")
     windows = [int(w) for w in a.windows.split(",")]
     if 2 * (max(windows) + 8) > AUX_ROWS:

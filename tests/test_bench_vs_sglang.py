@@ -42,7 +42,7 @@ def test_both_backends_move_every_request_with_checked_bytes_and_report_ratios()
         assert b["decode"] == {"succeeded": 4 + 2 * 12, "failed": 0, "wrong_bytes": 0}, name
         assert set(b["windows"]) == {"1", "4"}
         for row in b["windows"].values():
-            assert set(row) == MEASURES | {"failed", "rounds"}
+            assert set(row) == MEASURES | {"failed", "rounds", "threads_cpu_us"}
             assert row["failed"] == 0
             assert all(row[m] > 0 for m in MEASURES if m != "decode_cpu_us"), (name, row)
             assert row["p50_ms"] <= row["p99_ms"]
