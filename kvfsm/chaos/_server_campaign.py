@@ -148,9 +148,13 @@ class _Injector:
             self.at = time.monotonic()
             rig.dropper.arm(self.drops)
             return
-        await asyncio.sleep(max(0.0, start + episode.fault_at_s - time.monotonic()))
         if fault.target in ("prefill", "decode"):
-            await self._rooms_in_flight(fault.target, 5.0)
+            # From the load's start: a prefill room lives only while its pages move, a few
+            # hundred milliseconds here, and ``fault_at_s`` would often miss them all.
+            await asyncio.sleep(max(0.0, start - time.monotonic()))
+            await self._rooms_in_flight(fault.target, episode.fault_at_s + 5.0)
+        else:
+            await asyncio.sleep(max(0.0, start + episode.fault_at_s - time.monotonic()))
         self.at = time.monotonic()
         if fault.action is Action.KILL_SCHEDULER:
             for pid in self._schedulers(fault.target):
@@ -224,7 +228,7 @@ def _run_episode(
     fault = episode.fault
     bound = end_bound_s(fault, LIVENESS_S, _lease_s(), o.unclaimed_s)
     reference = asyncio.run(_reference(rig.reference.url, episode))
-    began = time.monotonic()
+    began, began_wall = time.monotonic(), time.time()
     injector = _Injector(rig, o.drops)
     tag = f"{o.seed}-{int(began)}"
     outcomes = asyncio.run(
@@ -241,7 +245,7 @@ def _run_episode(
     rig.wait_serving()
     _drain(rig, record, LIVENESS_S + _lease_s() + o.unclaimed_s + SGLANG_SLACK_S)
     for server in (rig.prefill, rig.decode):
-        for row in rig.failures_since(server, began):
+        for row in rig.failures_since(server, began_wall):
             reason = str(row.get("reason", ""))
             if str(row.get("reason_kind", "")).startswith("deadline"):
                 record.deadline_rooms.append(row)

@@ -3,8 +3,9 @@ each fault's episode sends. Pure: a seed and the options give the same plan ever
 nothing here touches a process, a socket or a clock.
 
 An episode is one fault under its own load: its requests start at seeded offsets (at most
-``concurrency`` in flight), the fault lands ``fault_at_s`` after the first one at the earliest
-(a fault of prefill or decode waits, up to 5 s, until that server holds a live room). Each
+``concurrency`` in flight), the fault lands ``fault_at_s`` after the first one (a fault of
+prefill or decode instead lands as soon as that server holds a live room, within
+``fault_at_s`` + 5 s). Each
 request has a prompt of 4 to 2,000 tokens (log-uniform: most are short, some fill most of the
 context), is streamed or not, and may be disconnected by its client or aborted by
 ``/abort_request`` at a seeded time.

@@ -14,6 +14,7 @@ __all__ = ["as_json", "print_table", "write_png"]
 _COLUMNS = (
     ("fault", 28),
     ("reqs", 5),
+    ("hit", 4),
     ("done", 5),
     ("exact", 6),
     ("disc", 5),
@@ -61,6 +62,7 @@ def print_table(r: CampaignResult) -> None:
         cells = (
             row.kind,
             row.requests,
+            row.in_flight,
             row.completed,
             row.exact,
             row.disconnected,

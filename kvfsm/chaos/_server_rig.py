@@ -169,8 +169,8 @@ class Rig:
         )
 
     def failures_since(self, server: Server, since: float) -> list[dict[str, Any]]:
-        """``/failures`` rows of rooms created at or after ``since`` (monotonic: the engine's
-        loop clock is the same clock on this host)."""
+        """``/failures`` rows of rooms created at or after ``since`` (``time.time()``: a row's
+        ``created`` is the wall clock)."""
         try:
             rows: list[dict[str, Any]] = get_json(server.status_url + "/failures?limit=1000")
         except (urllib.error.URLError, OSError, ValueError):

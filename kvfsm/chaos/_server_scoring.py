@@ -118,6 +118,8 @@ def classify_error(status: int, text: str) -> str:
         return "aborted"
     if "connection refused" in low or "cannot connect" in low:
         return "connection refused"
+    if "payload" in low:  # aiohttp: the answer's body ended before its length or last chunk
+        return "answer cut off"
     if "disconnect" in low or "reset" in low or "broken pipe" in low:
         return "connection reset"
     if status:
@@ -136,6 +138,8 @@ class FaultRow:
     aborted: int = 0
     hung: int = 0
     over_bound: int = 0
+    #: Requests sent and not ended when the fault landed (0: the fault hit no request).
+    in_flight: int = 0
     #: The latest end of a request after the fault, seconds.
     slowest_end_s: float = 0.0
     bound_s: float = 0.0
@@ -188,6 +192,8 @@ def _row(
         elif o.status == "hung":
             row.hung += 1
             violations.append(f"{fault.kind}: request {o.index} hung")
+        if record.fault_s is not None and o.sent_s <= record.fault_s < o.ended_s:
+            row.in_flight += 1
         if record.fault_s is not None and o.status != "hung":
             after = o.ended_s - max(o.sent_s, record.fault_s)
             row.slowest_end_s = max(row.slowest_end_s, round(after, 2))
@@ -268,6 +274,7 @@ def _merge(old: FaultRow | None, new: FaultRow) -> FaultRow:
         aborted=old.aborted + new.aborted,
         hung=old.hung + new.hung,
         over_bound=old.over_bound + new.over_bound,
+        in_flight=old.in_flight + new.in_flight,
         slowest_end_s=max(old.slowest_end_s, new.slowest_end_s),
         bound_s=max(old.bound_s, new.bound_s),
         drained=old.drained and new.drained,

@@ -144,3 +144,20 @@ def test_a_fault_that_did_not_land_is_a_violation() -> None:
     rec = EpisodeRecord(episode(KILL), None, [clean()], skipped="no scheduler process")
     s = score([rec], [], {}, **BOUNDS)
     assert s.violations == ["sigkill-server prefill: not injected: no scheduler process"]
+
+
+def test_requests_in_flight_at_the_fault_are_counted() -> None:
+    rec = EpisodeRecord(episode(KILL), 1.5, [clean()])
+    outs = [
+        RequestOutcome(0, 0, "errored", 1.0, 2.0, reason="kvfsm: peer lost"),  # hit
+        RequestOutcome(1, 0, "completed", 0.2, 1.4, [1]),  # ended before the fault
+        RequestOutcome(2, 0, "completed", 1.6, 2.5, [1]),  # sent after it
+    ]
+    (row,) = score([rec], outs, {1: [1], 2: [1]}, **BOUNDS).rows
+    assert row.in_flight == 1
+
+
+def test_an_answer_cut_off_is_its_own_class() -> None:
+    assert classify_error(0, 'ClientPayloadError("Response payload is not completed")') == (
+        "answer cut off"
+    )
