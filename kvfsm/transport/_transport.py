@@ -17,7 +17,9 @@ each on its own thread, and this one only wires them:
   scheduler iteration's calls) are handed to the ledger together at its end, small ones to
   the same peer and fence merged into one request (``TransferConfig.merge_max_bytes``; the
   ledger's rule 8): one ``make_prepped_xfer``, ``transfer()`` and handle instead of one per
-  chunk. A full request does not wait for the batch's end: it is handed over between two
+  chunk. Chunks are grouped per peer generation and fence, in posting order within each
+  (:func:`group_staged`), so a batch whose rooms alternate between decode peers still
+  merges. A full request does not wait for the batch's end: it is handed over between two
   room steps (``Inbox.rooms_ran_soon``), the group that may still grow staying staged.
 * :mod:`kvfsm.transport._pump`: the ledger's actions and the completion pump (loop thread);
   it owns every posted handle until it is released, and keeps progressing the agent after a
@@ -48,7 +50,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import asdict
 from typing import cast
 
@@ -71,6 +73,60 @@ from kvfsm.transport._state_slices import StatePiece
 __all__ = ["ChunkObserver", "NixlTransport", "TransferConfig", "TransportStats"]
 
 _log = logging.getLogger("kvfsm.transport")
+_NO_PEER: object = object()
+
+
+def group_staged(
+    staged: list[Xfer], max_chunks: int, max_bytes: int
+) -> tuple[list[list[Xfer]], int]:
+    """``staged`` (a batch's records in posting order) in the groups ``_hand_over`` takes, and
+    the index of the group that may still grow, or -1.
+
+    The mergeable records of each (peer generation, fence) form groups of their own, each in
+    posting order and within ``max_chunks`` records and ``max_bytes`` bytes: a batch spreads
+    its rooms over several decode peers, and runs of one peer in posting order would leave
+    every chunk alone as soon as two peers alternate. Records of two generations of a peer,
+    or under two fences, never share a group (law 4: a request is posted under one lease, to
+    the generation whose lists it names). A group that cannot take the next record of its key
+    is closed and a new one begins. Every other record is a group alone: a dropped one
+    (never posted; it closes nothing) and one that is not mergeable, which closes its key's
+    open group, so that each key's records reach the poster in posting order. Groups are in
+    the order of their first records.
+
+    The group that may still grow is the one holding the last staged record, when that one
+    is mergeable and not dropped: the open group of the peer a room posted to last, which is
+    the peer its next chunk goes to."""
+    groups: list[list[Xfer]] = []
+    sizes: list[int] = []  # bytes of each group (those alone included, unread)
+    open_at: dict[tuple[Hashable, int], int] = {}  # a key's open group, by index
+    # The previous record's key and group, so that a run to one peer (the batch of a
+    # prefill with one decode peer) costs no dict look-up.
+    last_peer: object = _NO_PEER
+    last_fence = 0
+    at = -1
+    for record in staged:
+        if record.dropped or not record.mergeable:
+            if not record.dropped:
+                open_at.pop((record.peer, record.fence), None)
+                if record.peer is last_peer and record.fence == last_fence:
+                    last_peer = _NO_PEER
+            groups.append([record])
+            sizes.append(record.nbytes)
+            continue
+        peer, fence = record.peer, record.fence
+        if not (peer is last_peer and fence == last_fence):
+            at = open_at.get((peer, fence), -1)
+            last_peer, last_fence = peer, fence
+        if at >= 0 and len(groups[at]) < max_chunks and sizes[at] + record.nbytes <= max_bytes:
+            groups[at].append(record)
+            sizes[at] += record.nbytes
+            continue
+        at = open_at[peer, fence] = len(groups)
+        groups.append([record])
+        sizes.append(record.nbytes)
+    last = staged[-1] if staged else None
+    growing = at if last is not None and last.mergeable and not last.dropped else -1
+    return groups, growing
 
 
 class NixlTransport(CommandSink):
@@ -179,9 +235,9 @@ class NixlTransport(CommandSink):
                 loop.call_soon(self._pump.execute, prepared)
             elif merging:
                 # Every record waits for the batch's end (``rooms_ran``; sooner once a full
-                # request is staged, below), merged or not, so that chunks reach the poster
-                # in the order their rooms posted them. The call_soon is a backstop for a
-                # command outside a batch of steps.
+                # request is staged, below), merged or not, so that the chunks to each peer
+                # and fence reach the poster in the order their rooms posted them. The
+                # call_soon is a backstop for a command outside a batch of steps.
                 if not self._staged:
                     loop.call_soon(self._flush)
                 self._staged.append(prepared)
@@ -218,10 +274,10 @@ class NixlTransport(CommandSink):
 
     def _flush(self, *, keep_last: bool = False) -> None:
         """The records of the batch of room steps that just ended, to the ledger and the poster
-        in the order rooms posted them: runs of mergeable ones to one peer generation and
-        fence as one record each (within ``merge_max_chunks`` and ``merge_max_bytes``), the
-        rest alone. ``keep_last``: all but the last group, which stays staged (called between
-        two steps of a batch once a full request was staged).
+        in the groups :func:`group_staged` makes: the mergeable ones of each peer generation and
+        fence as one record per group, the rest alone. ``keep_last``: all but the group that
+        may still grow (the open group of the last staged record's peer and fence), which
+        stays staged (called between two steps of a batch once a full request was staged).
 
         No exception leaves a staged chunk without an end: the records were taken off
         ``_staged`` already, so a chunk the ledger never got would be in no one's hands, its
@@ -230,11 +286,14 @@ class NixlTransport(CommandSink):
         staged, self._staged = self._staged, []
         self._staged_bytes, self._cut = 0, False
         now = time.monotonic()
-        groups = list(self._groups(staged))
-        if keep_last and len(groups) > 1:
-            # Between two steps of a batch (``rooms_ran_soon``): the last group may still
-            # grow with the next steps' chunks, so it stays staged, ahead of them.
-            self._staged = groups.pop()
+        config = self.config
+        groups, growing = group_staged(staged, config.merge_max_chunks, config.merge_max_bytes)
+        if keep_last and len(groups) > 1 and growing >= 0:
+            # Between two steps of a batch (``rooms_ran_soon``): the group of the record
+            # staged last may still grow with the next steps' chunks (a room's next chunk goes
+            # to the same peer), so it stays staged, ahead of them. Every other group goes:
+            # its peer's later records start a group behind it, so each peer's order holds.
+            self._staged = groups.pop(growing)
             self._staged_bytes = sum(record.nbytes for record in self._staged)
         for records in groups:
             try:
@@ -249,33 +308,6 @@ class NixlTransport(CommandSink):
             # the first post 8.9 ms after the rooms start with the cut alone, 5.1 with this.
             time.sleep(0)
         self._pump.run_woken()
-
-    def _groups(self, staged: list[Xfer]) -> Iterator[list[Xfer]]:
-        """``staged`` in posting order, in the groups ``_hand_over`` takes: each run of
-        mergeable records that may share a request, and every other record alone."""
-        config = self.config
-        run: list[Xfer] = []
-        run_bytes = 0
-        for record in staged:
-            if record.dropped:  # never posted: it need not break a run
-                yield [record]
-                continue
-            if run and not (
-                record.mergeable
-                and record.peer is run[0].peer
-                and record.fence == run[0].fence
-                and len(run) < config.merge_max_chunks
-                and run_bytes + record.nbytes <= config.merge_max_bytes
-            ):
-                yield run
-                run, run_bytes = [], 0
-            if record.mergeable:
-                run.append(record)
-                run_bytes += record.nbytes
-            else:
-                yield [record]
-        if run:
-            yield run
 
     def _hand_over(self, records: list[Xfer], now: float) -> None:
         first = records[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -92,14 +92,20 @@ def test_out_of_range_page_fails_that_room_only(prefill: Prefill, peer: PeerProc
     )
 
 
-def ready_senders(prefill: Prefill, rooms: dict[int, tuple[list[int], list[int]]]) -> dict:
+def ready_senders(
+    prefill: Prefill,
+    rooms: dict[int, tuple[list[int], list[int]]],
+    peers: Sequence[str] = ("decode",),
+) -> dict:
     """A sender per room id with decode's pages (``rooms``: id -> (src, dst)), each
-    WaitingForInput; decode's aux row is the room id."""
+    WaitingForInput; decode's aux row is the room id. Room ``r`` goes to the decode peer
+    ``peers[r % len(peers)]``."""
     senders = {}
     for room, (_, dst) in rooms.items():
         sender = prefill.engine.sender(room)
         packed = np.asarray(dst, np.int32).tobytes()
-        prefill.engine.post(sender.key, DestinationReceived(packed, room, peer="decode"))
+        peer = peers[room % len(peers)]
+        prefill.engine.post(sender.key, DestinationReceived(packed, room, peer=peer))
         senders[room] = sender
     wait_until_sync(lambda: all(s.poll() is KVPoll.WaitingForInput for s in senders.values()))
     return senders
@@ -334,6 +340,129 @@ def test_a_full_request_goes_to_the_poster_before_the_rest_of_the_batch_runs(
         assert [nbytes for what, nbytes in order if what == "posted"] == requests, order
     finally:
         prefill.close()
+
+
+class Watch:
+    """What the transport staged (peer, room, chunk) and what it handed the poster, each
+    request as its peer and its members' (room, chunk), in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.staged: list[tuple[str, int, int]] = []
+        self.posted: list[tuple[str, list[tuple[int, int]], int]] = []
+        self.order: list[str] = []  # "staged" / "posted", interleaved as they happened
+        stage, post = NixlTransport.submit, Poster.submit
+
+        def staging(transport: NixlTransport, key: RoomKey, command: Command) -> None:
+            if isinstance(command, PostChunk):
+                self.staged.append((command.peer, key.room, command.chunk))
+                self.order.append("staged")
+            stage(transport, key, command)
+
+        def posting(poster: Poster[Xfer], record: Xfer) -> None:
+            members = [(key.room, chunk) for key, chunk, _ in record.members]
+            self.posted.append((record.peer.peer_id, members, record.nbytes))
+            self.order.append("posted")
+            post(poster, record)
+
+        monkeypatch.setattr(NixlTransport, "submit", staging)  # before the router binds it
+        monkeypatch.setattr(Poster, "submit", posting)
+
+    def assert_each_peer_s_order_kept(self) -> None:
+        """Every staged chunk posted once, each request to one peer, and each peer's chunks
+        handed over in the order its rooms posted them."""
+        peer_of = {(room, chunk): peer for peer, room, chunk in self.staged}
+        for peer in {peer for peer, _, _ in self.staged}:
+            sent = [m for p, members, _ in self.posted if p == peer for m in members]
+            assert sent == [(r, c) for p, r, c in self.staged if p == peer], peer
+        for peer, members, _ in self.posted:
+            assert {peer_of[m] for m in members} == {peer}
+
+
+def test_a_batch_whose_rooms_alternate_between_three_peers_merges_per_peer(
+    peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that spreads its rooms round-robin over three decode peers (no two rooms in a
+    row to one peer) still merges: each peer's chunks go out as one request, in the order its
+    rooms posted them, and every byte lands at its room's peer."""
+    watch = Watch(monkeypatch)
+    others = [PeerProcess(SHAPE, name=f"decode{i}-{os.getpid()}") for i in (1, 2)]
+    processes = {"decode": peer, "decode1": others[0], "decode2": others[1]}
+    prefill = Prefill()
+    try:
+        for peer_id, process in processes.items():
+            prefill.connect(process, peer_id)
+        ids = list(processes)
+        rooms = {r: ([2 * r, 2 * r + 1], [40 + 2 * r, 41 + 2 * r]) for r in range(9)}
+        senders = ready_senders(prefill, rooms, ids)
+        burst(prefill, senders, rooms)
+        for room, (src, dst) in rooms.items():
+            assert senders[room].poll() is KVPoll.Success, senders[room].reason
+            process = processes[ids[room % len(ids)]]
+            assert process.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(
+                prefill, src
+            )
+            assert process.ask("aux", room) == prefill.aux[room % SHAPE.aux_rows].tobytes()
+        # Per peer, its three rooms' six chunks (and three aux rows) as one request.
+        assert sorted(p for p, _, _ in watch.posted) == sorted(ids), watch.posted
+        watch.assert_each_peer_s_order_kept()
+        stats = prefill.transport.snapshot()
+        assert stats["chunks_done"] == 18
+        assert stats["handles_created"] == 2 * len(ids)  # a kv and an aux handle each
+        wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
+    finally:
+        prefill.close()
+        for process in others:
+            process.close()
+
+
+def test_early_requests_of_a_batch_over_two_peers_merge_per_peer_and_keep_each_order(
+    peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rooms alternating between two peers, and a request limit that the batch passes twice:
+    each time, between two steps, every group is handed over but the one of the peer a room
+    posted to last, which stays staged and grows with that peer's next rooms. So each request
+    still merges its peer's rooms across the other peer's, within the limit, in posting
+    order, and every byte lands."""
+    watch = Watch(monkeypatch)
+    other = PeerProcess(SHAPE, name=f"decode1-{os.getpid()}")
+    processes = {"decode": peer, "decode1": other}
+    layout = make_layout(*make_buffers(SHAPE))
+    limit = 12 * layout.page_bytes()  # twelve chunks of one page (the aux rows are small)
+    prefill = Prefill(TransferConfig(merge_max_bytes=limit))
+    try:
+        for peer_id, process in processes.items():
+            prefill.connect(process, peer_id)
+        ids = list(processes)
+        rooms = {r: ([2 * r, 2 * r + 1], [80 + 2 * r, 81 + 2 * r]) for r in range(12)}
+        senders = ready_senders(prefill, rooms, ids)
+
+        async def post_all() -> None:  # one batch: two chunks of one page per room
+            for room, (src, _) in rooms.items():
+                senders[room].init(len(src), room % SHAPE.aux_rows)
+                for page_id in src:
+                    senders[room].send(np.asarray([page_id], np.int32))
+
+        prefill.engine.call(post_all())
+        wait_until_sync(lambda: all(s.poll() in TERMINAL for s in senders.values()))
+        for room, (src, dst) in rooms.items():
+            assert senders[room].poll() is KVPoll.Success, senders[room].reason
+            process = processes[ids[room % len(ids)]]
+            assert process.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(
+                prefill, src
+            )
+        order = watch.order
+        assert order.index("posted") < len(order) - order[::-1].index("staged") - 1, order
+        watch.assert_each_peer_s_order_kept()
+        # The staged bytes pass the limit at room 5 (rooms 0-4 and 5: 12 pages and 6 aux
+        # rows): room 5's peer stays staged, room 4's goes; again at room 8 (room 8's peer
+        # stays, room 7's goes); the rest at the batch's end.
+        rooms_of = [sorted({room for room, _ in members}) for _, members, _ in watch.posted]
+        assert rooms_of == [[0, 2, 4], [1, 3, 5, 7], [6, 8, 10], [9, 11]], watch.posted
+        assert all(nbytes <= limit for _, _, nbytes in watch.posted), watch.posted
+        wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
+    finally:
+        prefill.close()
+        other.close()
 
 
 def test_peer_killed_fails_its_rooms_and_a_restarted_peer_serves_new_ones(
