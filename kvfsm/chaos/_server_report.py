@@ -46,7 +46,13 @@ def as_json(r: CampaignResult) -> dict[str, Any]:
             for f, s, room, why in r.score.deadline_rooms
         ],
         "unclaimed_rooms": [
-            {"room": x["room"], "duration_s": x["duration_s"], "reason": x["reason"]}
+            {
+                "fault": rec.episode.fault.kind,
+                "server": x.get("server", ""),
+                "room": x["room"],
+                "duration_s": x["duration_s"],
+                "reason": x["reason"],
+            }
             for rec in r.records
             for x in rec.unclaimed_rooms
         ],
