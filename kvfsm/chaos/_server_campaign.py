@@ -87,8 +87,14 @@ def _lease_s() -> float:
     return float(KVFSM_ENV["KVFSM_LEASE_S"])
 
 
-def _episodes(o: ServerCampaignOptions, cycle: int) -> list[ServerEpisode]:
-    return plan_episodes(o.seed + cycle, o.plan, o.kinds)
+def _episodes(
+    o: ServerCampaignOptions, cycle: int, episodes: int, requests: int
+) -> list[ServerEpisode]:
+    """Pass ``cycle`` of the plan (a soak's passes each have their own seed), its episodes and
+    requests numbered on from those before: scores and reference outputs go by number."""
+    return plan_episodes(
+        o.seed + cycle, o.plan, o.kinds, first_episode=episodes, first_request=requests
+    )
 
 
 async def _reference(url: str, episode: ServerEpisode) -> dict[int, list[int]]:
@@ -288,7 +294,7 @@ def run_server_campaign(
         sampler.start()
         cycle = 0
         while True:
-            for episode in _episodes(o, cycle):
+            for episode in _episodes(o, cycle, len(records), len(outcomes)):
                 record, got, ref = _run_episode(rig, episode, o, epoch, say)
                 records.append(record)
                 outcomes += got

@@ -174,9 +174,17 @@ def _requests(
     return tuple(out)
 
 
-def plan_episodes(seed: int, o: PlanOptions, kinds: list[str] | None = None) -> list[ServerEpisode]:
+def plan_episodes(
+    seed: int,
+    o: PlanOptions,
+    kinds: list[str] | None = None,
+    *,
+    first_episode: int = 0,
+    first_request: int = 0,
+) -> list[ServerEpisode]:
     """One episode per fault kind (``kinds``, default all but ``o.skip``), in a seeded order,
-    each with its own seeded load; request indices run on across episodes."""
+    each with its own seeded load; episode and request indices run on from ``first_episode``
+    and ``first_request`` (a soak's next pass goes on from the last one's)."""
     rng = random.Random(seed)
     faults = [f for f in all_faults(o) if f.kind not in o.skip]
     if kinds is not None:
@@ -184,8 +192,8 @@ def plan_episodes(seed: int, o: PlanOptions, kinds: list[str] | None = None) -> 
         faults = [f for f in faults if f.kind in wanted or f.action.value in wanted]
     rng.shuffle(faults)
     episodes: list[ServerEpisode] = []
-    first = 0
-    for i, fault in enumerate(faults):
+    first = first_request
+    for i, fault in enumerate(faults, start=first_episode):
         requests = _requests(rng, fault, first, o)
         first += len(requests)
         episodes.append(ServerEpisode(i, fault, round(rng.uniform(0.2, 1.0), 3), requests))

@@ -77,3 +77,13 @@ def test_faults_that_take_a_server_down_name_it_for_a_restart() -> None:
     assert restarts["restart router"] == "router"
     assert restarts["sigstop prefill long"] is None
     assert restarts["drop-decode-half router"] is None
+
+
+def test_a_later_pass_numbers_on_from_the_last() -> None:
+    first = plan_episodes(1, OPTS)
+    requests = sum(len(e.requests) for e in first)
+    later = plan_episodes(2, OPTS, first_episode=len(first), first_request=requests)
+    assert [e.index for e in later] == list(range(len(first), 2 * len(first)))
+    assert later[0].requests[0].index == requests
+    indices = [r.index for e in first + later for r in e.requests]
+    assert len(set(indices)) == len(indices)
