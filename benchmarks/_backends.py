@@ -190,14 +190,23 @@ def backend(name: str) -> Kvfsm | SGLangNixl:
 
 
 def decode_main(name: str, ahead: int, room_pages: int, pages: int) -> None:
-    """Serve receivers ``ahead`` rooms ahead of prefill until stdin closes; then print counts."""
+    """Serve receivers ``ahead`` rooms ahead of prefill until prefill names its last room on
+    stdin (or closes it); see each room up to that one end, then print counts."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     be = backend(name)
     _server, port = be.bootstrap_server()  # held: it serves until this process ends
     print(json.dumps({"port": port}), flush=True)
     stop = threading.Event()
     go = sys.stdin.readline()  # prefill registered with the bootstrap server
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    # Then one line: the last room prefill made (or none: stdin closed), and the end.
+    last: list[int] = []
+
+    def wait_for_stop() -> None:
+        with contextlib.suppress(ValueError):
+            last.append(int(sys.stdin.readline()))
+        stop.set()
+
+    threading.Thread(target=wait_for_stop, daemon=True).start()
     counts = {"succeeded": 0, "failed": 0, "wrong_bytes": 0}
     with be.configured(port):
         args, buffers = kv_args(0, pages)
@@ -214,8 +223,18 @@ def decode_main(name: str, ahead: int, room_pages: int, pages: int) -> None:
         slots = pages // room_pages
         live: list[list[Any]] = []
         room = 0
-        while not stop.is_set():
-            while len(live) < ahead:
+        drain_until = 0.0
+        while True:
+            if stop.is_set():
+                # Prefill has seen each of its rooms end; those whose end decode has not seen
+                # yet are waited for (bounded), so that every room's bytes are checked.
+                drain_until = drain_until or time.monotonic() + 30
+                if not last or time.monotonic() > drain_until:
+                    break
+                live = [entry for entry in live if entry[0] <= last[0]]
+                if not live:
+                    break
+            while len(live) < ahead and not stop.is_set():
                 room += 1
                 receiver = be.receiver_cls(mgr, addr, room)
                 receiver.init(0)
@@ -300,6 +319,10 @@ class DecodeChild:
     def __exit__(self, *exc: object) -> None:
         self._end(kill=exc[0] is not None)
 
+    #: The last room prefill made: set before leaving, decode then waits (up to 30 s) to see
+    #: each room up to it end, so that it checks all of them.
+    last_room = 0
+
     @property
     def _stdin(self) -> IO[str]:
         assert self._proc.stdin is not None
@@ -313,6 +336,7 @@ class DecodeChild:
     def _end(self, kill: bool) -> None:
         try:
             if not kill:
+                self._stdin.write(f"{self.last_room}\n")
                 self._stdin.close()
                 self.counts = json.loads(self._stdout.readline())
                 self._proc.wait(30)

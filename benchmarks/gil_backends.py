@@ -158,6 +158,7 @@ def prefill_main(name: str, a: argparse.Namespace) -> dict[str, Any]:
             busy = prefill.phase(True, a.seconds, a.n_work, a.window)
             ratio = busy["iterations_per_s"] / idle["iterations_per_s"]
             rounds.append({"idle": idle, "busy": busy, "ratio": ratio})
+        child.last_room = prefill.room
     decode = child.counts
     ratios = [r["ratio"] for r in rounds]
     best = max(rounds, key=lambda r: r["ratio"])

@@ -173,6 +173,7 @@ def one_round(name: str, a: argparse.Namespace) -> dict[str, Any]:
         loop = Scheduler(be, child, a)
         loop.run(min(8, max(windows)), a.warmup)
         results = {str(w): loop.run(w, a.requests) for w in windows}
+        child.last_room = loop.room
     return {
         "windows": results,
         "failed_prefill": loop.failed[:10],
