@@ -82,13 +82,12 @@ def test_an_unreadable_status_server_is_not_drained() -> None:
     assert "unreadable" in s.violations[0]
 
 
-def test_the_dropped_decode_half_must_fail_by_the_unclaimed_bound() -> None:
+def test_the_dropped_decode_half_fails_by_the_unclaimed_bound_or_sooner_never_a_deadline() -> None:
     drop = Fault(Action.DROP_DECODE_HALF, "router")
+    # The router may drop the prefill half too (SGLang then aborts its room at once): no room
+    # waits for the bound at all, and that is no violation.
     none = EpisodeRecord(episode(drop), 1.0, [clean()])
-    assert (
-        "no prefill room failed by the unclaimed bound"
-        in score([none], [], {}, **BOUNDS).violations[0]
-    )
+    assert score([none], [], {}, **BOUNDS).ok
     room = {"room": 7, "duration_s": 8.4, "reason": "peer lost: no decode room claimed it"}
     good = EpisodeRecord(episode(drop), 1.0, [clean()], unclaimed_rooms=[room])
     assert score([good], [], {}, **BOUNDS).ok

@@ -9,8 +9,8 @@ asserts them from its record, not only its verdict:
 * every completed request's tokens equal the reference server's;
 * after each fault's drain, prefill and decode show 0 live rooms, 0 held pages, and prefill's
   NIXL handles created equal those released;
-* the dropped decode half: prefill's room failed by the unclaimed bound (``KVFSM_UNCLAIMED_S``,
-  short here), not by the 300 s Bootstrapping deadline;
+* the dropped decode half: its requests fail, and prefill's rooms fail by the unclaimed bound
+  (``KVFSM_UNCLAIMED_S``, short here) or sooner, never by the 300 s Bootstrapping deadline;
 * faults that cannot be injected here (link cuts) are reported with their reason, not dropped.
 """
 
@@ -65,7 +65,10 @@ def test_a_short_server_campaign_accounts_for_every_request_and_drains(
             assert reading.clean, (record.episode.fault.kind, reading)
 
     (dropped,) = [r for r in result.records if r.episode.fault.action.value == "drop-decode-half"]
-    assert dropped.unclaimed_rooms, "no prefill room failed by the unclaimed bound"
+    errored = [o for o in result.outcomes if o.episode == dropped.episode.index]
+    assert [o.status for o in errored].count("errored") >= 1, errored
+    # Its prefill rooms failed by the unclaimed bound, or at once when the router dropped the
+    # prefill half too (SGLang aborts the room); none waited for a deadline.
     for room in dropped.unclaimed_rooms:
         assert float(room["duration_s"]) < UNCLAIMED_S + result.liveness_s, room
     assert dropped.deadline_rooms == []
