@@ -182,24 +182,27 @@ def one_round(name: str, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+#: What each round reports, per backend and window, in the order the table prints them.
+MEASURES = (
+    "rooms_per_s",
+    "gb_per_s",
+    "p50_ms",
+    "p99_ms",
+    "process_cpu_us",
+    "scheduler_cpu_us",
+    "decode_cpu_us",
+)
+
+
 def summarize(rounds: dict[str, list[dict[str, Any]]], windows: list[int]) -> dict[str, Any]:
-    measures = (
-        "rooms_per_s",
-        "gb_per_s",
-        "p50_ms",
-        "p99_ms",
-        "process_cpu_us",
-        "scheduler_cpu_us",
-        "decode_cpu_us",
-    )
     backends: dict[str, Any] = {}
     for name, runs in rounds.items():
         per_window = {}
         for w in map(str, windows):
             rows = [r["windows"][w] for r in runs]
-            per_window[w] = {m: statistics.median(row[m] for row in rows) for m in measures}
+            per_window[w] = {m: statistics.median(row[m] for row in rows) for m in MEASURES}
             per_window[w]["failed"] = sum(row["failed"] for row in rows)
-            per_window[w]["rounds"] = {m: [round(row[m], 3) for row in rows] for m in measures}
+            per_window[w]["rounds"] = {m: [round(row[m], 3) for row in rows] for m in MEASURES}
             per_window[w]["threads_cpu_us"] = [row["threads_cpu_us"] for row in rows]
         decode = {
             k: sum(r["decode"].get(k, 0) for r in runs)
@@ -215,7 +218,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], windows: list[int]) -> di
     if set(BACKENDS) <= set(rounds):
         k, s = backends["kvfsm"]["windows"], backends["sglang"]["windows"]
         out["ratios"] = {
-            w: {m: k[w][m] / s[w][m] for m in measures if s[w][m]} for w in map(str, windows)
+            w: {m: k[w][m] / s[w][m] for m in MEASURES if s[w][m]} for w in map(str, windows)
         }
         targets = []
         for measure, window, bound, kind in TARGETS:
@@ -245,22 +248,13 @@ def print_summary(report: dict[str, Any]) -> None:
         f"{report['loadavg'][1]:.2f}"
     )
     head = ("req/s", "GB/s", "p50 ms", "p99 ms", "proc us/req", "sched us/req", "decode us/req")
-    measures = (
-        "rooms_per_s",
-        "gb_per_s",
-        "p50_ms",
-        "p99_ms",
-        "process_cpu_us",
-        "scheduler_cpu_us",
-        "decode_cpu_us",
-    )
     print(f"{'':7s}{'W':>4s} " + " ".join(f"{h:>13s}" for h in head))
     for w in report["windows"]:
         rows = [(n, b["windows"][str(w)]) for n, b in report["backends"].items()]
         if "ratios" in report:
             rows.append(("ratio", report["ratios"][str(w)]))
         for name, row in rows:
-            cells = " ".join(f"{row.get(m, float('nan')):13.2f}" for m in measures)
+            cells = " ".join(f"{row.get(m, float('nan')):13.2f}" for m in MEASURES)
             print(f"{name:7s}{w:4d} {cells}")
     for name, b in report["backends"].items():
         print(f"{name}: decode {b['decode']}; failed at prefill {b['failed_prefill_count']}")
