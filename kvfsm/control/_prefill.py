@@ -94,9 +94,6 @@ class PrefillControl(ControlPlane):
         self._hosts: dict[anyio.CancelScope, str] = {}  # handshakes in progress -> peer host
         self._refusals = Throttled(_log)
         self._accept_errors = AcceptErrors(_log, f"prefill rank {rank} control", stats=self.stats)
-        #: A pipeline stage's state row translation per decode agent, from its admission to
-        #: its link's opening (``_stage_rows``); kept by the routing core's link from then on.
-        self._stage_rows: dict[str, StageRows | None] = {}
 
     # -- commands and registry hooks ------------------------------------------------------------
 
@@ -261,31 +258,9 @@ class PrefillControl(ControlPlane):
         one agent name get ``NIXL_ERR_NOT_ALLOWED``): otherwise it would see only a closed
         connection."""
         await self._take_slot(stream, codec, peer_id, theirs, scope)
-        self._stage_rows.pop(peer_id, None)  # a refused earlier handshake's, if any
         try:
-            summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
-            # A pipeline stage: its buffers pair with its span of decode's layers only.
-            local_kv = len(self.agent.layout.kv)
-            buffers = stage_buffers(self.fingerprint, theirs.fingerprint, local_kv, len(summary.kv))
-            if isinstance(buffers, str):
-                raise ValueError(buffers)
-            if buffers is not None:
-                summary = summary.select_kv(buffers)
+            summary, _ = self._their_layout(theirs)
             layout = self.agent.layout
-            remote_groups = state_groups(summary.state_groups, len(summary.state))
-            regions = stage_state(
-                self.fingerprint, theirs.fingerprint, layout.state_groups, remote_groups
-            )
-            if isinstance(regions, str):
-                raise ValueError(regions)
-            if regions is not None:
-                whole = summary
-                summary = summary.select_state(regions, layout.state_groups)
-                kinds = stage_types(self.fingerprint, theirs.fingerprint)
-                assert not isinstance(kinds, str)  # stage_state paired them
-                self._stage_rows[peer_id] = StageRows.plan(
-                    whole.state_type_rows(), summary.state_type_rows(), kinds
-                )
             # Unequal attention TP: the head slice of each page this rank writes there.
             plan = link_plan(self.fingerprint, theirs.fingerprint)
             piece = NO_KV if plan == "none" else plan
@@ -306,10 +281,43 @@ class PrefillControl(ControlPlane):
             )
             await self._refuse(stream, codec, reason)  # raises: the handshake fails
 
+    def _their_layout(self, theirs: Hello) -> tuple[LayoutSummary, StageRows | None]:
+        """Decode's layout summary as this rank pairs with it (a pipeline stage's span of its
+        layers and its own state types), and the translation of decode's state rows into that
+        summary's numbering (``StageRows``; None where none is needed). Raises ValueError
+        naming why the two cannot pair.
+
+        A pure function of the two hellos and this rank's layout: the admission computes it
+        to connect the peer, and the link's opening computes it again rather than keeping it
+        across the awaits between the two, where another handshake of the same decode agent
+        could take or replace a kept one."""
+        summary = msgspec.msgpack.decode(theirs.layout, type=LayoutSummary)
+        # A pipeline stage: its buffers pair with its span of decode's layers only.
+        local_kv = len(self.agent.layout.kv)
+        buffers = stage_buffers(self.fingerprint, theirs.fingerprint, local_kv, len(summary.kv))
+        if isinstance(buffers, str):
+            raise ValueError(buffers)
+        if buffers is not None:
+            summary = summary.select_kv(buffers)
+        layout = self.agent.layout
+        remote_groups = state_groups(summary.state_groups, len(summary.state))
+        regions = stage_state(
+            self.fingerprint, theirs.fingerprint, layout.state_groups, remote_groups
+        )
+        if isinstance(regions, str):
+            raise ValueError(regions)
+        if regions is None:
+            return summary, None
+        stage = summary.select_state(regions, layout.state_groups)
+        kinds = stage_types(self.fingerprint, theirs.fingerprint)
+        assert not isinstance(kinds, str)  # stage_state paired them
+        return stage, StageRows.plan(summary.state_type_rows(), stage.state_type_rows(), kinds)
+
     def _opened(self, link: Link, hello_sent: float, now: float) -> list[Action]:
         theirs = link.hello
         leg, legs = link_slot(self.fingerprint, theirs.fingerprint)
-        rows = self._stage_rows.pop(link.peer_id, None)
+        # (its admission paired the same hellos and layout: this cannot raise here)
+        _, rows = self._their_layout(theirs)
         return self._routing.link_opened(
             link.generation,
             link.peer_id,
