@@ -287,7 +287,11 @@ class NixlTransport(CommandSink):
         self._staged_bytes, self._cut = 0, False
         now = time.monotonic()
         config = self.config
-        groups, growing = group_staged(staged, config.merge_max_chunks, config.merge_max_bytes)
+        try:
+            groups, growing = group_staged(staged, config.merge_max_chunks, config.merge_max_bytes)
+        except Exception:  # a bug, or memory: each record alone, so that every one still ends
+            _log.exception("could not group %d staged chunk(s); posting each alone", len(staged))
+            groups, growing = [[record] for record in staged], -1
         if keep_last and len(groups) > 1 and growing >= 0:
             # Between two steps of a batch (``rooms_ran_soon``): the group of the record
             # staged last may still grow with the next steps' chunks (a room's next chunk goes

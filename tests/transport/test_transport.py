@@ -200,6 +200,26 @@ def test_a_merge_that_raises_posts_each_chunk_alone(
     wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
 
 
+def test_a_grouping_that_raises_posts_each_chunk_alone(
+    prefill: Prefill, peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged records were taken off the stage before they were grouped: a grouping that
+    raises must still hand each of them over, or they would end only at their deadline."""
+
+    def broken(*_: object) -> None:
+        raise MemoryError("grouping the batch")
+
+    monkeypatch.setattr("kvfsm.transport._transport.group_staged", broken)
+    rooms = {r: ([2 * r, 2 * r + 1], [60 + 2 * r, 61 + 2 * r]) for r in range(3)}
+    senders = ready_senders(prefill, rooms)
+    burst(prefill, senders, rooms)
+    for room, (src, dst) in rooms.items():
+        assert senders[room].poll() is KVPoll.Success, senders[room].reason
+        assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(prefill, src)
+    assert prefill.transport.snapshot()["handles_created"] == 9  # each alone: 6 kv, 3 aux
+    wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
+
+
 def test_a_hand_over_that_raises_fails_its_chunks_at_once_and_they_settle(
     prefill: Prefill, peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
