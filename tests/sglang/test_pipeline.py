@@ -109,6 +109,20 @@ STAGED_STATE = (
 )
 
 
+def assert_each_stage_moved_its_own(pair: PipelinePair, requests: list[Request]) -> None:
+    """Each stage's rank moved exactly its own layers of every page and of every state item,
+    and only the last stage the aux rows (its transport's bytes, per rank)."""
+    snaps = pair.pipeline.transport_snapshots()
+    stages = pair.pipeline.stages
+    pages = sum(len(r.src_pages) for r in requests)
+    for s, stage in enumerate(stages):
+        for r, b in enumerate(stage.buffers):
+            want = pages * b.page_bytes() + sum(b.state_bytes(req) for req in requests)
+            if s == len(stages) - 1:
+                want += len(requests) * b.aux_row_bytes()
+            assert snaps[s][r]["bytes_done"] == want, (s, r)
+
+
 @pytest.mark.parametrize(
     ("tp", "pp"), [(1, 2), (2, 2), (1, 3)], ids=["tp1-pp2", "tp2-pp2", "tp1-pp3"]
 )
@@ -120,14 +134,7 @@ def test_each_stage_moves_the_state_of_its_own_layers(
         out = pair.run(requests)
         assert_clean(out)
         assert_all_succeeded(requests)  # every state item of every layer checked on decode
-        snaps = pair.pipeline.transport_snapshots()
-        pages = sum(len(r.src_pages) for r in requests)
-        for s, stage in enumerate(pair.pipeline.stages):
-            for r, b in enumerate(stage.buffers):
-                want = pages * b.page_bytes() + sum(b.state_bytes(req) for req in requests)
-                if s == pp - 1:
-                    want += len(requests) * b.aux_row_bytes()
-                assert snaps[s][r]["bytes_done"] == want, (s, r)
+        assert_each_stage_moved_its_own(pair, requests)
 
 
 def test_state_without_layer_ids_under_pipeline_parallelism_is_refused_by_name(
@@ -178,14 +185,7 @@ def test_a_stage_without_buffers_of_a_state_type_sends_none_of_it(
         out = pair.run(requests)
         assert_clean(out)
         assert_all_succeeded(requests)  # every state item of every layer checked on decode
-        snaps = pair.pipeline.transport_snapshots()
-        pages = sum(len(r.src_pages) for r in requests)
-        for s, stage in enumerate(pair.pipeline.stages):
-            b = stage.buffers[0]
-            want = pages * b.page_bytes() + sum(b.state_bytes(req) for req in requests)
-            if s == pp - 1:
-                want += len(requests) * b.aux_row_bytes()
-            assert snaps[s][0]["bytes_done"] == want, s
+        assert_each_stage_moved_its_own(pair, requests)
 
         aborted = [r for r in drawn[10:] if len(r.src_pages) >= 3][:2]
         assert len(aborted) == 2
@@ -232,14 +232,7 @@ def test_tail_rings_without_layer_ids_pair_by_their_implied_layers(
         out = pair.run(requests)
         assert_clean(out)
         assert_all_succeeded(requests)
-        snaps = pair.pipeline.transport_snapshots()
-        pages = sum(len(r.src_pages) for r in requests)
-        for s, stage in enumerate(pair.pipeline.stages):
-            b = stage.buffers[0]
-            want = pages * b.page_bytes() + sum(b.state_bytes(req) for req in requests)
-            if s == pp - 1:
-                want += len(requests) * b.aux_row_bytes()
-            assert snaps[s][0]["bytes_done"] == want, s
+        assert_each_stage_moved_its_own(pair, requests)
         aborted = next(r for r in drawn[10:] if len(r.src_pages) >= 3)
         aborted.chunks = [aborted.src_pages[:1], aborted.src_pages[1:2], aborted.src_pages[2:]]
         aborted.decode_abort_after = 1

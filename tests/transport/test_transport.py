@@ -188,15 +188,22 @@ def test_a_merge_that_raises_posts_each_chunk_alone(
         raise MemoryError("joining the pages")
 
     monkeypatch.setattr("kvfsm.transport._transport.merge", out_of_memory)
-    rooms = {r: ([2 * r, 2 * r + 1], [50 + 2 * r, 51 + 2 * r]) for r in range(3)}
+    three_rooms_each_posted_alone(prefill, peer, first_page=50)
+    assert prefill.transport.snapshot()["merge_errors"] == 1
+
+
+def three_rooms_each_posted_alone(prefill: Prefill, peer: PeerProcess, first_page: int) -> None:
+    """Three rooms of two chunks in one batch succeed with every byte in place, each chunk
+    its own request (as with merging off: 6 kv handles, 3 aux), and end."""
+    rooms = {
+        r: ([2 * r, 2 * r + 1], [first_page + 2 * r, first_page + 1 + 2 * r]) for r in range(3)
+    }
     senders = ready_senders(prefill, rooms)
     burst(prefill, senders, rooms)
     for room, (src, dst) in rooms.items():
         assert senders[room].poll() is KVPoll.Success, senders[room].reason
         assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(prefill, src)
-    stats = prefill.transport.snapshot()
-    assert stats["merge_errors"] == 1
-    assert stats["handles_created"] == 9  # as with merging off: 6 kv, 3 aux
+    assert prefill.transport.snapshot()["handles_created"] == 9
     wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
 
 
@@ -210,14 +217,7 @@ def test_a_grouping_that_raises_posts_each_chunk_alone(
         raise MemoryError("grouping the batch")
 
     monkeypatch.setattr("kvfsm.transport._transport.group_staged", broken)
-    rooms = {r: ([2 * r, 2 * r + 1], [60 + 2 * r, 61 + 2 * r]) for r in range(3)}
-    senders = ready_senders(prefill, rooms)
-    burst(prefill, senders, rooms)
-    for room, (src, dst) in rooms.items():
-        assert senders[room].poll() is KVPoll.Success, senders[room].reason
-        assert peer.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(prefill, src)
-    assert prefill.transport.snapshot()["handles_created"] == 9  # each alone: 6 kv, 3 aux
-    wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
+    three_rooms_each_posted_alone(prefill, peer, first_page=60)
 
 
 def test_a_hand_over_that_raises_fails_its_chunks_at_once_and_they_settle(
