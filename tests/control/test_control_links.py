@@ -394,7 +394,10 @@ def test_a_peer_that_never_reads_its_answers_stops_being_read(decode_agent: Agen
     try:
         peer.sock.settimeout(0.5)
         sent = 0
-        with contextlib.suppress(TimeoutError):  # prefill stopped reading: TCP holds us back
+        # Prefill stopped reading: TCP holds us back (the timeout), or, on a loaded host
+        # where filling both socket buffers takes longer than the liveness window, prefill
+        # has already dropped the silent link and the kernel answers with a reset.
+        with contextlib.suppress(TimeoutError, ConnectionResetError, BrokenPipeError):
             for i in range(1_000_000):
                 peer.send(RoomAbort(10_000 + i, 1, "flood"))
                 sent += 1
