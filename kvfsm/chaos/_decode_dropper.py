@@ -22,8 +22,15 @@ _REQUEST = b"POST /generate"
 
 
 class DecodeHalfDropper:
-    def __init__(self, listen_port: int, target_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        listen_port: int,
+        target_port: int,
+        host: str = "127.0.0.1",
+        target_host: str = "127.0.0.1",
+    ) -> None:
         self.host = host
+        self.target_host = target_host
         self.listen_port = listen_port
         self.target_port = target_port
         self._armed = 0
@@ -58,6 +65,8 @@ class DecodeHalfDropper:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+        elif not self._loop.is_closed() and self._thread.ident is None:
+            self._loop.close()  # never started: its thread would have closed it
 
     def _take(self) -> bool:
         with self._lock:
@@ -81,7 +90,7 @@ class DecodeHalfDropper:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(self.host, self.target_port)
+            up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
             _reset(writer)
             return

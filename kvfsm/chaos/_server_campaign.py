@@ -1,5 +1,9 @@
 """``kvfsm chaos servers``: the seeded plan (:mod:`._server_plan`) run against real SGLang
 servers (:mod:`._server_rig`), one episode per fault, and scored (:mod:`._server_scoring`).
+Prefill and decode run in two network namespaces joined by a data link
+(:class:`~kvfsm.chaos._server_hosts.ServerHosts`), which the link-cut faults cut; where
+namespaces cannot be made (not root, no ``ip``), or with ``one_host``, every server shares this
+host's loopback and the link cuts are left out, each with the reason printed.
 
 An episode: the reference server answers the episode's requests first (greedy: the tokens a
 completed request must equal); then the requests go to the router at their planned times and
@@ -13,6 +17,7 @@ ended by a deadline and those the unclaimed bound failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import tempfile
@@ -24,7 +29,9 @@ from typing import Any
 
 import aiohttp
 
+from kvfsm.chaos._netns import CutMode, NetnsError
 from kvfsm.chaos._server_client import payload, send_request
+from kvfsm.chaos._server_hosts import ServerHosts
 from kvfsm.chaos._server_plan import Action, PlanOptions, ServerEpisode, plan_episodes
 from kvfsm.chaos._server_rig import Rig, group_usage, scheduler_pids
 from kvfsm.chaos._server_scoring import (
@@ -40,12 +47,12 @@ from kvfsm.chaos._servers import KVFSM_ENV, LIVENESS_S, SHIM
 
 __all__ = ["LINK_CUT_SKIP", "CampaignResult", "ServerCampaignOptions", "run_server_campaign"]
 
-#: Why the link-cut faults are not injected: the servers all share this host's loopback.
+#: Why the link-cut faults are not injected when the servers share this host's loopback.
 LINK_CUT_SKIP = (
-    "not injected: every SGLang server of this campaign runs in one network namespace, on "
-    "loopback, which no cut separates; starting them in two namespaces (as kvfsm chaos "
-    "--two-hosts does for its own ranks, where link cuts are one of its faults) is not built"
+    "not injected: every SGLang server of this run shares one network namespace, on loopback, "
+    "which no cut separates"
 )
+LINK_FAULTS = ("link-down link", "link-blackhole link")
 
 
 @dataclass
@@ -62,6 +69,12 @@ class ServerCampaignOptions:
     log_dir: Path | None = None
     shim: Path = SHIM
     sample_every_s: float = 60.0
+    #: kvfsm prefill and decode servers (1 or 2 each); faults land on the first of each.
+    prefills: int = 1
+    decodes: int = 1
+    #: Run every server on this host's loopback (no link cuts) even where two network
+    #: namespaces could be made.
+    one_host: bool = False
 
 
 @dataclass
@@ -81,6 +94,8 @@ class CampaignResult:
     minutes: float | None = None
     #: The reference server's tokens for each request.
     reference: dict[int, list[int]] = field(default_factory=dict)
+    #: Where prefill and decode ran (the namespaces and their addresses), or "one host".
+    topology: str = "one host"
 
 
 def _lease_s() -> float:
@@ -152,13 +167,15 @@ class _Injector:
             # Armed before the first request goes out: the router sends a request's two halves
             # as soon as it has it.
             self.at = time.monotonic()
-            rig.dropper.arm(self.drops)
+            rig.arm_drops(self.drops)
             return
-        if fault.target in ("prefill", "decode"):
+        if fault.target in ("prefill", "decode", "link"):
             # From the load's start: a prefill room lives only while its pages move, a few
-            # hundred milliseconds here, and ``fault_at_s`` would often miss them all.
+            # hundred milliseconds here, and ``fault_at_s`` would often miss them all. A link
+            # is cut while prefill has rooms whose pages cross it.
             await asyncio.sleep(max(0.0, start - time.monotonic()))
-            await self._rooms_in_flight(fault.target, episode.fault_at_s + 5.0)
+            watched = "prefill" if fault.target == "link" else fault.target
+            await self._rooms_in_flight(watched, episode.fault_at_s + 5.0)
         else:
             await asyncio.sleep(max(0.0, start + episode.fault_at_s - time.monotonic()))
         self.at = time.monotonic()
@@ -176,6 +193,17 @@ class _Injector:
             finally:
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
+        elif fault.action in (Action.LINK_DOWN, Action.LINK_BLACKHOLE):
+            hosts = rig.hosts
+            if hosts is None:
+                self.missed = LINK_CUT_SKIP
+                return
+            mode: CutMode = "down" if fault.action is Action.LINK_DOWN else "blackhole"
+            await asyncio.to_thread(hosts.cut, mode)
+            try:
+                await asyncio.sleep(fault.pause_s)
+            finally:
+                await asyncio.to_thread(hosts.restore)
         elif fault.action is Action.RESTART:
             # Behind the same address and port, while requests are in flight: SIGTERM (a
             # deployment's restart), then started again at once.
@@ -193,7 +221,7 @@ async def _episode_load(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as s:
         start = time.monotonic() + 0.1
-        abort_urls = [rig.prefill.url, rig.decode.url]
+        abort_urls = [s.url for s in rig.kvfsm_servers]
         fault = asyncio.ensure_future(injector.land(episode, start))
         sends = [
             send_request(
@@ -217,7 +245,7 @@ async def _episode_load(
 def _drain(rig: Rig, record: EpisodeRecord, bound_s: float) -> None:
     give_up = time.monotonic() + bound_s
     while True:
-        readings = [rig.read_drain(rig.prefill), rig.read_drain(rig.decode)]
+        readings = [rig.read_drain(s) for s in rig.kvfsm_servers]
         if all(r.clean for r in readings) or time.monotonic() > give_up:
             record.drain = readings
             return
@@ -240,7 +268,7 @@ def _run_episode(
     outcomes = asyncio.run(
         _episode_load(rig, episode, epoch=epoch, hang_s=bound + 30.0, injector=injector, tag=tag)
     )
-    rig.dropper.disarm()
+    rig.disarm_drops()
     record = EpisodeRecord(episode, None if injector.at is None else injector.at - epoch)
     record.skipped = injector.missed
     restart = fault.restarts
@@ -250,7 +278,7 @@ def _run_episode(
         rig.by_name(restart).wait_ready()
     rig.wait_serving()
     _drain(rig, record, LIVENESS_S + _lease_s() + o.unclaimed_s + SGLANG_SLACK_S)
-    for server in (rig.prefill, rig.decode):
+    for server in rig.kvfsm_servers:
         for row in rig.failures_since(server, began_wall):
             reason = str(row.get("reason", ""))
             if str(row.get("reason_kind", "")).startswith("deadline"):
@@ -269,20 +297,48 @@ def _run_episode(
 def run_server_campaign(
     o: ServerCampaignOptions, say: Callable[[str], None] = print
 ) -> CampaignResult:
-    skipped = {kind: LINK_CUT_SKIP for kind in ("link-down link", "link-blackhole link")}
-    o.plan = PlanOptions(**{**o.plan.__dict__, "skip": frozenset(skipped) | o.plan.skip})
-    for kind, why in skipped.items():
-        say(f"fault {kind!r} {why}")
+    with contextlib.ExitStack() as stack:
+        hosts, skipped = _hosts(o, stack)
+        o.plan = PlanOptions(**{**o.plan.__dict__, "skip": frozenset(skipped) | o.plan.skip})
+        for kind, why in skipped.items():
+            say(f"fault {kind!r} {why}")
+        if hosts is not None:
+            say(f"two hosts: {hosts.describe()}")
+        return _run(o, hosts, skipped, say)
+
+
+def _hosts(
+    o: ServerCampaignOptions, stack: contextlib.ExitStack
+) -> tuple[ServerHosts | None, dict[str, str]]:
+    """The two server hosts (entered on ``stack``), or None and why each link cut is left
+    out."""
+    if o.one_host:
+        return None, {kind: LINK_CUT_SKIP + " (one host asked for)" for kind in LINK_FAULTS}
+    try:
+        hosts = ServerHosts()
+        stack.enter_context(hosts)
+    except NetnsError as exc:
+        why = f"{LINK_CUT_SKIP}: two network namespaces cannot be made here ({exc})"
+        return None, dict.fromkeys(LINK_FAULTS, why)
+    return hosts, {}
+
+
+def _run(
+    o: ServerCampaignOptions,
+    hosts: ServerHosts | None,
+    skipped: dict[str, str],
+    say: Callable[[str], None],
+) -> CampaignResult:
     log_dir = o.log_dir or Path(tempfile.mkdtemp(prefix="kvfsm-chaos-servers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"KVFSM_UNCLAIMED_S": str(o.unclaimed_s)}
-    rig = Rig(log_dir, env, o.shim)
+    rig = Rig(log_dir, env, o.shim, hosts, o.prefills, o.decodes)
     epoch = time.monotonic()
     records: list[EpisodeRecord] = []
     outcomes: list[RequestOutcome] = []
     reference: dict[int, list[int]] = {}
     sampler = Sampler(
-        lambda: [(s.name, s.starts, *group_usage(s)) for s in (rig.prefill, rig.decode) if s.proc],
+        lambda: [(s.name, s.starts, *group_usage(s)) for s in rig.kvfsm_servers if s.proc],
         lambda: len(outcomes),
         epoch,
         o.sample_every_s,
@@ -329,4 +385,5 @@ def run_server_campaign(
         o.unclaimed_s,
         o.minutes,
         reference,
+        "one host" if hosts is None else hosts.describe(),
     )

@@ -21,14 +21,16 @@ def add_parser(
     p = subparsers.add_parser(
         "servers",
         help="fault campaign against real SGLang servers (prefill, decode, router) using kvfsm",
-        description="Start a reference SGLang server, a kvfsm prefill and decode and SGLang's "
-        "router on this host (dummy weights, CPU), send a seeded load and inject one fault of "
-        "each kind under it: SIGKILL of a scheduler or a whole server, SIGSTOP for 1 s, past "
-        "the write lease and long, client disconnects, /abort_request, a router-to-decode "
-        "request reset (the decode half never arrives), a prefill and a router restarted "
-        "behind the same port. Every request must end within its bound, completed ones equal "
-        "the reference's, and both kvfsm servers drain to 0 rooms, pages and NIXL handles "
-        "after each fault. Exit status 1 on any violation.",
+        description="Start a reference SGLang server, one or two kvfsm prefill and decode "
+        "servers and SGLang's router on this host (dummy weights, CPU), send a seeded load "
+        "and inject one fault of each kind under it: SIGKILL of a scheduler or a whole "
+        "server, SIGSTOP for 1 s, past the write lease and long, client disconnects, "
+        "/abort_request, a router-to-decode request reset (the decode half never arrives), a "
+        "prefill and a router restarted behind the same port, and the link between prefill "
+        "and decode cut (down, and a black hole; prefill and decode then run in two network "
+        "namespaces, which needs root and iproute2). Every request must end within its bound, "
+        "completed ones equal the reference's, and every kvfsm server drains to 0 rooms, "
+        "pages and NIXL handles after each fault. Exit status 1 on any violation.",
     )
     a = p.add_argument
     a("--seed", type=int, default=None, help="campaign seed (default: random; printed)")
@@ -55,6 +57,19 @@ def add_parser(
         default=None,
         help="only these fault kinds (an action such as sigstop, or a full kind); kinds: "
         + ", ".join(ALL_FAULTS),
+    )
+    a(
+        "--cut-s",
+        type=float,
+        default=d.cut_s,
+        help="how long a link cut lasts (%(default)s)",
+    )
+    a("--prefills", type=int, choices=(1, 2), default=1, help="kvfsm prefill servers (1)")
+    a("--decodes", type=int, choices=(1, 2), default=1, help="kvfsm decode servers (1)")
+    a(
+        "--one-host",
+        action="store_true",
+        help="run every server on this host's loopback (no network namespaces, no link cuts)",
     )
     a("--minutes", type=float, default=None, help="soak: repeat the plan for N minutes")
     a("--sample-s", type=float, default=60.0, help="soak sample period (%(default)s)")
@@ -90,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         max_prompt=args.max_prompt,
         stream_rate=args.stream_rate,
         long_stop_s=args.long_stop_s,
+        cut_s=args.cut_s,
     )
     opts = ServerCampaignOptions(
         seed=seed,
@@ -100,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         shim=args.shim or SHIM,
         sample_every_s=args.sample_s,
+        one_host=args.one_host,
+        prefills=args.prefills,
+        decodes=args.decodes,
     )
     print(f"kvfsm chaos servers: seed {seed}", file=sys.stderr)
 

@@ -45,8 +45,9 @@ class Action(StrEnum):
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: ``action`` on ``target`` (``prefill``, ``decode``, ``router`` or ``client``);
-    a SIGSTOP lasts ``pause_s`` before its SIGCONT."""
+    """One fault: ``action`` on ``target`` (``prefill``, ``decode``, ``router``, ``client`` or
+    ``link``, the data link between prefill and decode); a SIGSTOP lasts ``pause_s`` before
+    its SIGCONT, a link cut ``pause_s`` before the link is restored."""
 
     action: Action
     target: str
@@ -82,6 +83,9 @@ class PlanOptions:
     #: The write lease of the servers (``KVFSM_LEASE_S``): a "past-lease" stop lasts longer.
     lease_s: float = 10.0
     long_stop_s: float = 30.0
+    #: How long a link cut lasts: past the liveness bound (10 s in these servers), so that
+    #: both sides lose the other and the rooms across the link fail, then the link comes back.
+    cut_s: float = 15.0
     #: Fault kinds this run cannot inject (with the reason printed), by ``Fault.kind``.
     skip: frozenset[str] = field(default_factory=frozenset)
 
@@ -108,8 +112,8 @@ def all_faults(o: PlanOptions) -> list[Fault]:
         Fault(Action.DROP_DECODE_HALF, "router"),
         Fault(Action.RESTART, "prefill"),
         Fault(Action.RESTART, "router"),
-        Fault(Action.LINK_DOWN, "link"),
-        Fault(Action.LINK_BLACKHOLE, "link"),
+        Fault(Action.LINK_DOWN, "link", o.cut_s),
+        Fault(Action.LINK_BLACKHOLE, "link", o.cut_s),
     ]
 
 

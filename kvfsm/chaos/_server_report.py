@@ -41,6 +41,7 @@ def as_json(r: CampaignResult) -> dict[str, Any]:
         },
         "faults": [row.as_dict() for row in r.score.rows],
         "skipped": r.skipped,
+        "topology": r.topology,
         "deadline_rooms": [
             {"fault": f, "server": s, "room": room, "reason": why}
             for f, s, room, why in r.score.deadline_rooms
@@ -83,6 +84,7 @@ def print_table(r: CampaignResult) -> None:
         print(" ".join(str(c).ljust(w) for c, (_, w) in zip(cells, _COLUMNS, strict=True)))
         for reason, n in row.errored.items():
             print(f"    errored {n}: {reason}")
+    print(f"prefill and decode: {r.topology}")
     for kind, why in r.skipped.items():
         print(f"skipped {kind}: {why}")
     for kind, server, room, why in r.score.deadline_rooms:

@@ -1,6 +1,9 @@
 """The servers of ``kvfsm chaos servers``: a reference SGLang server (no disaggregation), a kvfsm
 prefill and decode, and SGLang's router in front of them, the router reaching decode through
-:class:`~kvfsm.chaos._decode_dropper.DecodeHalfDropper`. Also what the campaign reads of them:
+:class:`~kvfsm.chaos._decode_dropper.DecodeHalfDropper`. Given
+:class:`~kvfsm.chaos._server_hosts.ServerHosts`, prefill and decode run in its two network
+namespaces, joined by a data link the campaign can cut, and the rest stays here; without it
+everything shares this host's loopback. Also what the campaign reads of them:
 the scheduler process of a server, its status server's counters and failures, and the RSS and
 open file descriptors of its process group.
 """
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfsm.chaos._decode_dropper import DecodeHalfDropper
+from kvfsm.chaos._server_hosts import ServerHosts
 from kvfsm.chaos._server_scoring import DrainReading
 from kvfsm.chaos._servers import (
     DECODE_FLAGS,
@@ -83,50 +87,116 @@ def group_usage(server: Server) -> tuple[int, int]:
 
 @dataclass
 class Rig:
+    """The servers. ``prefills`` and ``decodes`` kvfsm servers of each role (1 or 2): faults of
+    a role land on its first (``prefill``, ``decode``); the others serve on beside it, and the
+    router spreads requests over all of them."""
+
     log_dir: Path
     env: dict[str, str]
     shim: Path = SHIM
+    hosts: ServerHosts | None = None
+    prefills: int = 1
+    decodes: int = 1
     reference: Server = field(init=False)
-    prefill: Server = field(init=False)
-    decode: Server = field(init=False)
+    prefill_servers: list[Server] = field(init=False)
+    decode_servers: list[Server] = field(init=False)
     router: Server = field(init=False)
-    dropper: DecodeHalfDropper = field(init=False)
-    bootstrap_port: int = field(init=False)
+    #: One per decode server: the router reaches each through its own.
+    droppers: list[DecodeHalfDropper] = field(init=False)
 
     def __post_init__(self) -> None:
+        if not (1 <= self.prefills <= 2 and 1 <= self.decodes <= 2):
+            raise ValueError(
+                f"1 or 2 prefill and decode servers, not {self.prefills} and {self.decodes}"
+            )
         model = write_model(self.log_dir / "model")
-        self.bootstrap_port = free_port()
+        hosts = self.hosts
 
-        def kvfsm(name: str, *flags: str) -> Server:
+        def kvfsm(name: str, role: str, *flags: str) -> Server:
+            if hosts is None:
+                return sglang_server(
+                    name, model, self.log_dir, *flags, kvfsm=True, env=self.env, shim=self.shim
+                )
+            host = hosts.prefill if role == "prefill" else hosts.decode
             return sglang_server(
-                name, model, self.log_dir, *flags, kvfsm=True, env=self.env, shim=self.shim
+                name,
+                model,
+                self.log_dir,
+                *flags,
+                kvfsm=True,
+                env={**self.env, **hosts.ucx_env(host)},
+                shim=self.shim,
+                host=hosts.service(host),
+                prefix=hosts.command(host),
             )
 
+        def named(role: str, i: int) -> str:
+            return role if i == 0 else f"{role}-{i + 1}"
+
         self.reference = sglang_server("reference", model, self.log_dir, shim=self.shim)
-        self.prefill = kvfsm("prefill", *prefill_flags(self.bootstrap_port))
-        self.decode = kvfsm("decode", *DECODE_FLAGS)
-        self.dropper = DecodeHalfDropper(free_port(), self.decode.port)
-        # The router reaches decode through the dropper: a Server only for its URL.
-        through = Server("decode-via-dropper", [], self.dropper.listen_port, self.log_dir)
+        bootstrap_ports = [free_port() for _ in range(self.prefills)]
+        self.prefill_servers = [
+            kvfsm(named("prefill", i), "prefill", *prefill_flags(port))
+            for i, port in enumerate(bootstrap_ports)
+        ]
+        self.decode_servers = [
+            kvfsm(named("decode", i), "decode", *DECODE_FLAGS) for i in range(self.decodes)
+        ]
+        self.droppers = [
+            DecodeHalfDropper(free_port(), d.port, target_host=d.host) for d in self.decode_servers
+        ]
+        # The router reaches each decode through its dropper: a Server only for its URL.
+        through = [
+            Server(f"{d.name}-via-dropper", [], dropper.listen_port, self.log_dir)
+            for d, dropper in zip(self.decode_servers, self.droppers, strict=True)
+        ]
         # No retries: a retried request makes new rooms behind the campaign's back and hides
         # the error it scores; no circuit breaker: a worker's failures caused by its peer
         # would take it out.
         self.router = pd_router(
-            self.log_dir, [(self.prefill, self.bootstrap_port)], [through], retries=False
+            self.log_dir,
+            list(zip(self.prefill_servers, bootstrap_ports, strict=True)),
+            through,
+            retries=False,
         )
 
     @property
+    def prefill(self) -> Server:
+        """The prefill server faults of prefill land on."""
+        return self.prefill_servers[0]
+
+    @property
+    def decode(self) -> Server:
+        """The decode server faults of decode land on."""
+        return self.decode_servers[0]
+
+    @property
+    def kvfsm_servers(self) -> list[Server]:
+        return [*self.prefill_servers, *self.decode_servers]
+
+    @property
     def servers(self) -> list[Server]:
-        return [self.reference, self.prefill, self.decode, self.router]
+        return [self.reference, *self.kvfsm_servers, self.router]
 
     def by_name(self, name: str) -> Server:
         return {"prefill": self.prefill, "decode": self.decode, "router": self.router}[name]
 
+    def arm_drops(self, requests: int) -> None:
+        """Reset the next ``requests`` router-to-decode requests at each decode's dropper (the
+        router picks the decode: each may be the one)."""
+        for dropper in self.droppers:
+            dropper.arm(requests)
+
+    def disarm_drops(self) -> None:
+        for dropper in self.droppers:
+            dropper.disarm()
+
     def start(self) -> None:
-        self.dropper.start()
-        for server in (self.reference, self.prefill, self.decode):
+        for dropper in self.droppers:
+            dropper.start()
+        for server in (self.reference, *self.kvfsm_servers):
             server.start()
-        for server in (self.reference, self.prefill, self.decode):
+        for server in (self.reference, *self.kvfsm_servers):
             server.wait_ready()
         self.router.start()
         self.router.wait_ready()
@@ -150,8 +220,9 @@ class Rig:
         server.wait_ready()
 
     def stop(self) -> None:
-        stop_all([self.router, self.decode, self.prefill, self.reference])
-        self.dropper.close()
+        stop_all([self.router, *reversed(self.kvfsm_servers), self.reference])
+        for dropper in self.droppers:
+            dropper.close()
 
     def read_drain(self, server: Server) -> DrainReading:
         try:

@@ -209,6 +209,9 @@ class Server:
     ready_path: str = "/health"
     #: Put first on the server's ``PYTHONPATH`` (SGLang servers: the CPU shim, ``SHIM``).
     pythonpath: list[str] = field(default_factory=list)
+    #: The address it listens on (its status server too): another network namespace's
+    #: address when it runs in one (:class:`~kvfsm.chaos._server_hosts.ServerHosts`).
+    host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
     #: Seconds from launch to ready, per start.
     startup_s: list[float] = field(default_factory=list)
@@ -217,12 +220,12 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def status_url(self) -> str:
         assert self.status_port is not None
-        return f"http://127.0.0.1:{self.status_port}"
+        return f"http://{self.host}:{self.status_port}"
 
     @property
     def starts(self) -> int:
@@ -349,24 +352,32 @@ def sglang_server(
     kvfsm: bool = False,
     env: dict[str, str] | None = None,
     shim: Path = SHIM,
+    host: str = "127.0.0.1",
+    prefix: list[str] | None = None,
 ) -> Server:
+    """An SGLang server on ``model`` listening on ``host``; ``prefix`` goes before its command
+    (``ip netns exec NAME``: it runs in that namespace)."""
     port = free_port()
     status = free_port() if kvfsm else None
     server_env = dict(env or {})
     if kvfsm:
         server_env.update(KVFSM_ENV)
         server_env["KVFSM_STATUS_PORT"] = str(status)
+        server_env["KVFSM_STATUS_HOST"] = host
     else:
         server_env["KVFSM_SGLANG"] = "0"
+    flags = list(COMMON_FLAGS)
+    flags[flags.index("--host") + 1] = host
     argv = [
+        *(prefix or ()),
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model),
         "--port", str(port),
-        *COMMON_FLAGS,
+        *flags,
         *extra,
     ]  # fmt: skip
     shims = [str(shim)] if shim.is_dir() else []
-    return Server(name, argv, port, log_dir, server_env, status, pythonpath=shims)
+    return Server(name, argv, port, log_dir, server_env, status, pythonpath=shims, host=host)
 
 
 def prefill_flags(bootstrap_port: int) -> list[str]:

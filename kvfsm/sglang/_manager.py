@@ -221,6 +221,9 @@ class KvfsmKVManager(BaseKVManager):
         status = os.environ.get("KVFSM_STATUS_PORT")
         if status and config.status_port is None:
             config = dataclasses.replace(config, status_port=int(status) + self.topology.rank)
+        status_host = os.environ.get("KVFSM_STATUS_HOST")
+        if status_host and config.status_host == ManagerConfig().status_host:
+            config = dataclasses.replace(config, status_host=status_host)
         if config.fingerprint is None:
             fingerprint = fingerprint_from_kv_args(
                 self.kv_args,

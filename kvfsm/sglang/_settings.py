@@ -10,6 +10,9 @@ be passed to them; these are read when a manager or bootstrap server is built.
                        a wildcard (0.0.0.0) is advertised as the address routing to the registry.
 ``KVFSM_STATUS_PORT``  serve ``/rooms``, ``/stats``, ``/metrics`` per rank from this port
                        upwards (port + registry rank); unset: no status server.
+``KVFSM_STATUS_HOST``  the address the status servers listen on (default 127.0.0.1: the
+                       rooms' reasons stay on the machine; set the host's address, or 0.0.0.0,
+                       for a scraper or an operator on another host).
 ``KVFSM_HEARTBEAT_S``  control-channel heartbeat period (default 1 s).
 ``KVFSM_LIVENESS_FACTOR``  a peer silent for this many heartbeats is lost (default 2). Their
                        product is the liveness bound: how fast a dead peer's rooms fail, and

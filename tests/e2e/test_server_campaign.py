@@ -1,6 +1,7 @@
 """``kvfsm chaos servers``, short and seeded, on real SGLang 0.5.23 servers on this CPU machine:
-a reference server, a kvfsm prefill and decode, SGLang's router; one fault of each kind the
-campaign injects here, under a small streamed and non-streamed load.
+a reference server, a kvfsm prefill and decode (each in its own network namespace, joined by a
+data link), SGLang's router; one fault of each kind, under a small streamed and non-streamed
+load.
 
 The campaign's own checks are the invariants (``kvfsm/chaos/_server_scoring.py``), and this test
 asserts them from its record, not only its verdict:
@@ -11,10 +12,18 @@ asserts them from its record, not only its verdict:
   NIXL handles created equal those released;
 * the dropped decode half: its requests fail, and prefill's rooms fail by the unclaimed bound
   (``KVFSM_UNCLAIMED_S``, short here) or sooner, never by the 300 s Bootstrapping deadline;
-* faults that cannot be injected here (link cuts) are reported with their reason, not dropped.
+* the data link cut, down and as a black hole: the requests across it end with kvfsm's
+  reason (both sides lose the other within the liveness bound), and once it is restored the
+  router serves through prefill and decode again (the campaign waits for that).
+
+The namespaces need root and iproute2, as the two-host tests do; with ``KVFSM_NO_NETNS=1`` the
+campaign runs on one host's loopback and must report the two link cuts as not injected, with
+their reason.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -33,8 +42,9 @@ pytestmark = pytest.mark.timeout(1800)
 
 SEED = 29
 #: Short: 3 requests per fault (the plan gives each fault kind its own), prompts up to 2,000
-#: tokens, the long SIGSTOP 20 s (past the liveness bound and the lease, as 30 s is).
-PLAN = PlanOptions(requests=3, concurrency=3, long_stop_s=20.0)
+#: tokens, the long SIGSTOP 20 s (past the liveness bound and the lease, as 30 s is), a link cut
+#: 12 s (past the 10 s liveness bound: both sides lose the other).
+PLAN = PlanOptions(requests=3, concurrency=3, long_stop_s=20.0, cut_s=12.0)
 UNCLAIMED_S = 6.0
 
 
@@ -42,7 +52,10 @@ def test_a_short_server_campaign_accounts_for_every_request_and_drains(
     tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     log_dir = tmp_path_factory.mktemp("chaos-servers")
-    opts = ServerCampaignOptions(seed=SEED, plan=PLAN, unclaimed_s=UNCLAIMED_S, log_dir=log_dir)
+    one_host = os.environ.get("KVFSM_NO_NETNS") == "1"
+    opts = ServerCampaignOptions(
+        seed=SEED, plan=PLAN, unclaimed_s=UNCLAIMED_S, log_dir=log_dir, one_host=one_host
+    )
     with capsys.disabled():
         result = run_server_campaign(opts, lambda line: print(f"chaos servers: {line}"))
         print(f"chaos servers report: {as_json(result)}")
@@ -50,8 +63,26 @@ def test_a_short_server_campaign_accounts_for_every_request_and_drains(
 
     ran = {row.kind for row in score.rows}
     links = {"link-down link", "link-blackhole link"}
-    assert ran == set(ALL_FAULTS) - links
-    assert result.skipped == dict.fromkeys(links, LINK_CUT_SKIP)
+    if one_host:
+        assert ran == set(ALL_FAULTS) - links
+        assert set(result.skipped) == links
+        assert all(why.startswith(LINK_CUT_SKIP) for why in result.skipped.values())
+    else:
+        assert ran == set(ALL_FAULTS)
+        assert result.skipped == {}
+        assert result.topology.startswith("netns ")
+        cuts = [r for r in result.records if r.episode.fault.kind in links]
+        assert len(cuts) == 2
+        for cut in cuts:
+            assert cut.fault_s is not None
+            assert cut.skipped == "", cut.skipped
+            ends = [o for o in result.outcomes if o.episode == cut.episode.index]
+            # A request either finished before the cut or failed with kvfsm's reason.
+            for o in ends:
+                assert o.status in ("completed", "errored"), o
+                if o.status == "errored":
+                    assert o.reason.startswith("kvfsm: "), o
+            assert any(o.status == "errored" for o in ends), ends
 
     assert [o.index for o in result.outcomes if o.status == "hung"] == []
     assert sum(row.over_bound for row in score.rows) == 0, score.violations
