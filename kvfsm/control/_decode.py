@@ -234,7 +234,8 @@ class DecodeControl(ControlPlane):
     def _opened(self, link: Link, hello_sent: float, now: float) -> list[Action]:
         return self._routing.link_opened(link.generation, link.peer_id, link.hello.rank, now)
 
-    def _tick(self, now: float) -> list[Action]:
+    def _tick(self, now: float, stalled_s: float) -> list[Action]:
+        # (A stall shows in the agent's progress: steady_for starts again after it.)
         return self._routing.tick(now, self.progress_watch.steady_for(now))
 
     # -- frames ----------------------------------------------------------------------------------

@@ -540,6 +540,8 @@ class ControlPlane(CommandSink):
         while True:
             await anyio.sleep(tick)
             now, mono = loop.time(), self._now()
+            # Slept past its tick by more than a tick: the loop, or the process, stood still.
+            stalled = now - last - tick if now - last > 2 * tick else 0.0
             if now - last > limit:
                 # This process stood still (SIGSTOP, a VM or GC stall): its peers' silence is
                 # its own. Judge them from now on, once what they sent meanwhile is read.
@@ -554,14 +556,16 @@ class ControlPlane(CommandSink):
                     )
                 else:
                     self._do(self._link_due(link, mono))
-            self._do(self._tick(mono))
+            self._do(self._tick(mono, stalled))
             self._run_woken()
 
     def _link_due(self, link: Link, now: float) -> Iterable[Action]:
         """What a live link needs on each watchdog tick (prefill: its lease renewed)."""
         return ()
 
-    def _tick(self, now: float) -> Iterable[Action]:
+    def _tick(self, now: float, stalled_s: float) -> Iterable[Action]:
+        """The routing core's tick; ``stalled_s``: for how long this process stood still just
+        before it (0 if it did not)."""
         raise NotImplementedError
 
     def _lose(self, link: Link, reason: str) -> None:

@@ -344,8 +344,8 @@ class PrefillControl(ControlPlane):
             for a in actions
         ]
 
-    def _tick(self, now: float) -> list[Action]:
-        return self._routing.tick(now)
+    def _tick(self, now: float, stalled_s: float) -> list[Action]:
+        return self._routing.tick(now, stalled_s)
 
     # -- frames ----------------------------------------------------------------------------------
 

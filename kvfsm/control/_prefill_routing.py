@@ -188,9 +188,11 @@ class PrefillRouting:
         self.stats = new_stats() if stats is None else join_stats(stats)
         self._links: dict[int, _PrefillLink] = {}
         self._senders: dict[RoomKey, _Sender] = {}
-        #: Senders no decode room has claimed yet, with when they were spawned, oldest first
-        #: (so a tick expires a prefix).
-        self._unclaimed: dict[RoomKey, float] = {}
+        #: Senders no decode room has claimed yet, with when they were spawned and
+        #: ``_stalled_s`` then, oldest first (so a tick expires a prefix).
+        self._unclaimed: dict[RoomKey, tuple[float, float]] = {}
+        #: Seconds this process has stood still in all, as the ticks were told (``tick``).
+        self._stalled_s = 0.0
         self._current: dict[Slot, _Sender] = {}  # (room id, leg) -> newest sender
         # The bindings by state (kept by ``_move`` alone): CLAIMED, EXPOSED and ABORTED ones
         # by (link, room, gen); HELD ones by slot, oldest first (and counted on their link);
@@ -316,7 +318,7 @@ class PrefillRouting:
         slot = sender.slot
         self._senders[key] = sender
         self._current[slot] = sender
-        self._unclaimed[key] = now
+        self._unclaimed[key] = (now, self._stalled_s)
         self._tombstones.pop(slot, None)  # a new room reuses the id
         waiting = self._held.get(slot)
         if waiting:
@@ -531,7 +533,11 @@ class PrefillRouting:
 
     # -- time -----------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Action]:
+    def tick(self, now: float, stalled_s: float = 0.0) -> list[Action]:
+        """Expire what is due. ``stalled_s``: for how long this process stood still (stopped,
+        or its loop blocked) just before this tick, 0 if it did not. What decode sent meanwhile
+        is still unread in the sockets, so the unclaimed bound waits for the next tick: a claim
+        that came is read first, and wins."""
         ttl = self.config.pending_ttl_s
         # Marks are kept in the order they were set (``_mark`` re-inserts), so the expired ones
         # are a prefix: a tick costs what expired, not what is kept.
@@ -548,13 +554,27 @@ class PrefillRouting:
             self._held = {}
         out: list[Action] = []
         limit = self.config.unclaimed_s
-        while self._unclaimed and now - next(iter(self._unclaimed.values())) > limit:
-            key, _ = self._oldest_unclaimed()
+        self._stalled_s += stalled_s
+        while not stalled_s and self._unclaimed:
+            since, stalled_before = next(iter(self._unclaimed.values()))
+            if now - since <= limit:
+                break
+            key = next(iter(self._unclaimed))
+            del self._unclaimed[key]
             self.stats["unclaimed_failed"] += 1
-            why = (
-                f"no decode room claimed it within {limit:g}s (its decode half never arrived: "
-                "was the request sent to decode?)"
-            )
+            stood_still = self._stalled_s - stalled_before
+            if now - since - stood_still <= limit:
+                # Not past the bound by this rank's running time: its own stall is why.
+                why = (
+                    f"this prefill rank stood still for {stood_still:.1f}s (its process stopped "
+                    f"or its loop blocked) while the room waited {limit:g}s for a decode room's "
+                    "claim, and none was read once it ran again"
+                )
+            else:
+                why = (
+                    f"no decode room claimed it within {limit:g}s (its decode half never "
+                    "arrived: was the request sent to decode?)"
+                )
             out.append(Deliver(key, PeerLost(why)))
         expired = [b for held in self._held.values() for b in held if now - b.since > ttl]
         for binding in expired:
@@ -570,10 +590,6 @@ class PrefillRouting:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _oldest_unclaimed(self) -> tuple[RoomKey, float]:
-        key = next(iter(self._unclaimed))
-        return key, self._unclaimed.pop(key)
-
     def _new_binding(
         self, link: int, room: int, gen: int, metadata: RoomMetadata | None, now: float
     ) -> _Binding:
@@ -584,10 +600,10 @@ class PrefillRouting:
 
     def _bind(self, sender: _Sender, binding: _Binding) -> list[Action]:
         sender.known = True
-        since = self._unclaimed.pop(sender.key, None)
-        if since is not None:
+        unclaimed = self._unclaimed.pop(sender.key, None)
+        if unclaimed is not None:
             # How long decode took to claim it: what ``unclaimed_s`` must stay well above.
-            waited = round((binding.since - since) * 1000)
+            waited = round((binding.since - unclaimed[0]) * 1000)
             self.stats["claim_wait_max_ms"] = max(self.stats["claim_wait_max_ms"], waited)
         binding.sender = sender
         sender.binding = binding

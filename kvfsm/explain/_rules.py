@@ -213,6 +213,15 @@ RULES: Final[tuple[Rule, ...]] = (
         "port reachable from this host (firewall, address it registered)?",
     ),
     Rule(
+        "unclaimed_stalled",
+        rf"peer lost: this prefill rank stood still for {_SECONDS}s",
+        LAW_UNCLAIMED,
+        "this prefill rank stood still for {seconds}s (stopped, swapping, its loop blocked) "
+        "while the room waited for its decode room's claim: the stall is why it ran out",
+        "why this prefill process stood still (SIGSTOP, swapping, a long GC or a blocking call "
+        "on its loop; its control plane counts them as own_stalls)",
+    ),
+    Rule(
         "unclaimed",
         rf"peer lost: no decode room claimed it within {_SECONDS}s",
         LAW_UNCLAIMED,
