@@ -77,6 +77,7 @@ EXPECTED: dict[str, list[str]] = {
         "TransferConfig",
         "legs",
         "link_piece",
+        "prefill_legs",
         "state_groups",
         "state_legs",
         "targets",

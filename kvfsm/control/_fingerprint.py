@@ -34,9 +34,11 @@ Rules
    writes depends on it. State pools pair as SGLang's NIXL backend pairs them
    (``_state_plan``): with MLA every type but MiniMax's, whole; without MLA Mamba (its
    channel shards), SWA (head slices, as KV) and DSA's indexer cache, and the rest are refused
-   by name. A decode rank takes Mamba's shards (and DSA's indexer) from every prefill rank of
-   its group, over a state-only leg where that rank writes it no KV (``_slices.state_legs``);
-   a shape where a prefill rank would also write KV into another decode rank is refused.
+   by name. A decode rank takes Mamba's shards (and DSA's indexer) from the prefill ranks
+   SGLang pairs it with (``_slices.state_group``), over a state-only leg where that rank
+   writes it no KV (``_slices.state_legs``); where heads are replicated on both sides, a
+   prefill rank may write KV into one decode rank and its state into another, and then has a
+   leg in each (:func:`link_slot`).
 5. **A prefill pipeline stage writes its span of layers** (``first_layer``, ``layers``) into
    decode's whole model: the span must lie inside decode's layers, stage 0 must start at
    layer 0 and the last stage must end at decode's last layer (SGLang splits layers into
@@ -67,7 +69,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from kvfsm.transport import HeadShard, KvPiece, link_piece, state_legs, targets
+from kvfsm.transport import KvPiece, link_piece, prefill_legs
 
 __all__ = [
     "DECLARED_MATCH",
@@ -385,9 +387,9 @@ def _split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
 #: MiniMax's does, whole.
 PAIR_UNDER_UNEQUAL_TP: Final = frozenset({"mamba", "swa", "dsa"})
 _MINIMAX: Final = frozenset({"minimax_index_k", "minimax_dense_kv"})
-#: Types whose state a decode rank takes from every prefill rank of its group when prefill's
-#: attention TP is the larger (Mamba's shards; a replicated item or DSA's indexer from the
-#: group's first rank), whether or not that rank writes it KV: ``_slices.state_legs``.
+#: Types whose state a decode rank takes from the prefill ranks SGLang pairs it with under
+#: unequal attention TP (``_slices.state_group``: Mamba's shards; a replicated item or DSA's
+#: indexer from one of them), whether or not that rank writes it KV: ``_slices.state_legs``.
 GROUP_LEGS: Final = frozenset({"mamba", "dsa"})
 
 
@@ -404,19 +406,6 @@ def _state_split_problem(prefill: Fingerprint, decode: Fingerprint) -> str | Non
             f"TP (prefill {prefill.attn_tp}, decode {decode.attn_tp}) are not supported "
             "(state_types, attn_tp)" + _sglang_says(tuple(refused), SGLANG_REFUSES_UNEQUAL_TP)
         )
-    grouped = [t for t in types if t in GROUP_LEGS]
-    if not prefill.mla and grouped and prefill.attn_tp > decode.attn_tp:
-        # Each decode rank takes its state from every prefill rank of its group (a leg each,
-        # ``state_legs``); a prefill rank that writes KV into another decode rank as well
-        # (replicated heads on both sides) would need two legs for one request.
-        try:
-            state_legs(prefill.kv_heads, prefill.attn_tp, decode.attn_tp, 0)
-        except ValueError as exc:
-            return (
-                f"fingerprint mismatch: state ({', '.join(grouped)}) from prefill attention TP "
-                f"{prefill.attn_tp} into decode attention TP {decode.attn_tp} with the model's "
-                f"{prefill.kv_heads} KV heads: {exc} (state_types, attn_tp)"
-            )
     return None
 
 
@@ -469,15 +458,20 @@ def _heads_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
 
 def link_slot(prefill: Fingerprint, decode: Fingerprint) -> tuple[int, int]:
     """``(leg, legs)``: which of the decode ranks this prefill rank writes each room into the
-    link's decode rank is, and how many there are (one sender room, a leg, for each). 0 of 1
-    unless decode's attention TP is larger than prefill's."""
-    if decode.attn_tp <= prefill.attn_tp:
+    link's decode rank is, and how many there are (one sender room, a leg, for each;
+    ``_slices.prefill_legs``). 0 of 1 at equal attention TP, and for a decode rank this
+    prefill rank writes nothing into (a dummy link). Several when decode's attention TP is
+    larger, or when state sharded over attention TP goes to another decode rank than the
+    prefill rank's KV (replicated heads on both sides: ``_slices.state_legs``)."""
+    if decode.attn_tp == prefill.attn_tp:
+        return 0, 1
+    grouped = not prefill.mla and any(t in GROUP_LEGS for t in prefill.state_types)
+    if decode.attn_tp < prefill.attn_tp and not grouped:
         return 0, 1
     total = 1 if prefill.mla else prefill.kv_heads
-    shard = HeadShard(total, prefill.attn_tp, prefill.attn_rank)
-    ranks = [piece.decode_rank for piece in targets(shard, decode.attn_tp)]
+    ranks = prefill_legs(total, prefill.attn_tp, decode.attn_tp, prefill.attn_rank, grouped=grouped)
     if decode.attn_rank not in ranks:
-        return 0, 1  # no KV for it: a dummy link (never with decode's TP the larger)
+        return 0, 1  # no KV and no state for it: a dummy link
     return ranks.index(decode.attn_rank), len(ranks)
 
 

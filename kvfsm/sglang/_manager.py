@@ -302,11 +302,13 @@ class KvfsmKVManager(BaseKVManager):
     def legs_for(self, bootstrap_addr: str) -> list[Leg] | str:
         """The prefill ranks a request of this decode rank hears from, with what each carries
         (``_slices.legs``), or why this pair cannot be served. Equal TP: this rank's own,
-        whole. Prefill TP a multiple of decode's: the ranks holding this rank's heads (the
-        first also sends the aux and state rows) and the ranks this one tells they are
-        dummies. The model's head count comes from ``KVArgs`` when the scheduler set it;
-        SGLang's decode usually has not, and then any count the TPs split gives the same plan
-        unless prefill replicates heads, which the handshake refuses without one.
+        whole. Unequal TP: the ranks holding this rank's heads (the first also sends the aux
+        and state rows) and the ranks this one tells they are dummies; with state sharded over
+        attention TP, the ranks of this rank's state group instead of dummies
+        (``_slices.state_legs``). The model's head count comes from ``KVArgs`` when the
+        scheduler set it; SGLang's decode usually has not, and then any count the TPs split
+        gives the same plan unless prefill replicates heads, which the handshake refuses
+        without one.
 
         Prefill pipeline stages (equal TP only): this rank's counterpart in every stage, each
         writing its span of layers; the last stage, which samples the first output token, also
@@ -339,9 +341,10 @@ class KvfsmKVManager(BaseKVManager):
         )
         if heads <= 0:
             heads = theirs
-        # A Mamba state (or DSA's indexer) comes from every prefill rank of this rank's group,
-        # over a state-only leg where that rank writes no KV here.
-        grouped = not self.is_mla_backend and theirs > mine and self.states.group_legs
+        # A Mamba state (or DSA's indexer) comes from the prefill ranks SGLang pairs this rank
+        # with, over a state-only leg where that rank writes no KV here (with heads replicated
+        # on both sides, the KV may come from another rank than the state).
+        grouped = not self.is_mla_backend and self.states.group_legs
         plan = state_legs if grouped else legs
         try:
             return [Leg(tp, 0, part) for tp, part in plan(heads, theirs, mine, rank)]

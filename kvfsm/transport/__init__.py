@@ -21,6 +21,7 @@ from kvfsm.transport._slices import (
     KvPiece,
     legs,
     link_piece,
+    prefill_legs,
     state_legs,
     targets,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "TransferConfig",
     "legs",
     "link_piece",
+    "prefill_legs",
     "state_groups",
     "state_legs",
     "targets",

@@ -64,10 +64,13 @@ __all__ = [
     "dummy_of",
     "legs",
     "link_piece",
+    "prefill_legs",
     "sliced_descs",
     "sliced_index",
     "sources",
+    "state_group",
     "state_legs",
+    "state_targets",
     "targets",
 ]
 
@@ -238,35 +241,71 @@ def dummy_of(decode_tp: int, prefill_rank: int) -> int:
     return prefill_rank % decode_tp
 
 
+def state_group(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
+    """The prefill ranks whose state a decode rank takes when the state is sharded over
+    attention TP (Mamba's channels; a replicated tensor or DSA's indexer from one of them):
+    SGLang's pairing of ranks, KV or not (``target_tp_ranks`` in its common backend).
+    Prefill's TP the larger: the ``w`` ranks ``[d * w, (d + 1) * w)`` (``w`` the ratio).
+    Decode's the larger: the one rank ``d // w``."""
+    if prefill_tp >= decode_tp:
+        ratio = prefill_tp // decode_tp
+        return range(decode_rank * ratio, (decode_rank + 1) * ratio)
+    first = decode_rank // (decode_tp // prefill_tp)
+    return range(first, first + 1)
+
+
+def state_targets(prefill_tp: int, decode_tp: int, prefill_rank: int) -> range:
+    """The decode ranks a prefill rank writes its state into: the other view of
+    :func:`state_group`."""
+    if prefill_tp >= decode_tp:
+        first = prefill_rank // (prefill_tp // decode_tp)
+        return range(first, first + 1)
+    ratio = decode_tp // prefill_tp
+    return range(prefill_rank * ratio, (prefill_rank + 1) * ratio)
+
+
 def state_legs(
     total_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int
 ) -> list[tuple[int, Part]]:
-    """:func:`legs` for a model whose state is sharded over attention TP (Mamba's channels)
-    when prefill's TP is the larger: decode rank ``d`` takes a shard of its state from each
-    prefill rank of its group, ``[d * w, (d + 1) * w)`` (``w`` the ratio), so each of them is a
-    leg: the KV writers as in :func:`legs`, the others ``Part.STATE``. No dummy legs: every
-    prefill rank has its leg in its group's decode rank. Raises ``ValueError`` when a prefill
-    rank writes KV outside its group (replicated heads over both sides: it would need two legs
-    for one request)."""
-    ratio = prefill_tp // decode_tp
-    for rank in range(prefill_tp):
-        shard = HeadShard(total_heads, prefill_tp, rank)
-        if any(p.decode_rank != rank // ratio for p in targets(shard, decode_tp)):
-            raise ValueError(
-                f"prefill rank {rank} writes KV outside the decode rank its state shard goes to"
-            )
-    writers = {
+    """:func:`legs` for a model whose state is sharded over attention TP (Mamba's channels, and
+    DSA's indexer, which follows the same ranks): decode rank ``d`` hears from the prefill
+    ranks that write it KV (as in :func:`legs`: the first ``Part.WHOLE``, the others
+    ``Part.KV``) and from every rank of its :func:`state_group` that writes it none
+    (``Part.STATE``), in prefill rank order. No dummy legs: every prefill rank has a leg in
+    each decode rank of its :func:`state_targets`.
+
+    When heads are replicated on both sides, the replica that writes a decode rank's KV (rule
+    2) may lie outside that rank's state group: one KV head over prefill TP 4 and decode TP 2
+    has prefill rank 1 write decode rank 1's KV while its state shard belongs in decode rank
+    0, where SGLang sends it (each prefill rank sends everything to decode rank ``p // 2``,
+    its KV head redundantly). Such a prefill rank then has two legs for one request: its KV
+    leg and a state-only leg (:func:`prefill_legs`), so every state byte lands where
+    SGLang's does and each decode head is still written once."""
+    writers = [
         p.prefill_rank for p in sources(HeadShard(total_heads, decode_tp, decode_rank), prefill_tp)
-    }
+    ]
     out: list[tuple[int, Part]] = []
-    first = True
-    for rank in range(decode_rank * ratio, (decode_rank + 1) * ratio):
-        if rank in writers:
-            out.append((rank, Part.WHOLE if first else Part.KV))
-            first = False
-        else:
+    for rank in sorted({*writers, *state_group(prefill_tp, decode_tp, decode_rank)}):
+        if rank not in writers:
             out.append((rank, Part.STATE))
+        else:
+            out.append((rank, Part.WHOLE if rank == writers[0] else Part.KV))
     return out
+
+
+def prefill_legs(
+    total_heads: int, prefill_tp: int, decode_tp: int, prefill_rank: int, *, grouped: bool
+) -> list[int]:
+    """The decode ranks one prefill rank writes each request into, in decode rank order: its
+    legs, numbered by position (a link's leg is its decode rank's index here). Those it writes
+    KV into, and with state sharded over attention TP (``grouped``, :func:`state_legs`) those
+    of its :func:`state_targets` too. Empty: only a dummy leg (:func:`dummy_of`)."""
+    ranks = {
+        p.decode_rank for p in targets(HeadShard(total_heads, prefill_tp, prefill_rank), decode_tp)
+    }
+    if grouped:
+        ranks.update(state_targets(prefill_tp, decode_tp, prefill_rank))
+    return sorted(ranks)
 
 
 def legs(

@@ -25,6 +25,7 @@ from kvfsm.transport._slices import (
     dummy_of,
     legs,
     link_piece,
+    prefill_legs,
     sliced_descs,
     sliced_index,
     sources,
@@ -372,20 +373,50 @@ def test_a_known_split_in_bytes() -> None:
     assert NO_KV.page_bytes(4) == 0
 
 
-def test_state_legs_give_each_prefill_rank_one_leg_in_its_group() -> None:
+def _sglang_state_ranks(tp_p: int, tp_d: int, d: int) -> list[int]:
+    """The prefill ranks SGLang 0.5.23's decode rank ``d`` pairs with and takes its state from
+    (``target_tp_ranks`` in sglang/srt/disaggregation/common/conn.py), written out here."""
+    if tp_p >= tp_d:
+        ratio = tp_p // tp_d
+        return list(range(d * ratio, (d + 1) * ratio))
+    return [d // (tp_d // tp_p)]
+
+
+def test_state_legs_reach_every_prefill_rank_sglang_takes_state_from() -> None:
     for total, tp_p, tp_d in LEG_SHAPES:
-        if tp_p <= tp_d:
+        if tp_p == tp_d:
             continue
-        shape, ratio = (total, tp_p, tp_d), tp_p // tp_d
-        if total < tp_d:
-            # Heads replicated on both sides: a prefill rank writes KV outside its group.
-            with pytest.raises(ValueError, match="writes KV outside"):
-                state_legs(total, tp_p, tp_d, 0)
-            continue
+        shape = (total, tp_p, tp_d)
         plans = [state_legs(total, tp_p, tp_d, d) for d in range(tp_d)]
         for d, plan in enumerate(plans):
-            # Exactly the group, in rank order; KV writers as legs() says; no dummies.
-            assert [p for p, _ in plan] == list(range(d * ratio, (d + 1) * ratio)), shape
+            group = _sglang_state_ranks(tp_p, tp_d, d)
             kv = [(p, part) for p, part in legs(total, tp_p, tp_d, d) if part in WRITES_KV]
+            # KV writers as legs() says, the rest of SGLang's group state-only, in rank order;
+            # no dummies.
             assert [(p, part) for p, part in plan if part in WRITES_KV] == kv, (shape, d)
+            assert [p for p, _ in plan] == sorted({*group, *(p for p, _ in kv)}), (shape, d)
             assert all(part in (*WRITES_KV, Part.STATE) for _, part in plan), (shape, d)
+            assert all(p in group for p, part in plan if part is Part.STATE), (shape, d)
+        # Each prefill rank's legs, as prefill numbers them, are the decode ranks that list it.
+        for p in range(tp_p):
+            listing = [d for d, plan in enumerate(plans) if p in dict(plan)]
+            assert prefill_legs(total, tp_p, tp_d, p, grouped=True) == listing, (shape, p)
+        if tp_p > tp_d and total >= tp_d:
+            # Decode's heads not replicated: the KV writers lie in the group, one leg each.
+            ratio = tp_p // tp_d
+            for d, plan in enumerate(plans):
+                assert [p for p, _ in plan] == list(range(d * ratio, (d + 1) * ratio)), shape
+
+
+def test_replicated_heads_on_both_sides_give_a_kv_writer_a_state_only_leg_elsewhere() -> None:
+    # One KV head, prefill TP 4 into decode TP 2: prefill rank 1 writes decode rank 1's KV
+    # (replica 1 of the head) and its state shard into decode rank 0, as SGLang sends it.
+    assert state_legs(1, 4, 2, 0) == [(0, Part.WHOLE), (1, Part.STATE)]
+    assert state_legs(1, 4, 2, 1) == [(1, Part.WHOLE), (2, Part.STATE), (3, Part.STATE)]
+    assert prefill_legs(1, 4, 2, 1, grouped=True) == [0, 1]
+    assert prefill_legs(1, 4, 2, 1, grouped=False) == [1]
+    # And the reverse, prefill TP 2 into decode TP 4: decode rank 1's KV comes from prefill
+    # rank 1, its state from prefill rank 0 (SGLang's only source for it).
+    assert state_legs(1, 2, 4, 1) == [(0, Part.STATE), (1, Part.WHOLE)]
+    assert state_legs(1, 2, 4, 2) == [(0, Part.WHOLE), (1, Part.STATE)]
+    assert prefill_legs(1, 2, 4, 0, grouped=True) == [0, 1, 2]
