@@ -163,11 +163,15 @@ class Part(enum.IntEnum):
 
 # --------------------------------------------------------------------------------------------
 # Events: what happened. Frozen (safe to share between tasks), tagged (the class name is the tag,
-# so the same classes can travel in a msgspec union), gc=False (scalar payloads, no cycles).
+# so the same classes can travel in a msgspec union), gc=False (scalar payloads, no cycles),
+# array_like (encoded as ``[tag, fields...]``: what a reaped room's flight recorder encodes, with
+# no field name written per event: kvfsm.rooms._timeline).
 # --------------------------------------------------------------------------------------------
 
 
-class Event(msgspec.Struct, frozen=True, tag=True, gc=False, forbid_unknown_fields=True):
+class Event(
+    msgspec.Struct, frozen=True, tag=True, gc=False, forbid_unknown_fields=True, array_like=True
+):
     """Base of every event. Never instantiated itself."""
 
 
@@ -450,8 +454,8 @@ def reason_kind(reason: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-class Command(msgspec.Struct, frozen=True, tag=True, gc=False):
-    """Base of every command."""
+class Command(msgspec.Struct, frozen=True, tag=True, gc=False, array_like=True):
+    """Base of every command (array_like, as events are)."""
 
 
 class PostChunk(Command, frozen=True):

@@ -163,7 +163,7 @@ ENCODERS: Final[Mapping[type[Any], Callable[[Any], int]]] = {
 }
 
 
-class Dropped(msgspec.Struct, frozen=True, tag=True, gc=False):
+class Dropped(msgspec.Struct, frozen=True, tag=True, gc=False, array_like=True):
     """Where :func:`compact` took entries out of a timeline, and how many (a struct like the
     events, so that a frozen timeline encodes it)."""
 
@@ -180,7 +180,8 @@ def new_timeline() -> list[object]:
 
 def freeze(timeline: list[object]) -> list[object] | bytes:
     """``timeline`` as one ``bytes`` (msgpack: times stay floats, encoded entries ints, events
-    and commands tagged structs), or the list itself if something in it does not encode."""
+    and commands tagged structs, as ``[tag, fields...]`` arrays: no field names), or the list
+    itself if something in it does not encode."""
     try:
         return _encode(timeline)
     except (TypeError, OverflowError):  # not an event or command (a test's object): keep it
