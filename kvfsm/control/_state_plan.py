@@ -31,6 +31,8 @@ sglang/srt/disaggregation)
    per head).
 6. Every other state type pairs only at equal attention TP (or with MLA): the handshake's
    fingerprint rules refuse the rest by name, quoting SGLang where it refuses them too.
+7. **DSA tail rings** (``dsa_tail``) move whole rows, so both sides' rings must be of one size
+   (``_check_rings``, at any TP): rings of different sizes are refused by name.
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ def state_link_plan(
     """What prefill rank ``prefill`` writes of each state item into decode rank ``decode``
     (a pair that passed the fingerprint rules): None for whole items (rules 1), or a piece.
     ``local``/``remote``: both sides' state regions; ``groups``: regions per state type."""
-    if not local or prefill.attn_tp == decode.attn_tp or prefill.mla:
+    if not local:
+        return None
+    _check_rings(prefill, local, remote, groups)
+    if prefill.attn_tp == decode.attn_tp or prefill.mla:
         return None
     counts = state_groups(groups, len(local))
     if len(counts) != len(prefill.state_types):
@@ -67,6 +72,38 @@ def state_link_plan(
             blocks.append(_region(name, j, prefill, decode, src=local[j][2], dst=remote[j][2]))
             j += 1
     return StatePiece(tuple(blocks))
+
+
+def _check_rings(
+    prefill: Fingerprint,
+    local: Sequence[RegionSpec],
+    remote: Sequence[RegionSpec],
+    groups: tuple[int, ...],
+) -> None:
+    """Rule 7: DSA tail rings pair only at one ring size (equal row bytes; SGLang requires
+    equal slot bytes, so equal rows mean equal slot counts). Each side's ring is its pool's
+    compression ring plus its speculative slots, and a request's live slots start at its
+    length (less the live count) modulo that side's ring: SGLang's NIXL backend remaps them
+    from both sides' entries (``build_dsa_tail_transfer_blocks``), the decode entry coming with
+    decode's transfer info for each request. kvfsm moves whole ring rows and its room metadata
+    carries decode's ring row only, so it cannot place the live slots in a ring of another
+    size, and refuses the pair with both sizes rather than fail every request."""
+    counts = state_groups(groups, len(local))
+    if len(counts) != len(prefill.state_types) or len(remote) != len(local):
+        return  # the layout check names these
+    j = 0
+    for name, members in zip(prefill.state_types, counts, strict=True):
+        for _ in range(members):
+            src, dst = local[j][2], remote[j][2]
+            if name == "dsa_tail" and src != dst:
+                raise ValueError(
+                    f"state region {j} (dsa_tail): tail ring rows of {src} bytes on prefill "
+                    f"and {dst} on decode: rings of different sizes (other speculative slot "
+                    "counts) are not supported: SGLang remaps each request's live slots "
+                    "between the rings from both sides' ring entries; kvfsm moves whole ring "
+                    "rows and its room metadata carries decode's ring row, not its live slots"
+                )
+            j += 1
 
 
 def _elected(prefill: Fingerprint, decode: Fingerprint) -> bool:

@@ -28,9 +28,12 @@ per request (SGLang asserts it). ``dsa_tail`` (:data:`RING_ROW`, DeepSeek V4's c
 tail ring) names the live slots of one ring row (at most two segments, the ring wrapped);
 kvfsm moves the whole row. Decode reads only the live slots, at the same offsets when both
 rings have the same size (the same row bytes: SGLang requires equal slot sizes), so every byte
-decode reads is what SGLang's remap moves; rings of different sizes (other speculative slot
-counts on each side) differ in row bytes and are refused at the handshake by the layout
-check, naming the region.
+decode reads is what SGLang's remap moves. Rings of different sizes (each side's ring is its
+pool's compression ring plus its speculative slots, ``tail_extra_slots``) are refused at the
+handshake by name (``kvfsm.control``'s state plan, rule 7): a request's live slots start at
+its length, less the live count, modulo each side's own ring, so the sender can place them in
+decode's ring only from decode's entry for that request (SGLang's decode sends it with its
+transfer info), and kvfsm's decode hands prefill only the entry's row (:meth:`StateMap.rows`).
 
 Parallel shapes each type pairs under are the handshake's business (``kvfsm.control``'s
 fingerprint rules); this module only says what this rank holds.

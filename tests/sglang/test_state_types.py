@@ -122,7 +122,8 @@ def test_tail_rings_of_different_sizes_are_refused_at_the_handshake(
     bootstrap: KvfsmKVBootstrapServer,
 ) -> None:
     # Another speculative slot count on decode: its ring rows are longer. SGLang remaps the
-    # live slots between them; kvfsm moves whole rows and refuses the pair, naming the region.
+    # live slots between them from both sides' ring entries; kvfsm moves whole rows and
+    # refuses the pair, naming the region, the type and both row sizes.
     prefill = Instance.start("prefill", bootstrap.port, TP, state=_alone("dsa_tail"))
     longer = (StateSpec("dsa_tail", ((RING_SLOTS + 4) * 24, (RING_SLOTS + 4) * 8), names="ring"),)
     try:
@@ -140,9 +141,12 @@ def test_tail_rings_of_different_sizes_are_refused_at_the_handshake(
     assert out.leaks == []
     for req in requests:
         assert req.decode_outcome == "Failed"
-        assert any("state region 0 item_bytes differs" in why for why in req.decode_reasons), (
-            req.decode_reasons
-        )
+        assert any(
+            "state region 0 (dsa_tail): tail ring rows of 192 bytes on prefill and 288 on "
+            "decode: rings of different sizes (other speculative slot counts) are not "
+            "supported" in why
+            for why in req.decode_reasons
+        ), req.decode_reasons
 
 
 def test_zero_row_state_buffers_are_kept_in_place_and_move_nothing(
