@@ -53,12 +53,15 @@ Ends (law 4).
 
 Legs.
     When decode's attention TP is larger than prefill's, a prefill rank writes each room into
-    several decode ranks, each over its own link: its request is one sender room per decode rank,
-    its *legs*, spawned as the first leg learns how many there are. The handshake says which leg
-    a link's decode rank is (``link_opened(leg=, legs=)``, from both fingerprints), so a sender
-    is named by ``(room, leg)`` wherever a room id alone would name it (claims, holds,
-    tombstones, early aborts), and ``DestinationReceived.legs`` tells the first leg the count.
-    With equal TP, or several prefill ranks per decode rank, every link is leg 0 of 1.
+    several decode ranks, each over its own link (and with state sharded over attention TP and
+    KV heads replicated on both sides, a prefill rank may write a room's KV into one decode
+    rank and its state shard into another: ``_fingerprint.link_slot``): its request is one
+    sender room per decode rank, its *legs*, spawned as the first leg learns how many there
+    are. The handshake says which leg a link's decode rank is (``link_opened(leg=, legs=)``,
+    from both fingerprints), so a sender is named by ``(room, leg)`` wherever a room id alone
+    would name it (claims, holds, tombstones, early aborts), and ``DestinationReceived.legs``
+    tells the first leg the count. With equal TP, or several prefill ranks per decode rank and
+    no such state, every link is leg 0 of 1.
 
 Early aborts.
     A ``RoomAbort`` for a room prefill has not bound is acknowledged at once (``RoomSettled``:
