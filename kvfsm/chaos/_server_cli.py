@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -90,6 +91,10 @@ def _kinds(given: list[str] | None) -> list[str] | None:
     return given
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvfsm.chaos import _server_report as report  # noqa: PLC0415 - aiohttp, matplotlib
     from kvfsm.chaos._server_campaign import (  # noqa: PLC0415
@@ -125,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    # SIGTERM (a timeout, a CI runner's cancel) unwinds like Ctrl-C: the servers are stopped and
+    # the network namespaces removed, instead of left for the next run to clean up.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     result = run_server_campaign(opts, say)
     if args.png is not None:
         report.write_png(result, args.png)

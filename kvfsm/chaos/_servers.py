@@ -35,6 +35,7 @@ __all__ = [
     "LIVENESS_FACTOR",
     "LIVENESS_S",
     "MODEL_CONFIG",
+    "SGLANG_CPU_ENV",
     "SHIM",
     "START_TIMEOUT_S",
     "Server",
@@ -123,6 +124,16 @@ KVFSM_ENV = {
     "KVFSM_LEASE_S": str(LIVENESS_S),
 }
 
+#: SGLang settings every server here needs because it runs on a CPU.
+#:
+#: ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX``: with overlap scheduling, a prefill that
+#: sends a request's already computed prefix pages early (a chunked prompt whose first chunk
+#: waited for decode's bootstrap, or a prefix-cache hit) records a CUDA event on the forward
+#: stream first, so that the transfer waits for the previous forward's writes. On a CPU there is
+#: no such stream, and SGLang's scheduler dies (``expected stream to be a torch.Stream``), with
+#: any transfer backend, before the backend is called: seen under load with 2,000-token prompts.
+#: Off, those pages go with the request's next chunk instead.
+SGLANG_CPU_ENV = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
 #: How long one server may take to come up on a loaded 2-core machine (~30 s when idle).
 START_TIMEOUT_S = 300.0
 
@@ -359,7 +370,7 @@ def sglang_server(
     (``ip netns exec NAME``: it runs in that namespace)."""
     port = free_port()
     status = free_port() if kvfsm else None
-    server_env = dict(env or {})
+    server_env = {**SGLANG_CPU_ENV, **(env or {})}
     if kvfsm:
         server_env.update(KVFSM_ENV)
         server_env["KVFSM_STATUS_PORT"] = str(status)
