@@ -42,7 +42,11 @@ from kvfsm.rooms._deadlines import FIRE_SLACK_S, Entry
 from kvfsm.rooms._ports import CommandSink, Inbox, Publication, RoomHost, RoomKey
 from kvfsm.rooms._scheduler import SUSPEND
 from kvfsm.rooms._timeline import (
-    ENCODERS,
+    _CHUNK_BITS,
+    _DESTINATION,
+    _LEASE,
+    _POST,
+    PAGED,
     SLOTS,
     STATE_MARKS,
     compact,
@@ -262,11 +266,16 @@ class Room:
         if timeline is not None:  # the step's time, then the event (encoded if it has pages)
             if len(timeline) >= SLOTS:
                 compact(timeline)
-            encode = ENCODERS.get(type(event))
             # The scheduler's clock, read once per few steps (RoomScheduler.now); two appends:
             # cheaper than extending by a tuple.
             timeline.append(self._tasks.now)
-            timeline.append(event if encode is None else encode(event))
+            code = PAGED.get(type(event))
+            if code is None:
+                timeline.append(event)
+            else:  # ENCODERS' encoding, inline: no Python call per event
+                fence = event.fence if code == _DESTINATION else 0  # type: ignore[attr-defined]
+                pages: bytes = event.pages  # type: ignore[attr-defined]
+                timeline.append(_LEASE | fence << 6 if fence else code | len(pages) >> 2 << 6)
         try:
             commands = core.handle(event)
         except Exception as exc:  # a strict core's IllegalEventError, or a bug: fail this room only
@@ -291,8 +300,16 @@ class Room:
         timeline = self.timeline
         for command in commands:
             if timeline is not None:
-                encode = ENCODERS.get(type(command))
-                timeline.append(command if encode is None else encode(command))
+                code = PAGED.get(type(command))
+                if code is None:
+                    timeline.append(command)
+                elif code == _POST:  # ENCODERS' encoding, inline
+                    chunk: int = command.chunk  # type: ignore[attr-defined]
+                    src: bytes = command.src  # type: ignore[attr-defined]
+                    timeline.append(_POST | (chunk & 0xFFFFF | len(src) >> 2 << _CHUNK_BITS) << 6)
+                else:
+                    pages: bytes = command.pages  # type: ignore[attr-defined]
+                    timeline.append(code | len(pages) >> 2 << 6)
             try:
                 sink.submit(key, command)
             except Exception as exc:

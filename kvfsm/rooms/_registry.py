@@ -24,7 +24,7 @@ from kvfsm.rooms._timeline import (
     RoomRecord,
     dropped,
     entries,
-    freeze,
+    pack,
 )
 from kvfsm.states import (
     NON_TERMINAL,
@@ -336,6 +336,13 @@ class Registry:
             return
         core, key = room.core, room.key
         state = core.state
+        # freeze(timeline), inline (a Python call per room on the hot path): one object for the
+        # ring to drop later (kvfsm.rooms._timeline).
+        frozen: list[object] | bytes
+        try:
+            frozen = pack(timeline)
+        except (TypeError, OverflowError):  # not an event or command (a test's object): keep it
+            frozen = timeline
         record = RoomRecord(
             key.room,
             key.generation,
@@ -343,7 +350,7 @@ class Registry:
             state,
             core.reason,
             room.publication.settled,
-            freeze(timeline),  # one object for the ring to drop later (kvfsm.rooms._timeline)
+            frozen,
             self.tasks.now,  # the room's last step's time: it is reaped as that step ends
             core.peer_agent,  # (a receiver's is "", a sender's rank -1: no branch on the role)
             core.peer_rank,

@@ -84,6 +84,7 @@ __all__ = [
     "ENCODERS",
     "FINISHED_KEPT",
     "HEAD",
+    "PAGED",
     "SLOTS",
     "STATE_MARKS",
     "Dropped",
@@ -96,6 +97,7 @@ __all__ = [
     "failure_line",
     "freeze",
     "new_timeline",
+    "pack",
     "thaw",
 ]
 
@@ -140,8 +142,20 @@ _METADATA_OUT: Final = 7
 STATE_MARKS: Final[Mapping[KVPoll, int]] = {s: _STATE | int(s) << 6 for s in KVPoll}
 
 
-# Each encoder is one Python call per event or command on the hot path: page counts are
-# computed inline (pages travel as packed int32: four bytes a page), not by a helper.
+# The recorder (kvfsm.rooms._actor) encodes inline, from :data:`PAGED`, without a Python call
+# per event or command; :data:`ENCODERS` is the same encoding as functions, for everything else.
+
+#: The code of each event and command whose page list (``pages``; a posted chunk's ``src``) is
+#: not kept: ``code | pages << 6``, where ``pages`` is the packed int32 list's length over 4 (a
+#: posted chunk's also holds its index, in the low 20 bits; a destination that came under a
+#: write lease is ``_LEASE | fence << 6``).
+PAGED: Final[Mapping[type[Any], int]] = {
+    DestinationReceived: _DESTINATION,
+    ChunkSubmitted: _SEND,
+    MetadataSubmitted: _METADATA,
+    PostChunk: _POST,
+    SendMetadata: _METADATA_OUT,
+}
 
 
 def _destination(e: DestinationReceived) -> int:
@@ -170,7 +184,9 @@ class Dropped(msgspec.Struct, frozen=True, tag=True, gc=False, array_like=True):
     count: int
 
 
-_encode: Final = msgspec.msgpack.Encoder().encode
+#: What :func:`freeze` encodes with (the registry calls it inline: a Python call less a room).
+pack: Final = msgspec.msgpack.Encoder().encode
+_encode: Final = pack
 
 
 def new_timeline() -> list[object]:

@@ -287,3 +287,75 @@ def test_a_step_timed_before_the_room_was_created_reads_as_its_creation() -> Non
         1, 1, Role.SENDER, KVPoll.Success, "", True, freeze(timeline), born - 1e-5, "", -1, 0
     )
     assert record.duration_s == 0.0
+
+
+def test_the_recorder_encodes_paged_entries_as_encoders_do() -> None:
+    # The room's task encodes page-carrying events and commands inline (no call per entry):
+    # what it records must be what ENCODERS gives, a destination under a lease included.
+    import asyncio
+
+    from kvfsm.rooms._ports import Publication, RoomKey
+    from kvfsm.rooms._registry import Registry
+    from kvfsm.rooms._timeline import PAGED
+    from kvfsm.states import (
+        ChunkSubmitted,
+        Command,
+        Event,
+        Initialized,
+        MetadataSubmitted,
+        PeerResolved,
+        PeerSettled,
+    )
+
+    assert set(PAGED) == set(ENCODERS)
+    commands: list[Command] = []
+
+    class Recording(LoopbackSink):  # keeps what the rooms command, routes nothing
+        def submit(self, key: RoomKey, command: Command) -> None:
+            commands.append(command)
+
+    sender, receiver = RoomKey(5, 1), RoomKey(6, 2)
+    to_sender: list[Event] = [
+        DestinationReceived(pages(10, 11, 12), 0, "agent", fence=7),
+        Initialized(num_pages=3, aux_index=1),
+        ChunkSubmitted(pages(1, 2, 3)),
+    ]
+    to_receiver: list[Event] = [
+        Initialized(peer_rank=0),
+        PeerResolved(peer_rank=0),
+        MetadataSubmitted(pages(10, 11, 12, 13), 0),
+    ]
+
+    async def main() -> dict[Role, list[object]]:
+        registry = Registry(Recording(), RoomConfig(strict=True))
+        registry.spawn(sender, Role.SENDER, Publication())
+        registry.spawn(receiver, Role.RECEIVER, Publication())
+        for key, events in ((sender, to_sender), (receiver, to_receiver)):
+            for event in events:
+                registry.deliver(key, event)
+                await asyncio.sleep(0)
+            registry.deliver(key, AbortRequested("done"))
+        # What the rooms wait for before they end: the posted chunk released, the peer settled.
+        registry.deliver(sender, ChunkFailed(0, "released"))
+        registry.deliver(receiver, PeerSettled(0))
+        while len(registry):
+            await asyncio.sleep(0)
+        await registry.shutdown()
+        return {r.role: thaw(r.timeline) for r in registry.finished.failed}
+
+    lines = asyncio.run(main())
+    marks = set(STATE_MARKS.values())
+
+    def coded(role: Role) -> list[object]:
+        return [x for x in lines[role] if type(x) is int and x not in marks]
+
+    def expected(items: list[object]) -> list[int]:
+        return [ENCODERS[type(x)](x) for x in items if type(x) in ENCODERS]
+
+    posted = [c for c in commands if type(c) is PostChunk]
+    assert posted
+    assert coded(Role.SENDER) == expected([*to_sender[:3], *posted])
+    assert coded(Role.SENDER)[0] & 0x3F == 3  # the lease's code: its fence, not its pages
+    metadata = [c for c in commands if type(c) in ENCODERS and type(c) is not PostChunk]
+    assert metadata
+    assert coded(Role.RECEIVER) == expected([to_receiver[2], *metadata])
