@@ -38,6 +38,7 @@ from kvfsm.sglang._bases import (
     KVTransferMetric,
 )
 from kvfsm.sglang._dp_ranks import prefill_dp_plan
+from kvfsm.sglang._early_send import ChunkGate
 from kvfsm.sglang._legs import Legs
 from kvfsm.states import TERMINAL, Part
 from kvfsm.states import KVPoll as RoomStatus
@@ -145,6 +146,7 @@ class KvfsmKVSender(_Conn, BaseKVSender):
     ):
         _Conn.__init__(self, mgr, bootstrap_addr, bootstrap_room)
         self._early_send_wait_event: Any = None
+        self._gate = ChunkGate(self._ended, self._legs_reject)
         self._num_pages = 0
         self._sent_pages = 0
         self._chunks = 0
@@ -236,6 +238,15 @@ class KvfsmKVSender(_Conn, BaseKVSender):
         self._sent_pages += len(kv_indices)
         self._chunks += 1
         last = self._sent_pages >= self._num_pages
+        # SGLang's early send of prefix pages comes with the event of the forward that may still
+        # be writing them, for this chunk only (``_early_send``).
+        event, self._early_send_wait_event = self._early_send_wait_event, None
+        if event is None and not self._gate.holding:
+            self._post(kv_indices, rows, last)
+        else:
+            self._gate.submit(event, lambda: self._post(kv_indices, rows, last))
+
+    def _post(self, kv_indices: npt.NDArray[np.int32], rows: Any, last: bool) -> None:
         for room, part in zip(self._legs.rooms, self._parts or [Part.WHOLE], strict=False):
             if part is Part.WHOLE:
                 room.send(kv_indices, rows)
@@ -247,6 +258,12 @@ class KvfsmKVSender(_Conn, BaseKVSender):
                 room.send(b"", rows)  # its shard of the state, and the leg ends
             elif last:
                 room.send(b"")  # a dummy's last chunk: it ends, having moved nothing
+
+    def _ended(self) -> bool:
+        return self._sender.poll() in TERMINAL
+
+    def _legs_reject(self, reason: str) -> None:
+        self._legs.reject(reason)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # A zero-page last chunk must still be sent: it carries the aux row and ends the room.

@@ -564,6 +564,134 @@ def test_transfer_latency_starts_at_the_first_send_not_at_init(
     sender.clear()
 
 
+# -- an early send's event (prefix pages a forward may still be writing) ---------------------------
+
+
+class ForwardEvent:
+    """Stands in for the ``torch.cuda.Event`` SGLang records on the forward stream before an
+    early send: done once ``finish()`` is called (the forward wrote the pages)."""
+
+    def __init__(self, *, done: bool = False, error: Exception | None = None) -> None:
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+        self.error = error
+        #: The threads that waited on it.
+        self.waited_by: list[str] = []
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self.waited_by.append(threading.current_thread().name)
+        if self.error is not None:
+            raise self.error
+        assert self._done.wait(WAIT_S), "the forward never finished"
+
+    def finish(self) -> None:
+        self._done.set()
+
+
+def _pages_equal(pair: Pair, src: np.ndarray, dst: np.ndarray) -> bool:
+    ours, theirs = pair.prefill.buffers[0], pair.decode.buffers[0]
+    return all(
+        np.array_equal(a[src], b[dst]) for a, b in zip(ours.kv, theirs.kv, strict=True)
+    )
+
+
+def _untouched(pair: Pair, dst: np.ndarray) -> bool:
+    return all(not b[dst].any() for b in pair.decode.buffers[0].kv)
+
+
+def test_an_early_send_waits_for_its_forward_and_later_chunks_wait_behind_it(pair: Pair) -> None:
+    sender, receiver, src, dst = pair.handshake(pages=4)
+    assert _untouched(pair, dst)
+    event = ForwardEvent()
+    try:
+        _early_send_then_rest(pair, sender, receiver, event, src, dst)
+    finally:
+        event.finish()  # the worker thread is shared: never leave it waiting
+    assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, sender.reason
+    assert wait_poll(receiver, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, receiver.reason
+    assert _pages_equal(pair, src, dst)
+
+
+def _early_send_then_rest(
+    pair: Pair,
+    sender: KvfsmKVSender,
+    receiver: KvfsmKVReceiver,
+    event: ForwardEvent,
+    src: np.ndarray,
+    dst: np.ndarray,
+) -> None:
+    sender.init(len(src), 5)
+    # SGLang's early send of two prefix pages, then the rest as the last chunk.
+    sender._early_send_wait_event = event
+    sender.send(src[:2], None)
+    assert sender._early_send_wait_event is None  # it belongs to that one chunk
+    sender.send(src[2:], [[6]])
+    # Both chunks wait for the forward: decode's pages stay as they were, nothing ends.
+    wait_until_sync(lambda: event.waited_by != [], timeout=WAIT_S, message="the wait to begin")
+    quiesced(pair.pm, pair.dm)
+    assert _untouched(pair, dst)
+    assert sender.poll() == KVPoll.WaitingForInput
+    assert receiver.poll() == KVPoll.Transferring
+    # Waited for off the scheduler's thread.
+    assert event.waited_by == ["kvfsm-early-send_0"]
+
+
+def test_an_early_send_whose_forward_is_done_goes_at_once(pair: Pair) -> None:
+    sender, receiver, src, dst = pair.handshake(pages=3)
+    event = ForwardEvent(done=True)
+    sender.init(len(src), 5)
+    sender._early_send_wait_event = event
+    sender.send(src[:1], None)
+    sender.send(src[1:], [[6]])
+    assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, sender.reason
+    assert wait_poll(receiver, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, receiver.reason
+    assert event.waited_by == []
+    assert _pages_equal(pair, src, dst)
+
+
+def test_a_request_aborted_while_its_chunk_waits_skips_the_wait(pair: Pair) -> None:
+    sender, receiver, src, dst = pair.handshake(pages=3)
+    first, second = ForwardEvent(), ForwardEvent()
+    sender.init(len(src), 5)
+    try:
+        sender._early_send_wait_event = first
+        sender.send(src[:1], None)
+        wait_until_sync(lambda: first.waited_by != [], timeout=WAIT_S, message="the wait")
+        # A second held chunk (its own event, for the test's sake) behind the first.
+        sender._early_send_wait_event = second
+        sender.send(src[1:], [[6]])
+        sender.abort()
+        assert sender.poll() == KVPoll.Failed
+    finally:
+        first.finish()
+    wait_until_sync(lambda: not sender._gate.holding, timeout=WAIT_S, message="the drain")
+    quiesced(pair.pm, pair.dm)
+    # Its room had ended: the worker did not wait for the second forward, and nothing was
+    # written (the first chunk reached a room that had already ended).
+    assert second.waited_by == []
+    assert _untouched(pair, dst)
+    receiver.clear()
+
+
+def test_a_forward_event_that_fails_fails_its_request_and_posts_nothing(pair: Pair) -> None:
+    sender, receiver, src, dst = pair.handshake(pages=2)
+    event = ForwardEvent(error=RuntimeError("CUDA error: an illegal memory access"))
+    sender.init(len(src), 5)
+    sender._early_send_wait_event = event
+    sender.send(src, [[6]])
+    assert wait_poll(sender, KVPoll.Failed) == KVPoll.Failed
+    reason = raised(sender).failure_reason
+    assert "waiting for the forward that writes its prefix pages failed" in reason, reason
+    assert "illegal memory access" in reason, reason
+    quiesced(pair.pm, pair.dm)
+    assert _untouched(pair, dst)
+    receiver.clear()
+
+
 # -- decode: conclude_state, abort notification, deferred release ----------------------------------
 
 
