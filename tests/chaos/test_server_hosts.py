@@ -19,20 +19,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfsm.chaos._netns import CutMode, Host, NetnsError, check_environment
+from kvfsm.chaos._netns import CutMode, Host
 from kvfsm.chaos._server_hosts import ServerHosts, free_subnet
+from tests.helpers.netns import require_netns
 
 PORT = 18765
 
 
 @pytest.fixture
 def hosts() -> Iterator[ServerHosts]:
-    if os.environ.get("KVFSM_NO_NETNS") == "1":
-        pytest.skip("KVFSM_NO_NETNS=1: two-host (network namespace) tests skipped on request")
-    try:
-        check_environment()
-    except NetnsError as exc:
-        pytest.fail(f"two-host tests cannot run: {exc}", pytrace=False)
+    require_netns()
     with ServerHosts() as made:
         listeners = [_listen(made, host) for host in made.hosts]
         try:

@@ -25,17 +25,13 @@ from kvfsm.chaos._plan import ControlRates, TransferRates
 from kvfsm.chaos._two_hosts import run_demo_two_hosts, run_link_cut
 from kvfsm.workload.demo_report import ok
 from kvfsm.workload.options import DemoOptions
+from tests.helpers.netns import require_netns
 
 
 @pytest.fixture
 def netns() -> None:
     """Namespaces can be made here, or the test fails with the reason (skip only on request)."""
-    if os.environ.get("KVFSM_NO_NETNS") == "1":
-        pytest.skip("KVFSM_NO_NETNS=1: two-host (network namespace) tests skipped on request")
-    try:
-        check_environment()
-    except NetnsError as exc:
-        pytest.fail(f"two-host tests cannot run: {exc}", pytrace=False)
+    require_netns()
 
 
 DEMO = [sys.executable, "-m", "kvfsm.cli", "demo"]

@@ -594,9 +594,7 @@ class ForwardEvent:
 
 def _pages_equal(pair: Pair, src: np.ndarray, dst: np.ndarray) -> bool:
     ours, theirs = pair.prefill.buffers[0], pair.decode.buffers[0]
-    return all(
-        np.array_equal(a[src], b[dst]) for a, b in zip(ours.kv, theirs.kv, strict=True)
-    )
+    return all(np.array_equal(a[src], b[dst]) for a, b in zip(ours.kv, theirs.kv, strict=True))
 
 
 def _untouched(pair: Pair, dst: np.ndarray) -> bool:
@@ -608,7 +606,7 @@ def test_an_early_send_waits_for_its_forward_and_later_chunks_wait_behind_it(pai
     assert _untouched(pair, dst)
     event = ForwardEvent()
     try:
-        _early_send_then_rest(pair, sender, receiver, event, src, dst)
+        _early_send_then_rest(pair, sender=sender, receiver=receiver, event=event, src=src, dst=dst)
     finally:
         event.finish()  # the worker thread is shared: never leave it waiting
     assert wait_poll(sender, KVPoll.Success, KVPoll.Failed) == KVPoll.Success, sender.reason
@@ -618,6 +616,7 @@ def test_an_early_send_waits_for_its_forward_and_later_chunks_wait_behind_it(pai
 
 def _early_send_then_rest(
     pair: Pair,
+    *,
     sender: KvfsmKVSender,
     receiver: KvfsmKVReceiver,
     event: ForwardEvent,
