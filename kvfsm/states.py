@@ -73,6 +73,7 @@ __all__ = [
     "FAILURE_EVENTS",
     "NON_TERMINAL",
     "RECEIVER_TABLE",
+    "RING_FIELDS",
     "SENDER_TABLE",
     "SETTLEMENT_EVENTS",
     "TABLES",
@@ -137,6 +138,15 @@ class Role(enum.Enum):
     __hash__ = object.__hash__
 
 
+#: int32 values per ring row in a ``rings`` field: ``[position, offset1, count1, offset2,
+#: count2, ring]``: the row's place among the request's state rows, then SGLang's entry for it
+#: (``get_dsa_tail_state_indices``) less its row: the live slots of the ring row (at most two
+#: segments, the ring wrapped) and the ring's slot count. Each side sends its own: a request's
+#: live slots start at its length modulo that side's ring, so a sender places them in a ring of
+#: another size only from both sides' segments.
+RING_FIELDS: Final = 6
+
+
 class Part(enum.IntEnum):
     """What one *leg* of a room carries, when a decode rank's request is fed by several
     prefill ranks (unequal attention TP): each leg is a room of its own between one prefill
@@ -198,6 +208,9 @@ class DestinationReceived(Event, frozen=True):
     #: Prompt tokens the receiver already holds (SGLang's ``decode_prefix_len``): ``pages``
     #: start after them, and the sender's caller sends only the pages that follow.
     prefix: int = 0
+    #: The receiver's live segments of its ring rows (:data:`RING_FIELDS` packed int32 per
+    #: ring row), empty when ``state`` names none.
+    rings: bytes = b""
 
 
 class Initialized(Event, frozen=True):
@@ -215,6 +228,8 @@ class ChunkSubmitted(Event, frozen=True):
 
     pages: bytes
     state: bytes = b""
+    #: The live segments of the source ring rows among ``state`` (:data:`RING_FIELDS`).
+    rings: bytes = b""
 
 
 class ChunkDone(Event, frozen=True):
@@ -257,6 +272,8 @@ class MetadataSubmitted(Event, frozen=True):
     part: int = 0
     #: Prompt tokens this side already holds (decode prefix caching); ``pages`` follow them.
     prefix: int = 0
+    #: The live segments of the ring rows among ``state`` (:data:`RING_FIELDS`).
+    rings: bytes = b""
 
 
 class TransferConfirmed(Event, frozen=True):
@@ -476,6 +493,10 @@ class PostChunk(Command, frozen=True):
     dst_state: bytes = b""
     #: The write lease to check right before posting (``DestinationReceived.fence``); 0: none.
     fence: int = 0
+    #: On the last chunk: both sides' live segments of the ring rows among the state rows
+    #: (:data:`RING_FIELDS`), else empty.
+    src_rings: bytes = b""
+    dst_rings: bytes = b""
 
 
 class ReleaseHandles(Command, frozen=True):
@@ -499,6 +520,8 @@ class SendMetadata(Command, frozen=True):
     part: int = 0
     #: Prompt tokens the receiver already holds (``MetadataSubmitted.prefix``).
     prefix: int = 0
+    #: The live segments of the ring rows among ``state`` (``MetadataSubmitted.rings``).
+    rings: bytes = b""
 
 
 class ReportOutcome(Command, frozen=True):

@@ -97,6 +97,7 @@ class DecodeControl(ControlPlane):
             command.state,
             command.part,
             prefix=command.prefix,
+            rings=command.rings,
         )
         self._do(self._routing.metadata(key, frame))
 

@@ -117,6 +117,7 @@ from typing import Annotated, Any, Final, Literal, TypeAlias
 import msgspec
 
 from kvfsm.control._fingerprint import Fingerprint
+from kvfsm.states import RING_FIELDS
 
 __all__ = [
     "FRAME_TYPES",
@@ -155,8 +156,9 @@ __all__ = [
 #: 8: how state is sharded and which layer each state buffer is (``state_dims``,
 #: ``state_conv``, ``state_outer``, ``state_layers``), state rows on KV-only legs, and
 #: state-only legs (``part`` 3); 9: the round trip: heartbeats echo the peer's last one and
-#: lease requests the last grant (``echo``, ``held_us`` on ``Heartbeat`` and ``LeaseRequest``).
-PROTOCOL_VERSION: Final = 9
+#: lease requests the last grant (``echo``, ``held_us`` on ``Heartbeat`` and ``LeaseRequest``);
+#: 10: the live segments of decode's ring rows (``RoomMetadata.rings``).
+PROTOCOL_VERSION: Final = 10
 #: Default limit on a frame's body (the bytes after the length prefix): 16 MiB, room for the page
 #: list of a four-million-page room.
 MAX_FRAME_BYTES: Final = 16 * 2**20
@@ -191,6 +193,7 @@ Reason: TypeAlias = Annotated[str, msgspec.Meta(max_length=_REASON_MAX)]
 AgentName: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 PeerRole: TypeAlias = Literal["prefill", "decode"]
 
+_RING_BYTES: Final = 4 * RING_FIELDS
 _SUCCESS: Final = 4  # KVPoll.Success
 _FAILED: Final = 0  # KVPoll.Failed
 
@@ -310,10 +313,20 @@ class RoomMetadata(Frame, frozen=True):
     part: Annotated[int, msgspec.Meta(ge=0, le=3)] = 0
     #: Prompt tokens decode already holds (SGLang's ``decode_prefix_len``): ``pages`` follow.
     prefix: Count = 0
+    #: The live segments of decode's ring rows among ``state`` (DeepSeek V4's tail rings):
+    #: packed int32, ``kvfsm.states.RING_FIELDS`` per ring row (its position among the state
+    #: rows, two ``(offset, count)`` segments, the ring's slot count). Prefill places its own
+    #: live slots at these in a ring of another size; whether they fit is the transport's check.
+    rings: bytes = b""
 
     def __post_init__(self) -> None:
         _check_packed("pages", self.pages)
         _check_packed("state", self.state)
+        if len(self.rings) % _RING_BYTES or len(self.rings) // _RING_BYTES > len(self.state) // 4:
+            raise ValueError(
+                f"`rings` is {len(self.rings)} bytes: not {_RING_BYTES} per ring row, for at "
+                f"most the {len(self.state) // 4} state rows"
+            )
         if (self.aux_index < 0) != (self.part != 0):
             raise ValueError(
                 f"aux_index {self.aux_index} with part {self.part}: only a leg that is not "

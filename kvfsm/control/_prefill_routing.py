@@ -614,7 +614,9 @@ class PrefillRouting:
     def _destination(self, binding: _Binding, frame: RoomMetadata) -> list[Action]:
         self._move(binding, _E.PAGES)
         link = self._links[binding.link]
-        state = frame.state if link.rows is None else link.rows.translate(frame.state)
+        state, rings = frame.state, frame.rings
+        if link.rows is not None:
+            state, rings = link.rows.translate(state), link.rows.translate_rings(state, rings)
         event = DestinationReceived(
             frame.pages,
             frame.aux_index,
@@ -624,6 +626,7 @@ class PrefillRouting:
             frame.part,
             link.legs,
             prefix=frame.prefix,
+            rings=rings,
         )
         return [Deliver(binding.key, event)]
 

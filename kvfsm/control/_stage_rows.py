@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfsm.states import RING_FIELDS
+
 __all__ = ["StageRows"]
 
 
@@ -64,3 +66,22 @@ class StageRows:
             else:
                 out.append(-1)  # no type of decode's holds it: refused when posted
         return np.asarray(out, np.int32).tobytes()
+
+    def translate_rings(self, packed: bytes, rings: bytes) -> bytes:
+        """Decode's ring-row segments (``RING_FIELDS`` int32 each, keyed by their row's
+        position among ``packed``, decode's state rows) keyed by the positions
+        :meth:`translate` gives those rows; a ring row the stage leaves out drops its entry."""
+        if not rings or not packed:
+            return rings
+        places: list[int] = []
+        kept = 0
+        for row in np.frombuffer(packed, np.int32).tolist():
+            mine = next((m for first, n, m in self.types if first <= row < first + n), 0)
+            places.append(-1 if mine < 0 else kept)
+            kept += mine >= 0
+        entries = np.frombuffer(rings, np.int32).reshape(-1, RING_FIELDS).copy()
+        at = entries[:, 0]
+        known = (at >= 0) & (at < len(places))
+        moved = np.where(known, np.asarray([*places, -1], np.int32)[np.where(known, at, -1)], -1)
+        entries[:, 0] = np.where(known, moved, at)  # an unknown position stays, refused later
+        return entries[(~known) | (moved >= 0)].astype("<i4").tobytes()

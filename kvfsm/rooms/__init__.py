@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvfsm.rooms._config import RoomConfig
 from kvfsm.rooms._core import IllegalEventError, RoomCore
 from kvfsm.rooms._engine import RoomEngine
-from kvfsm.rooms._facade import KVTransferError, ReceiverRoom, SenderRoom
+from kvfsm.rooms._facade import KVTransferError, ReceiverRoom, SenderRoom, StateRows
 from kvfsm.rooms._ports import CommandSink, Inbox, Observer, RoomKey
 from kvfsm.rooms._runtime import name_this_thread, thread_table
 from kvfsm.rooms._stats import RoomStats
@@ -30,6 +30,7 @@ __all__ = [
     "RoomKey",
     "RoomStats",
     "SenderRoom",
+    "StateRows",
     "name_this_thread",
     "thread_table",
 ]

@@ -118,6 +118,7 @@ class RoomCore:
         "_dst_aux",
         "peer_agent",
         "_dst_state",
+        "_dst_rings",
         "_dst_known",
         "fence",
         "_prefix",
@@ -163,6 +164,7 @@ class RoomCore:
         #: outside the core: a reaped room's record reads all three without a call.
         self.peer_agent = ""
         self._dst_state = b""
+        self._dst_rings = b""
         # A dummy leg's destination names no page and no aux row, yet its receiver waits for
         # this sender's word (ReportSettled) like any other: it is known once it arrived.
         self._dst_known = False
@@ -403,6 +405,7 @@ class RoomCore:
         self._dst_aux = event.aux_index
         self.peer_agent = event.peer
         self._dst_state = event.state
+        self._dst_rings = event.rings
         self._dst_known = True
         self.fence = event.fence
         self._prefix = event.prefix
@@ -416,7 +419,7 @@ class RoomCore:
         return _NO_COMMANDS
 
     def _on_chunk(self, event: ChunkSubmitted) -> tuple[Command, ...]:
-        return (self._post(event.pages, event.state),)
+        return (self._post(event.pages, event.state, event.rings),)
 
     def _on_sender_completed(self, event: TransferCompleted) -> tuple[Command, ...]:
         return (ReportOutcome(_SUCCESS),)
@@ -434,11 +437,16 @@ class RoomCore:
         self._prefix = event.prefix
         return (
             SendMetadata(
-                event.pages, event.aux_index, event.state, event.part, prefix=event.prefix
+                event.pages,
+                event.aux_index,
+                event.state,
+                event.part,
+                prefix=event.prefix,
+                rings=event.rings,
             ),
         )
 
-    def _post(self, src: bytes, src_state: bytes) -> PostChunk:
+    def _post(self, src: bytes, src_state: bytes, src_rings: bytes = b"") -> PostChunk:
         start = self._submitted_pages * _PAGE_BYTES
         self._submitted_pages += len(src) // _PAGE_BYTES
         chunk = self._next_chunk
@@ -457,6 +465,8 @@ class RoomCore:
             src_state=src_state if last else b"",
             dst_state=self._dst_state if last else b"",
             fence=self.fence,
+            src_rings=src_rings if last else b"",
+            dst_rings=self._dst_rings if last else b"",
         )
 
 

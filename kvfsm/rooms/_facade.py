@@ -46,9 +46,34 @@ from kvfsm.states import (
 if TYPE_CHECKING:
     from kvfsm.rooms._ports import Publication, RoomKey
 
-__all__ = ["KVTransferError", "PageIndices", "ReceiverRoom", "SenderRoom", "pack_pages"]
+__all__ = [
+    "KVTransferError",
+    "PageIndices",
+    "ReceiverRoom",
+    "SenderRoom",
+    "StateRows",
+    "pack_pages",
+]
 
 PageIndices = npt.NDArray[np.integer] | Sequence[int] | bytes
+
+
+class StateRows(list[int]):
+    """A request's state rows that also carry the live segments of its ring rows
+    (``rings``: ``RING_FIELDS`` packed int32 per ring row, see :mod:`kvfsm.states`). A list,
+    so that a caller that hands state rows along unchanged (the SGLang adapter's connections)
+    hands the segments along with them; ``send`` and ``send_metadata`` read them from here."""
+
+    __slots__ = ("rings",)
+
+    def __init__(self, rows: Sequence[int] = (), rings: bytes = b"") -> None:
+        super().__init__(rows)
+        self.rings = rings
+
+
+def _rings_of(state_indices: PageIndices | None) -> bytes:
+    return state_indices.rings if isinstance(state_indices, StateRows) else b""
+
 
 _PAGE_BYTES = 4  # packed int32
 
@@ -240,7 +265,7 @@ class SenderRoom(_RoomFacade):
         packed = self._pack(page_indices)
         state = b"" if state_indices is None else self._pack(state_indices)
         if packed is not None and state is not None and not self._too_many("send", packed, state):
-            self._post(self.key, ChunkSubmitted(packed, state))
+            self._post(self.key, ChunkSubmitted(packed, state, _rings_of(state_indices)))
 
 
 class ReceiverRoom(_RoomFacade):
@@ -281,4 +306,5 @@ class ReceiverRoom(_RoomFacade):
         state = b"" if state_indices is None else self._pack(state_indices)
         if packed is None or state is None or self._too_many("send_metadata", packed, state):
             return
-        self._post(self.key, MetadataSubmitted(packed, aux_index, state, int(part), prefix))
+        rings = _rings_of(state_indices)
+        self._post(self.key, MetadataSubmitted(packed, aux_index, state, int(part), prefix, rings))

@@ -65,6 +65,7 @@ class LoopbackSink(CommandSink):
                     state=command.state,
                     part=command.part,
                     prefix=command.prefix,
+                    rings=command.rings,
                 ),
             )
         elif isinstance(command, ReportOutcome):

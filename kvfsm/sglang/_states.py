@@ -46,6 +46,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import numpy as np
+
+from kvfsm.rooms import StateRows
 from kvfsm.sglang._errors import UnsupportedError
 
 __all__ = ["INDEXED", "REFUSED", "RING_ROW", "SLOT_ONE", "StateMap", "state_name"]
@@ -264,10 +267,12 @@ class StateMap:
         )
         return dataclasses.replace(self, pools=pools)
 
-    def rows(self, state_indices: Sequence[Any] | None) -> list[int] | str | None:
+    def rows(self, state_indices: Sequence[Any] | None) -> StateRows | str | None:
         """The layout rows a request's ``state_indices`` name (one entry per state type, a
         sequence of items or None), type after type; None when it names none; a string when
-        the request cannot be served, saying why."""
+        the request cannot be served, saying why. A ring row's live segments ride with the
+        rows (``StateRows.rings``, ``RING_FIELDS`` per ring row: its position among the rows,
+        then the entry less its row)."""
         if state_indices is None:
             return None
         registered = {pool.index for pool in self.pools}
@@ -278,7 +283,8 @@ class StateMap:
                 return (
                     f"state indices for state type {i}, but this rank registered no buffers of it"
                 )
-        out: list[int] = []
+        out = StateRows()
+        rings: list[int] = []
         for pool in self.pools:
             entry = state_indices[pool.index] if pool.index < len(state_indices) else None
             if entry is None or not len(entry):
@@ -290,9 +296,12 @@ class StateMap:
                 problem = _ring_problem(items)
                 if problem is not None:
                     return f"state type {pool.name!r}: {problem}"
+                rings += [len(out), *items[1:]]
                 items = items[:1]
             bad = next((x for x in items if not 0 <= x < pool.rows), None)
             if bad is not None:
                 return f"state type {pool.name!r}: index {bad} is outside its {pool.rows} items"
             out.extend(pool.first_row + x for x in items)
+        if rings:
+            out.rings = np.asarray(rings, "<i4").tobytes()
         return out or None

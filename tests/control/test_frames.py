@@ -12,6 +12,7 @@ import tracemalloc
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,6 +66,10 @@ FRAMES: list[Frame] = [
     RoomMetadata(7, 1, bytes(range(16)), 5),
     RoomMetadata(MAX63, MAX63, b"", 0, b"\x01\x00\x00\x00"),
     RoomMetadata(0, 0, bytes(4 * 4096), 2**31 - 1, bytes(8)),
+    # Decode's live segments of a ring row (position 1 among the state rows): wrapped.
+    RoomMetadata(
+        7, 1, bytes(8), 5, bytes(8), rings=np.asarray([1, 9, 2, 0, 3, 11], "<i4").tobytes()
+    ),
     RoomOutcome(7, 1, 4),
     RoomOutcome(7, 1, 0, "transfer error: remote disconnect"),
     RoomAbort(7, 1, "aborted by the scheduler"),
@@ -303,6 +308,24 @@ def test_check_hello() -> None:
         check_hello(Hello(other, "prefill", 0, "p", b"", b"", 0))
     assert e.value.fatal
     assert e.value.room is None
+
+
+def test_ring_segments_travel_as_packed_int32_and_a_malformed_field_fails_its_room_only() -> None:
+    rings = np.asarray([[0, 5, 3, 0, 0, 11], [2, 9, 2, 0, 3, 11]], "<i4").tobytes()
+    frame = RoomMetadata(7, 1, bytes(8), 5, bytes(12), rings=rings)
+    codec = FrameCodec()
+    back = codec.decode(codec.encode(frame)[4:])
+    assert isinstance(back, RoomMetadata)
+    assert np.frombuffer(back.rings, "<i4").reshape(-1, 6).tolist() == [
+        [0, 5, 3, 0, 0, 11],
+        [2, 9, 2, 0, 3, 11],
+    ]
+    # Not whole entries, or more entries than state rows: the frame is refused, naming its
+    # room (the caller fails that room), and the connection stays.
+    for bad, state in ((rings[:-4], bytes(12)), (rings, bytes(4))):
+        with pytest.raises(FrameError, match="`rings` is") as info:
+            codec.decode(body(_with(META, room=9, generation=3, state=state, rings=bad)))
+        assert (info.value.room, info.value.generation, info.value.fatal) == (9, 3, False)
 
 
 def test_post_init_rules_hold_for_frames_built_here() -> None:
