@@ -334,7 +334,8 @@ class Registry:
         timeline = room.timeline
         if timeline is None:
             return
-        core, key = room.core, room.key
+        core = room.core
+        room_id, generation = room.key  # (a NamedTuple's field by name is a descriptor call)
         state = core.state
         # freeze(timeline), inline (a Python call per room on the hot path): one object for the
         # ring to drop later (kvfsm.rooms._timeline).
@@ -344,8 +345,8 @@ class Registry:
         except (TypeError, OverflowError):  # not an event or command (a test's object): keep it
             frozen = timeline
         record = RoomRecord(
-            key.room,
-            key.generation,
+            room_id,
+            generation,
             room.role,
             state,
             core.reason,
