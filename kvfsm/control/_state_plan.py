@@ -31,8 +31,14 @@ sglang/srt/disaggregation)
    per head).
 6. Every other state type pairs only at equal attention TP (or with MLA): the handshake's
    fingerprint rules refuse the rest by name, quoting SGLang where it refuses them too.
-7. **DSA tail rings** (``dsa_tail``) move whole rows, so both sides' rings must be of one size
-   (``_check_rings``, at any TP): rings of different sizes are refused by name.
+7. **DSA tail rings** (``dsa_tail``) of one size on both sides move whole rows. Rings of
+   different sizes (other speculative slot counts: each side's ring is its pool's compression
+   ring plus ``tail_extra_slots``) cannot move whole: a request's live slots start at its
+   length, less the live count, modulo each side's own ring. Such a region gets no blocks
+   here and is named in the piece's ``rings``: the transport moves its live slots per request,
+   from prefill's live segments to decode's (``RoomMetadata.rings``), as SGLang's
+   ``build_dsa_tail_transfer_blocks`` remaps them (``_ring_regions``, at equal TP or MLA, the
+   shapes ``dsa_tail`` pairs under).
 """
 
 from __future__ import annotations
@@ -57,9 +63,12 @@ def state_link_plan(
     ``local``/``remote``: both sides' state regions; ``groups``: regions per state type."""
     if not local:
         return None
-    _check_rings(prefill, local, remote, groups)
     if prefill.attn_tp == decode.attn_tp or prefill.mla:
-        return None
+        rings = _ring_regions(prefill, local, remote, groups)
+        if not rings:
+            return None
+        whole = tuple(() if j in rings else ((0, 0, spec[2]),) for j, spec in enumerate(local))
+        return StatePiece(whole, rings)
     counts = state_groups(groups, len(local))
     if len(counts) != len(prefill.state_types):
         raise ValueError(
@@ -74,36 +83,32 @@ def state_link_plan(
     return StatePiece(tuple(blocks))
 
 
-def _check_rings(
+def _ring_regions(
     prefill: Fingerprint,
     local: Sequence[RegionSpec],
     remote: Sequence[RegionSpec],
     groups: tuple[int, ...],
-) -> None:
-    """Rule 7: DSA tail rings pair only at one ring size (equal row bytes; SGLang requires
-    equal slot bytes, so equal rows mean equal slot counts). Each side's ring is its pool's
-    compression ring plus its speculative slots, and a request's live slots start at its
-    length (less the live count) modulo that side's ring: SGLang's NIXL backend remaps them
-    from both sides' entries (``build_dsa_tail_transfer_blocks``), the decode entry coming with
-    decode's transfer info for each request. kvfsm moves whole ring rows and its room metadata
-    carries decode's ring row only, so it cannot place the live slots in a ring of another
-    size, and refuses the pair with both sizes rather than fail every request."""
+) -> tuple[int, ...]:
+    """Rule 7: the DSA tail ring regions whose rows differ in size on the two sides (SGLang
+    requires equal slot bytes, so other row bytes mean other slot counts). Every other region
+    must then be of one item size on both sides, as the layout check requires of whole
+    items."""
     counts = state_groups(groups, len(local))
     if len(counts) != len(prefill.state_types) or len(remote) != len(local):
-        return  # the layout check names these
+        return ()  # the layout check names these
+    rings: list[int] = []
     j = 0
     for name, members in zip(prefill.state_types, counts, strict=True):
         for _ in range(members):
-            src, dst = local[j][2], remote[j][2]
-            if name == "dsa_tail" and src != dst:
-                raise ValueError(
-                    f"state region {j} (dsa_tail): tail ring rows of {src} bytes on prefill "
-                    f"and {dst} on decode: rings of different sizes (other speculative slot "
-                    "counts) are not supported: SGLang remaps each request's live slots "
-                    "between the rings from both sides' ring entries; kvfsm moves whole ring "
-                    "rows and its room metadata carries decode's ring row, not its live slots"
-                )
+            if name == "dsa_tail" and local[j][2] != remote[j][2]:
+                rings.append(j)
             j += 1
+    if not rings:
+        return ()
+    for j, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
+        if j not in rings and mine[2] != theirs[2]:
+            raise ValueError(f"state region {j}: items of {mine[2]} bytes, decode {theirs[2]}")
+    return tuple(rings)
 
 
 def _elected(prefill: Fingerprint, decode: Fingerprint) -> bool:

@@ -258,8 +258,8 @@ class SenderRoom(_RoomFacade):
 
     def send(self, page_indices: PageIndices, state_indices: PageIndices | None = None) -> None:
         """Send one chunk of source pages. The chunk that brings the total to ``num_pages`` is
-        the last one and also carries the aux row and, if given, the state rows; it may be
-        empty."""
+        the last one and also carries the aux row and, if given, the state rows (with their
+        ring rows' live segments when they are :class:`StateRows`); it may be empty."""
         if self._too_long("send", page_indices):
             return
         packed = self._pack(page_indices)

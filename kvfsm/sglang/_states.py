@@ -25,15 +25,17 @@ Which state types move how
 destination index ``k`` (it raises on a length mismatch): every state type of SGLang 0.5.23's
 NIXL backend except :data:`SLOT_ONE` and ``dsa_tail``. Mamba (:data:`SLOT_ONE`) names one slot
 per request (SGLang asserts it). ``dsa_tail`` (:data:`RING_ROW`, DeepSeek V4's compressed-KV
-tail ring) names the live slots of one ring row (at most two segments, the ring wrapped);
-kvfsm moves the whole row. Decode reads only the live slots, at the same offsets when both
-rings have the same size (the same row bytes: SGLang requires equal slot sizes), so every byte
-decode reads is what SGLang's remap moves. Rings of different sizes (each side's ring is its
-pool's compression ring plus its speculative slots, ``tail_extra_slots``) are refused at the
-handshake by name (``kvfsm.control``'s state plan, rule 7): a request's live slots start at
-its length, less the live count, modulo each side's own ring, so the sender can place them in
-decode's ring only from decode's entry for that request (SGLang's decode sends it with its
-transfer info), and kvfsm's decode hands prefill only the entry's row (:meth:`StateMap.rows`).
+tail ring) names the live slots of one ring row (at most two segments, the ring wrapped). Each
+side's ring is its pool's compression ring plus its speculative slots (``tail_extra_slots``),
+and a request's live slots start at its length, less the live count, modulo that side's own
+ring. :meth:`StateMap.rows` turns the entry into the row and keeps its live segments beside the
+rows (:class:`~kvfsm.rooms.StateRows`), which decode sends prefill with the rows
+(``RoomMetadata.rings``). With rings of one size (the same row bytes: SGLang requires equal
+slot sizes) the whole row moves, and every live slot lands at its offset. With rings of
+different sizes the state plan (``kvfsm.control``, rule 7) leaves the ring regions to the
+transport, which pairs prefill's live slots with decode's in token order for each request
+(``kvfsm.transport._rings``), as SGLang's ``build_dsa_tail_transfer_blocks`` does; segments that
+do not pair (other live counts, a segment past its ring) fail that request.
 
 Parallel shapes each type pairs under are the handshake's business (``kvfsm.control``'s
 fingerprint rules); this module only says what this rank holds.

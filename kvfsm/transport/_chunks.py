@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +42,7 @@ from kvfsm.transport._fence import FenceError, Leases
 from kvfsm.transport._geometry import state_groups
 from kvfsm.transport._layout import Layout, LayoutError
 from kvfsm.transport._ledger import Action, Deliver, LedgerStats, Record
+from kvfsm.transport._rings import RingBlocks, ring_blocks
 from kvfsm.transport._slices import NO_KV, sliced_index
 from kvfsm.transport._state_slices import DESTINATION, SOURCE
 
@@ -54,6 +55,16 @@ _NONE.flags.writeable = False
 _Part = tuple[Any, Indices, Any, Indices]
 
 
+class _Raw(NamedTuple):
+    """One transfer of descriptors made for it alone (NIXL's ``initialize_xfer``): the
+    remapped ring slots of one request (``_rings``), whose blocks no prepared list holds."""
+
+    local: npt.NDArray[np.uint64]
+    remote: npt.NDArray[np.uint64]
+    local_kind: str
+    remote_kind: str
+
+
 class Xfer(Record):
     """A record plus what the poster needs to post it (the ledger never reads these)."""
 
@@ -63,6 +74,7 @@ class Xfer(Record):
         "dst_aux",
         "dst_state",
         "mergeable",
+        "rings",
         "src",
         "src_aux",
         "src_state",
@@ -82,6 +94,7 @@ class Xfer(Record):
         src_state: Indices,
         dst_state: Indices,
         nbytes: int,
+        rings: RingBlocks | None = None,
     ) -> None:
         super().__init__(key, chunk, peer, nbytes, fence)
         self.src = src
@@ -90,6 +103,8 @@ class Xfer(Record):
         self.dst_aux = dst_aux
         self.src_state = src_state
         self.dst_state = dst_state
+        #: The live slots of remapped tail rings (``_rings``), posted as descriptors.
+        self.rings = rings
         #: May share a NIXL request with other records (:func:`prepare`).
         self.mergeable = False
         #: Every page proven in range on both sides (:func:`merge`): the poster skips that.
@@ -229,9 +244,23 @@ def _record(key: RoomKey, command: PostChunk, local: Layout, peer: Peer) -> Xfer
             )
     if src.size == 0 and src_aux is None and src_state.size == 0:
         return None
+    rings = None
+    if src_state.size and peer.state_piece is not None and peer.state_piece.rings:
+        rings = ring_blocks(
+            rings=peer.state_piece.rings,
+            local=local.state_specs(),
+            local_groups=local.state_groups,
+            remote=tuple(remote.state),
+            remote_groups=state_groups(remote.state_groups, len(remote.state)),
+            src_rows=src_state,
+            dst_rows=dst_state,
+            src_rings=command.src_rings,
+            dst_rings=command.dst_rings,
+        )
     piece = peer.piece
     page_bytes = local.page_bytes() if piece is None else piece.page_bytes(len(local.kv))
     nbytes = src.size * page_bytes + aux_bytes + (_state_bytes(local, peer, src_state))
+    nbytes += 0 if rings is None else rings.nbytes
     return Xfer(
         key,
         command.chunk,
@@ -244,6 +273,7 @@ def _record(key: RoomKey, command: PostChunk, local: Layout, peer: Peer) -> Xfer
         src_state=src_state,
         dst_state=dst_state,
         nbytes=nbytes,
+        rings=rings,
     )
 
 
@@ -263,8 +293,17 @@ def post_xfer(agent: Agent, leases: Leases | None, stats: TransportStats, record
         raise FenceError(_fenced_reason(leases, fence, 0, 1))
     nixl = agent.nixl
     parts = _parts(agent, record)
-    for part, (local_list, local_idx, remote_list, remote_idx) in enumerate(parts):
-        handle = nixl.make_prepped_xfer("WRITE", local_list, local_idx, remote_list, remote_idx)
+    for part, spec in enumerate(parts):
+        if isinstance(spec, _Raw):  # remapped ring slots: descriptors of this request only
+            handle = nixl.initialize_xfer(
+                "WRITE",
+                nixl.get_xfer_descs(spec.local, spec.local_kind),
+                nixl.get_xfer_descs(spec.remote, spec.remote_kind),
+                record.peer.name,
+            )
+        else:
+            local_list, local_idx, remote_list, remote_idx = spec
+            handle = nixl.make_prepped_xfer("WRITE", local_list, local_idx, remote_list, remote_idx)
         record.handles.append(handle)
         stats.handles_created += 1
         # The fence: checked here, after the handle is made and right before the post, so
@@ -301,12 +340,12 @@ def post_xfer(agent: Agent, leases: Leases | None, stats: TransportStats, record
             stats.handles_released_at_post += 1
 
 
-def _parts(agent: Agent, record: Xfer) -> list[_Part]:
+def _parts(agent: Agent, record: Xfer) -> list[_Part | _Raw]:
     """The record's prepped transfers, kv then aux then state; raise ``LayoutError`` for a
     page out of range on either side, or pages for a peer this rank writes no KV into."""
     peer = record.peer
     layout, remote = agent.layout, peer.summary
-    parts: list[_Part] = []
+    parts: list[_Part | _Raw] = []
     src, dst = record.src, record.dst
     if src.size:
         piece = peer.piece
@@ -361,6 +400,11 @@ def _parts(agent: Agent, record: Xfer) -> list[_Part]:
         )
         if local_idx.size:
             parts.append((peer.local_state, local_idx, peer.state, remote_idx))
+    if record.rings is not None:
+        rings = record.rings
+        parts.append(
+            _Raw(rings.local, rings.remote, layout.state_kind.value, remote.state_kind.value)
+        )
     return parts
 
 

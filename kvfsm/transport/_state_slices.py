@@ -59,6 +59,10 @@ class StatePiece:
     tuple of blocks per state region, in the layouts' region order."""
 
     blocks: tuple[tuple[Block, ...], ...]
+    #: State regions whose items are DSA tail rings of different sizes on the two sides: they
+    #: have no blocks here, their live slots move per request, remapped between both sides'
+    #: live segments (``PostChunk.src_rings``/``dst_rings``, :mod:`kvfsm.transport._rings`).
+    rings: tuple[int, ...] = ()
 
     @classmethod
     def whole(cls, item_bytes: Sequence[int]) -> StatePiece:
@@ -150,6 +154,9 @@ def check_state_piece(
         raise LayoutError(
             f"state piece for {len(piece.blocks)} regions, local {len(local)}, remote {len(remote)}"
         )
+    for j in piece.rings:
+        if not 0 <= j < len(local) or piece.blocks[j]:
+            raise LayoutError(f"state region {j}: a remapped ring region with blocks or none")
     for j, (region, mine, theirs) in enumerate(zip(piece.blocks, local, remote, strict=True)):
         for src, dst, length in region:
             if length <= 0 or src < 0 or dst < 0:

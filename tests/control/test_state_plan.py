@@ -151,16 +151,22 @@ def test_what_cannot_pair_is_refused_by_name(
         state_link_plan(prefill, decode, [(4096, src * 4, src, 0)], [(8192, dst * 4, dst, 0)], (1,))
 
 
-def test_tail_rings_of_different_sizes_are_refused_by_name_at_any_tp() -> None:
+def test_tail_rings_of_different_sizes_are_remapped_per_request_at_equal_tp_and_with_mla() -> None:
     # Two DSA tail buffers (key and score rings), 24 and 8 bytes a slot; a Mamba type first,
-    # so the rings are regions 1 and 2. Decode's rings hold 4 more (speculative) slots.
+    # so the rings are regions 1 and 2. Decode's rings hold 4 more (speculative) slots: those
+    # regions get no blocks and are named for the per-request remap; the rest moves whole.
     fp = msgspec.structs.replace(BASE, state_types=("mamba", "dsa_tail"))
     mamba = (4096, 4 * 32, 32, 0)
     src = [mamba, (8192, 4 * 8 * 24, 8 * 24, 0), (16384, 4 * 8 * 8, 8 * 8, 0)]
     assert state_link_plan(fp, fp, src, src, (1, 2)) is None
     dst = [mamba, (8192, 4 * 12 * 24, 12 * 24, 0), (16384, 4 * 12 * 8, 12 * 8, 0)]
-    with pytest.raises(ValueError, match=r"^state region 1 \(dsa_tail\): tail ring rows of 192 "):
-        state_link_plan(fp, fp, src, dst, (1, 2))
+    remapped = StatePiece((((0, 0, 32),), (), ()), rings=(1, 2))
+    assert state_link_plan(fp, fp, src, dst, (1, 2)) == remapped
     mla = msgspec.structs.replace(fp, mla=True, attn_tp=2)
-    with pytest.raises(ValueError, match="rings of different sizes"):
-        state_link_plan(mla, msgspec.structs.replace(mla, attn_tp=1), src, dst, (1, 2))
+    assert state_link_plan(mla, msgspec.structs.replace(mla, attn_tp=1), src, dst, (1, 2)) == (
+        remapped
+    )
+    # Another item size outside the rings still cannot pair.
+    other = [(4096, 4 * 40, 40, 0), *dst[1:]]
+    with pytest.raises(ValueError, match=r"^state region 0: items of 32 bytes, decode 40"):
+        state_link_plan(fp, fp, src, other, (1, 2))

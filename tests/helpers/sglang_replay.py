@@ -40,6 +40,7 @@ import gc
 import inspect
 import random
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -134,9 +135,23 @@ class StateSpec:
     #: them as SGLang's ``state_layer_ids`` (a pipeline stage holds its layers' buffers anyway).
     layers: tuple[int, ...] = ()
     declare_layers: bool = True
+    #: A tail ring's ``(compression ring, speculative slots)``: the entries are then SGLang's
+    #: own (``get_dsa_tail_state_indices`` for the request's length), each side's from its own
+    #: ring of ``sum(ring)`` slots; empty: the replay's fixed ring of ``RING_SLOTS``.
+    ring: tuple[int, int] = ()
 
     def indices(self, req: Request, side: str) -> list[int]:
         """What the scheduler passes for ``req`` on ``side`` ("src" or "dst")."""
+        row = req.src_state if side == "src" else req.dst_state
+        if self.names == "ring" and self.ring:
+            with warnings.catch_warnings():  # its imports warn of kernels this CPU lacks
+                warnings.simplefilter("ignore")
+                from sglang.srt.disaggregation.utils import get_dsa_tail_state_indices
+
+            pool = SimpleNamespace(
+                kpool_use_compress=True, index_kpool=self.ring[0], tail_extra_slots=self.ring[1]
+            )
+            return [int(x) for x in get_dsa_tail_state_indices(pool, row, req.input_len)]
         if self.names == "ring":
             # DeepSeek V4's tail ring: the live slots of the request's ring row, wrapped
             # (SGLang's get_dsa_tail_state_indices); [] when none is live.
@@ -145,7 +160,6 @@ class StateSpec:
                 return []
             start = (req.room * 3) % RING_SLOTS
             first = min(live, RING_SLOTS - start)
-            row = req.src_state if side == "src" else req.dst_state
             return [row, start, first, 0, live - first, RING_SLOTS]
         return self.items_of(req, side)
 
@@ -193,6 +207,41 @@ HeadCounts = Literal["before", "after", "never"]
 PRE_INIT = frozenset({KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput})
 TERMINAL = frozenset({KVPoll.Failed, KVPoll.Success})
 NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
+
+
+def live_slots(entry: Sequence[int]) -> list[int]:
+    """The ring slots a tail-ring entry names, in token order (both segments)."""
+    if not entry:
+        return []
+    _, first_at, first_n, second_at, second_n, _ = entry
+    return [*range(first_at, first_at + first_n), *range(second_at, second_at + second_n)]
+
+
+def _ring_differs(
+    req: Request,
+    spec: StateSpec,
+    src_spec: StateSpec,
+    mine: Sequence[np.ndarray],
+    theirs: Sequence[np.ndarray],
+) -> list[str]:
+    """Rings of different sizes on the two sides: decode's live slots (at SGLang's positions
+    for decode's ring) must hold prefill's live slots (at its positions for its own ring), in
+    token order, and every other slot of decode's row must be unwritten."""
+    s_entry, d_entry = src_spec.indices(req, "src"), spec.indices(req, "dst")
+    s_live, d_live = live_slots(s_entry), live_slots(d_entry)
+    bad = []
+    if len(s_live) != len(d_live):
+        return [f"{spec.name}: {len(s_live)} live slots on prefill, {len(d_live)} on decode"]
+    for b, (d_buf, s_buf) in enumerate(zip(mine, theirs, strict=True)):
+        d_ring, s_ring = sum(spec.ring), sum(src_spec.ring)
+        d_row = d_buf[req.dst_state].reshape(d_ring, -1)
+        s_row = s_buf[req.src_state].reshape(s_ring, -1)
+        if not np.array_equal(d_row[d_live], s_row[s_live]):
+            bad.append(f"{spec.name} buffer {b}: live slots {d_live} differ")
+        others = [i for i in range(d_ring) if i not in d_live]
+        if d_row[others].any():
+            bad.append(f"{spec.name} buffer {b}: slots {others} outside the live ones written")
+    return bad
 
 
 def rank_heads(rank: int, tp: int, total: int) -> list[int]:
@@ -394,6 +443,10 @@ class RankBuffers:
         for k, (spec, mine, theirs) in enumerate(
             zip(self.specs, self.states, src.states, strict=True)
         ):
+            if spec.ring and spec.ring != src.specs[k].ring:
+                bad += _ring_differs(req, spec, src.specs[k], mine, theirs)
+                n += len(mine)
+                continue
             s_idx, d_idx = spec.items_of(req, "src"), spec.items_of(req, "dst")
             for b, (d_buf, s_buf) in enumerate(zip(mine, theirs, strict=True)):
                 chans = self.channels[k][b] if spec.shards else None
