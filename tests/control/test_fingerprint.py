@@ -522,5 +522,14 @@ def test_decodes_state_rows_are_renumbered_for_a_stage_that_lacks_a_type() -> No
     got = np.frombuffer(rows.translate(packed), np.int32).tolist()
     assert got == [0, 47, 99, 101, -1]  # Mamba's row left out; a row past decode's: -1
     assert rows.translate(b"") == b""
+    # The ring row's live segments are keyed by its position among the rows: 4 there, 3 in
+    # the translated rows; an entry for a row the stage leaves out goes with it, and one that
+    # names no row stays for the transport to refuse.
+    rings = np.asarray(
+        [[4, 5, 3, 0, 0, 11], [0, 1, 1, 0, 0, 11], [9, 0, 1, 0, 0, 11]], "<i4"
+    ).tobytes()
+    moved = np.frombuffer(rows.translate_rings(packed, rings), "<i4").reshape(-1, 6).tolist()
+    assert moved == [[3, 5, 3, 0, 0, 11], [9, 0, 1, 0, 0, 11]]
+    assert rows.translate_rings(packed, b"") == b""
     # Every type held: the numberings agree, nothing to translate.
     assert StageRows.plan(((0, 10), (10, 100)), ((0, 10), (10, 100)), (0, 1)) is None
