@@ -43,7 +43,7 @@ from kvfsm.chaos._server_scoring import (
     score,
 )
 from kvfsm.chaos._server_soak import Sample, Sampler
-from kvfsm.chaos._servers import KVFSM_ENV, LIVENESS_S, SHIM
+from kvfsm.chaos._servers import KVFSM_ENV, LIVENESS_S, SHIM, Server
 
 __all__ = ["LINK_CUT_SKIP", "CampaignResult", "ServerCampaignOptions", "run_server_campaign"]
 
@@ -260,8 +260,10 @@ def _run_episode(
     say: Callable[[str], None],
 ) -> tuple[EpisodeRecord, list[RequestOutcome], dict[int, list[int]]]:
     fault = episode.fault
-    bound = end_bound_s(fault, LIVENESS_S, _lease_s(), o.unclaimed_s)
+    served = time.monotonic()
     reference = asyncio.run(_reference(rig.reference.url, episode))
+    load_s = time.monotonic() - served
+    bound = end_bound_s(fault, LIVENESS_S, _lease_s(), o.unclaimed_s, load_s)
     began, began_wall = time.monotonic(), time.time()
     injector = _Injector(rig, o.drops)
     tag = f"{o.seed}-{int(began)}"
@@ -271,6 +273,7 @@ def _run_episode(
     rig.disarm_drops()
     record = EpisodeRecord(episode, None if injector.at is None else injector.at - epoch)
     record.skipped = injector.missed
+    record.load_s = round(load_s, 1)
     restart = fault.restarts
     if restart is not None and fault.action is not Action.RESTART:
         rig.restart(restart)
@@ -307,6 +310,16 @@ def run_server_campaign(
         return _run(o, hosts, skipped, say)
 
 
+def _up(server: Server) -> bool:
+    """Serving in its current incarnation: a sample of a server still starting (or dead) would
+    read its growth from a process that has not loaded its model yet."""
+    return (
+        server.proc is not None
+        and server.proc.poll() is None
+        and len(server.startup_s) >= server.starts
+    )
+
+
 def _hosts(
     o: ServerCampaignOptions, stack: contextlib.ExitStack
 ) -> tuple[ServerHosts | None, dict[str, str]]:
@@ -338,7 +351,7 @@ def _run(
     outcomes: list[RequestOutcome] = []
     reference: dict[int, list[int]] = {}
     sampler = Sampler(
-        lambda: [(s.name, s.starts, *group_usage(s)) for s in rig.kvfsm_servers if s.proc],
+        lambda: [(s.name, s.starts, *group_usage(s)) for s in rig.kvfsm_servers if _up(s)],
         lambda: len(outcomes),
         epoch,
         o.sample_every_s,

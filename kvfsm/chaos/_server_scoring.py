@@ -43,11 +43,18 @@ __all__ = [
 SGLANG_SLACK_S = 30.0
 
 
-def end_bound_s(fault: Fault, liveness_s: float, lease_s: float, unclaimed_s: float) -> float:
+def end_bound_s(
+    fault: Fault, liveness_s: float, lease_s: float, unclaimed_s: float, load_s: float = 0.0
+) -> float:
     """How long after the fault (or after its own start, if later) a request may take to end:
     the fault's freeze, kvfsm's liveness bound plus its lease (a peer's loss, then the pages'
-    settle), the unclaimed bound for a dropped decode half, and SGLang's slack."""
-    bound = fault.pause_s + liveness_s + lease_s + SGLANG_SLACK_S
+    settle), the unclaimed bound for a dropped decode half, SGLang's slack, and ``load_s``, the
+    time the reference server took to serve the episode's whole load with no fault: a request
+    sent with many others may wait behind all of them in SGLang's queues (64 at once, with
+    prompts up to 2,000 tokens, take a minute on two cores), which no fault causes. A request
+    that waits longer than that, finished or not, is over its bound: a transfer that stalled
+    and then succeeded is caught too."""
+    bound = fault.pause_s + liveness_s + lease_s + SGLANG_SLACK_S + load_s
     if fault.action is Action.DROP_DECODE_HALF:
         bound += unclaimed_s
     return bound
@@ -104,6 +111,9 @@ class EpisodeRecord:
     unclaimed_rooms: list[dict[str, Any]] = field(default_factory=list)
     #: Why the fault was not injected, if it was not.
     skipped: str = ""
+    #: Seconds the reference server took to serve the episode's requests (its bound's share
+    #: for queueing behind its own load: :func:`end_bound_s`).
+    load_s: float = 0.0
 
 
 def classify_error(status: int, text: str) -> str:
@@ -176,7 +186,7 @@ def _row(
     row = FaultRow(fault.kind, requests=len(outcomes), skipped=record.skipped)
     if record.skipped:
         violations.append(f"{fault.kind}: not injected: {record.skipped}")
-    row.bound_s = end_bound_s(fault, *bounds)
+    row.bound_s = end_bound_s(fault, *bounds, load_s=record.load_s)
     errors: Counter[str] = Counter()
     for o in outcomes:
         if o.status == "completed":

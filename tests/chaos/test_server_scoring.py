@@ -39,6 +39,19 @@ def test_bound_is_the_pause_liveness_lease_and_slack() -> None:
     assert end_bound_s(stop, 10, 10, 8) == 30 + 10 + 10 + SGLANG_SLACK_S
     drop = Fault(Action.DROP_DECODE_HALF, "router")
     assert end_bound_s(drop, 10, 10, 8) == 10 + 10 + 8 + SGLANG_SLACK_S
+    # The time the reference server took to serve the episode's load is added: queueing.
+    assert end_bound_s(stop, 10, 10, 8, load_s=12.5) == 30 + 10 + 10 + SGLANG_SLACK_S + 12.5
+
+
+def test_a_request_slow_behind_its_episodes_load_is_within_the_bound_and_not_past_it() -> None:
+    bound = end_bound_s(KILL, 10, 10, 8, load_s=20.0)
+    within = RequestOutcome(0, 0, "completed", 1.0, 1.5 + bound - 1, [7])
+    past = RequestOutcome(1, 0, "completed", 1.0, 1.5 + bound + 1, [7])
+    for outcome, over in ((within, 0), (past, 1)):
+        rec = EpisodeRecord(episode(KILL), 1.5, [clean(), clean("decode")], load_s=20.0)
+        result = score([rec], [outcome], {outcome.index: [7]}, **BOUNDS)
+        assert result.rows[0].over_bound == over, result.violations
+        assert result.rows[0].bound_s == bound
 
 
 def test_a_clean_episode_has_no_violation_and_counts_its_row() -> None:
