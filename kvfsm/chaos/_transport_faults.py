@@ -2,7 +2,7 @@
 
 Install it with :func:`faulty_agent_config` (an ``AgentConfig`` whose ``interpose`` hook wraps
 the agent as soon as NIXL creates it), so ``Agent.nixl`` is the proxy and every call the agent
-and :class:`~kvfsm.transport.NixlTransport` make goes through it. Five calls are intercepted;
+and :class:`~kvfsm.transport.NixlTransport` make goes through it. Six calls are intercepted;
 everything else passes through untouched:
 
 * ``make_prepped_xfer`` (poster thread): the real handle is made, then the plan decides this
@@ -13,6 +13,10 @@ everything else passes through untouched:
   them would shift every later decision; and a flush the proxy kept reporting ``"PROC"``
   after its real transfer ended would hold its rooms unsettled for good, a lie the proxy
   would be telling, not a fault of the transport.
+* ``initialize_xfer`` (poster thread): a transfer of descriptors made for one request (the
+  remapped slots of DSA tail rings of different sizes) is a handle like a prepared one, so it
+  takes its decision the same way, in the same order among the poster's handles; without it
+  those transfers would post untouched and no injected fault could reach them.
 * ``transfer`` (poster thread): post errors do not post at all (``"ERR"``, an exception, or a
   remote-disconnect exception); for the completion faults the real transfer is posted but
   reported ``"PROC"`` even if it finished inside the call.
@@ -97,8 +101,16 @@ class FaultyNixl:
     # -- intercepted calls ---------------------------------------------------------------------
 
     def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self._inner.make_prepped_xfer(*args, **kwargs)
-        if args and args[0] == "READ":  # a flush: see the module docstring
+        return self._track(self._inner.make_prepped_xfer(*args, **kwargs), args, kwargs)
+
+    def initialize_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        return self._track(self._inner.initialize_xfer(*args, **kwargs), args, kwargs)
+
+    def _track(self, handle: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Decide a new handle's fault once and track it (both calls name the operation
+        first, or as ``operation``)."""
+        operation = args[0] if args else kwargs.get("operation")
+        if operation == "READ":  # a flush: see the module docstring
             fault, delay = TransferFault.NONE, 0.0
         else:
             fault, param = self._plan.transfer_fault(self._site)

@@ -12,8 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm.chaos._plan import FaultPlan, TransferRates
-from kvfsm.chaos._transport_faults import TransportFaults, faulty_agent_config
+from kvfsm.chaos._plan import FaultPlan, TransferFault, TransferRates
+from kvfsm.chaos._transport_faults import (
+    InjectedTransferError,
+    TransportFaults,
+    faulty_agent_config,
+)
 from kvfsm.manager import CommandRouter
 from kvfsm.rooms import RoomConfig, RoomEngine, SenderRoom
 from kvfsm.states import TERMINAL, DestinationReceived, KVPoll
@@ -182,3 +186,72 @@ def test_a_peer_connecting_when_the_engine_stops_is_released(peer: PeerProcess) 
     prefill.engine.close()  # the reconnect's task is cancelled with the loop
     gate.set()
     prefill.close()  # asserts every list and remote agent was released
+
+
+class _FakeNixl:
+    """Stands in for the raw agent: makes handles and reports each posted one done."""
+
+    def __init__(self) -> None:
+        self.posted: list[object] = []
+        self.released: list[object] = []
+
+    def make_prepped_xfer(self, operation: str, *args: Any) -> object:
+        return object()
+
+    def initialize_xfer(self, operation: str, *args: Any, **kwargs: Any) -> object:
+        return object()
+
+    def transfer(self, handle: object) -> str:
+        self.posted.append(handle)
+        return "PROC"
+
+    def check_xfer_state(self, handle: object) -> str:
+        return "DONE"
+
+    def release_xfer_handle(self, handle: object) -> None:
+        self.released.append(handle)
+
+
+def test_a_per_request_transfer_takes_its_fault_like_a_prepared_one() -> None:
+    """``initialize_xfer`` (the remapped slots of DSA tail rings of different sizes) is faulted
+    as ``make_prepped_xfer`` is: one decision per handle from the same draws in the same order,
+    a READ exempt, and every fault kind answered by ``transfer``/``check_xfer_state``."""
+    rates = TransferRates(post_error=0.2, post_raise=0.2, completion_error=0.2, never_complete=0.2)
+    prepared = TransportFaults(FaultPlan(7, rates))(_FakeNixl())
+    mixed_inner = _FakeNixl()
+    mixed = TransportFaults(FaultPlan(7, rates))(mixed_inner)
+    calls = [mixed.make_prepped_xfer, mixed.initialize_xfer] * 20
+    handles = [make("WRITE", 0, 1, 2, 3) for make in calls]
+    want = [prepared._entry(prepared.make_prepped_xfer("WRITE", 0, 1, 2, 3)) for _ in calls]
+    got = [mixed._entry(handle) for handle in handles]
+    assert [e.fault for e in got if e] == [e.fault for e in want if e]
+    faults = {e.fault for e in got[1::2] if e}  # the initialize_xfer handles
+    assert {TransferFault.POST_ERROR, TransferFault.POST_RAISE} <= faults
+
+    answers = {
+        TransferFault.POST_ERROR: ("ERR", "ERR"),
+        TransferFault.COMPLETION_ERROR: ("PROC", "ERR"),
+        TransferFault.NEVER_COMPLETE: ("PROC", "PROC"),
+        TransferFault.NONE: ("PROC", "DONE"),
+    }
+    for handle, entry in zip(handles[1::2], got[1::2], strict=True):  # the initialize_xfer ones
+        assert entry is not None
+        if entry.fault is TransferFault.POST_RAISE:
+            with pytest.raises(InjectedTransferError):
+                mixed.transfer(handle)
+            assert handle not in mixed_inner.posted
+        else:
+            posted, checked = answers[entry.fault]
+            assert mixed.transfer(handle) == posted
+            assert mixed.check_xfer_state(handle) == checked
+        mixed.release_xfer_handle(handle)
+
+    read = mixed.initialize_xfer("READ", 0, 1, "peer")
+    entry = mixed._entry(read)
+    assert entry is not None
+    assert entry.fault is TransferFault.NONE
+    keyword = mixed.initialize_xfer(
+        operation="WRITE", local_descs=0, remote_descs=1, remote_agent="peer"
+    )
+    assert mixed._entry(keyword) is not None
+    assert mixed.snapshot()["handles_made"] == len(handles) + 2
