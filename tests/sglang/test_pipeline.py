@@ -37,6 +37,7 @@ from kvfsm.sglang._bases import DisaggregationMode, KVPoll
 from kvfsm.sglang._manager import KvfsmKVManager
 from tests.helpers.sglang_pipeline import Pipeline, PipelinePair, spans
 from tests.helpers.sglang_replay import (
+    PAGE_TOKENS,
     PAGES,
     RING_SLOTS,
     Instance,
@@ -60,11 +61,19 @@ def started(
     layers: int,
     decode_tp: int | None = None,
     state: tuple[StateSpec, ...] = (),
+    decode_state: tuple[StateSpec, ...] | None = None,
 ) -> Iterator[PipelinePair]:
+    """``decode_state``: decode's state types when they differ from prefill's ``state``."""
     port = bootstrap.port
     pipeline = Pipeline.start(port, tp, pp, layers=layers, state=state)
     try:
-        decode = Instance.start("decode", port, decode_tp or tp, state=state, layers=layers)
+        decode = Instance.start(
+            "decode",
+            port,
+            decode_tp or tp,
+            state=state if decode_state is None else decode_state,
+            layers=layers,
+        )
     except BaseException:
         pipeline.close()
         raise
@@ -241,6 +250,99 @@ def test_tail_rings_without_layer_ids_pair_by_their_implied_layers(
         assert aborted.decode_outcome == "Failed"
         assert aborted.room in {r.room for r in pair.d.released}
         assert stray_writes([*requests, aborted], pair.pipeline.view, pair.decode) == []
+
+
+def tail_rings(extra: int) -> tuple[StateSpec, ...]:
+    """Mamba on layer 0 only, then ``TAIL_RINGS`` with ``extra`` speculative slots after the
+    compression ring, each request's entries SGLang's own for that ring
+    (``get_dsa_tail_state_indices``). The later stages hold no Mamba buffer, so their state
+    rows leave decode's Mamba row out and the ring row's position among them moves."""
+    slots = RING_SLOTS + extra
+    return (
+        FIRST_STAGE_STATE[0],
+        StateSpec(
+            "dsa_tail",
+            tuple(0 if layer == 4 else slots * 24 for layer in range(6))
+            + tuple(0 if layer == 4 else slots * 8 for layer in range(6)),
+            names="ring",
+            layers=tuple(range(6)) * 2,
+            declare_layers=False,
+            ring=(RING_SLOTS, extra),
+        ),
+    )
+
+
+def live_slot_count(spec: StateSpec, req: Request) -> int:
+    entry = spec.indices(req, "src")
+    return entry[2] + entry[4] if entry else 0
+
+
+@pytest.mark.parametrize(
+    ("pp", "prefill_extra", "decode_extra", "seed"),
+    [(2, 0, 3, 5), (3, 2, 0, 6)],
+    ids=["pp2-8+0-to-8+3", "pp3-8+2-to-8+0"],
+)
+def test_tail_rings_of_different_sizes_under_pipeline_parallelism(
+    bootstrap: KvfsmKVBootstrapServer, pp: int, prefill_extra: int, decode_extra: int, seed: int
+) -> None:
+    """Other speculative slot counts on the two sides, prefill in stages: each stage pairs its
+    layers' ring rows with decode's (positions translated to the stage's own state rows) and
+    remaps the request's live slots from its ring into decode's. Every live slot of every
+    layer's key and score ring must land, in token order, at decode's live slots for the
+    request, every other slot of decode's row unwritten (``_ring_differs``); each stage moved
+    exactly its own layers' live slots (stage 0 also the Mamba row). Rings that wrap, that do
+    not and that hold no live slot are all served. An abort mid-transfer on a stage and one
+    on decode end their requests everywhere."""
+    prefill_spec, decode_spec = tail_rings(prefill_extra), tail_rings(decode_extra)
+    with started(
+        bootstrap,
+        tp=1,
+        pp=pp,
+        layers=STAGED_LAYERS,
+        state=prefill_spec,
+        decode_state=decode_spec,
+    ) as pair:
+        rng = random.Random(seed)  # drawn to cover the cases asserted below
+        drawn = random_requests(rng, 10, max_pages=6)
+        for req in drawn:  # lengths that end anywhere in their last page: 0 to 7 live slots
+            req.tail_tokens = rng.randint(1, PAGE_TOKENS)
+        requests = drawn[:6]
+        out = pair.run(requests)
+        assert_clean(out)
+        assert_all_succeeded(requests)  # every live slot of every layer checked on decode
+        sides = [
+            (prefill_spec[1].indices(r, "src"), decode_spec[1].indices(r, "dst")) for r in requests
+        ]
+        assert any(s and s[4] for s, _ in sides) or any(d and d[4] for _, d in sides)
+        assert any(d and not d[4] for _, d in sides)
+        assert any(not d for _, d in sides)
+        assert any(s and d and s[1] != d[1] for s, d in sides)
+        snaps = pair.pipeline.transport_snapshots()
+        pages = sum(len(r.src_pages) for r in requests)
+        for s, stage in enumerate(pair.pipeline.stages):
+            b = stage.buffers[0]
+            mamba = len(requests) * sum(buf.shape[1] for buf in b.states[0])
+            slot_bytes = sum(buf.shape[1] for buf in b.states[1]) // sum(prefill_spec[1].ring)
+            live = sum(live_slot_count(prefill_spec[1], r) for r in requests)
+            want = pages * b.page_bytes() + mamba + live * slot_bytes
+            if s == pp - 1:
+                want += len(requests) * b.aux_row_bytes()
+            assert snaps[s][0]["bytes_done"] == want, s
+
+        aborted = [r for r in drawn[6:] if len(r.src_pages) >= 3][:2]
+        assert len(aborted) == 2
+        for req in aborted:
+            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
+        aborted[0].prefill_abort_after, aborted[0].prefill_abort_rank = 1, pp - 1  # last stage
+        aborted[1].decode_abort_after = 1
+        out = pair.run(aborted)
+        assert_clean(out)
+        for req in aborted:
+            assert req.decode_outcome == "Failed", req.room
+            assert all(req.decode_reasons), req.decode_reasons
+        assert any("AbortReq" in r for r in aborted[0].prefill_reasons)
+        assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
+        assert stray_writes(requests + aborted, pair.pipeline.view, pair.decode) == []
 
 
 def test_sglang_splits_layers_over_stages_as_the_rig_does() -> None:
