@@ -279,6 +279,13 @@ def _run_episode(
         rig.restart(restart)
     elif restart is not None:
         rig.by_name(restart).wait_ready()
+    # A server that ended itself under the fault (kvfsm's fenced-out exit, status 75, which
+    # leaves the restart to the supervisor by design) is started again here, as a supervisor
+    # would, and named in the report.
+    for server, why in rig.exited():
+        say(f"episode {episode.index}: {server.name} exited ({why}); starting it again")
+        record.supervisor_restarts.append(f"{server.name}: {why}")
+        rig.restart_server(server)
     rig.wait_serving()
     _drain(rig, record, LIVENESS_S + _lease_s() + o.unclaimed_s + SGLANG_SLACK_S)
     for server in rig.kvfsm_servers:

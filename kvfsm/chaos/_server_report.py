@@ -57,6 +57,11 @@ def as_json(r: CampaignResult) -> dict[str, Any]:
             for rec in r.records
             for x in rec.unclaimed_rooms
         ],
+        "supervisor_restarts": [
+            {"fault": rec.episode.fault.kind, "episode": rec.episode.index, "server": why}
+            for rec in r.records
+            for why in rec.supervisor_restarts
+        ],
         "violations": r.score.violations,
         "soak": growth(r.samples) if r.minutes is not None else {},
         "log_dir": str(r.log_dir),
@@ -87,6 +92,9 @@ def print_table(r: CampaignResult) -> None:
     print(f"prefill and decode: {r.topology}")
     for kind, why in r.skipped.items():
         print(f"skipped {kind}: {why}")
+    for rec in r.records:
+        for why in rec.supervisor_restarts:
+            print(f"restarted as its supervisor would: {rec.episode.fault.kind}: {why}")
     for kind, server, room, why in r.score.deadline_rooms:
         print(f"deadline: {kind}: {server} room {room}: {why}")
     for server, g in (growth(r.samples) if r.minutes is not None else {}).items():

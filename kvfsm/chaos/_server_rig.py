@@ -214,10 +214,30 @@ class Rig:
     def restart(self, name: str) -> None:
         """Start ``name`` again, behind the same address and port (its process group killed
         first, whatever is left of it)."""
-        server = self.by_name(name)
+        self.restart_server(self.by_name(name))
+
+    @staticmethod
+    def restart_server(server: Server) -> None:
         server.kill()
         server.start()
         server.wait_ready()
+
+    def exited(self) -> list[tuple[Server, str]]:
+        """kvfsm servers whose process has exited, each with why: the line its log gives for
+        it (kvfsm's ``exiting (status 75): NIXL agent fenced out ...``), else its exit
+        status."""
+        out = []
+        for server in self.kvfsm_servers:
+            code = None if server.proc is None else server.proc.poll()
+            if code is None:
+                continue
+            why = f"exit status {code}"
+            for line in reversed(server.log_tail(400).splitlines()):
+                if "exiting (status" in line:
+                    why = line[line.index("exiting (status") :][:300]
+                    break
+            out.append((server, why))
+        return out
 
     def stop(self) -> None:
         stop_all([self.router, *reversed(self.kvfsm_servers), self.reference])

@@ -114,6 +114,9 @@ class EpisodeRecord:
     #: Seconds the reference server took to serve the episode's requests (its bound's share
     #: for queueing behind its own load: :func:`end_bound_s`).
     load_s: float = 0.0
+    #: kvfsm servers that ended themselves during the episode (``name: why``), which the
+    #: campaign started again as their supervisor: named in the report, not a violation.
+    supervisor_restarts: list[str] = field(default_factory=list)
 
 
 def classify_error(status: int, text: str) -> str:

@@ -3,6 +3,7 @@ addresses, and what the router is told. (Starting them is tests/e2e/test_server_
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,3 +70,20 @@ def _check_loopback(rig: Rig) -> None:
 def test_one_or_two_of_each_role(tmp_path: Path, prefills: int, decodes: int) -> None:
     with pytest.raises(ValueError, match="1 or 2 prefill and decode servers"):
         Rig(tmp_path, {}, prefills=prefills, decodes=decodes)
+
+
+def test_a_server_that_ended_itself_is_named_with_the_line_its_log_gives(tmp_path: Path) -> None:
+    with built(tmp_path, 2, 1) as rig:
+        line = "exiting (status 75): NIXL agent fenced out: 2 record(s) of fence 1 may still..."
+        ended = rig.prefill_servers[1]
+        ended.argv = [sys.executable, "-c", f"print({line!r}); raise SystemExit(75)"]
+        plain = rig.decode
+        plain.argv = [sys.executable, "-c", "raise SystemExit(3)"]
+        for server in (ended, plain):
+            server.start()
+            assert server.proc is not None
+            server.proc.wait(30)
+        assert [(s.name, why) for s, why in rig.exited()] == [
+            ("prefill-2", line),
+            ("decode", "exit status 3"),
+        ]
