@@ -196,20 +196,7 @@ def test_a_stage_without_buffers_of_a_state_type_sends_none_of_it(
         assert_all_succeeded(requests)  # every state item of every layer checked on decode
         assert_each_stage_moved_its_own(pair, requests)
 
-        aborted = [r for r in drawn[10:] if len(r.src_pages) >= 3][:2]
-        assert len(aborted) == 2
-        for req in aborted:
-            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
-        aborted[0].prefill_abort_after, aborted[0].prefill_abort_rank = 1, pp - 1  # last stage
-        aborted[1].decode_abort_after = 1
-        out = pair.run(aborted)
-        assert_clean(out)
-        for req in aborted:
-            assert req.decode_outcome == "Failed", req.room
-            assert all(req.decode_reasons), req.decode_reasons
-        assert any("AbortReq" in r for r in aborted[0].prefill_reasons)
-        assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
-        assert stray_writes(requests + aborted, pair.pipeline.view, pair.decode) == []
+        _aborts_on_the_last_stage_and_on_decode(pair, pp, drawn[10:], requests)
 
 
 #: DeepSeek V4's tail rings, SGLang's way: no layer ids, the key ring of every layer, then the
@@ -329,20 +316,7 @@ def test_tail_rings_of_different_sizes_under_pipeline_parallelism(
                 want += len(requests) * b.aux_row_bytes()
             assert snaps[s][0]["bytes_done"] == want, s
 
-        aborted = [r for r in drawn[6:] if len(r.src_pages) >= 3][:2]
-        assert len(aborted) == 2
-        for req in aborted:
-            req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
-        aborted[0].prefill_abort_after, aborted[0].prefill_abort_rank = 1, pp - 1  # last stage
-        aborted[1].decode_abort_after = 1
-        out = pair.run(aborted)
-        assert_clean(out)
-        for req in aborted:
-            assert req.decode_outcome == "Failed", req.room
-            assert all(req.decode_reasons), req.decode_reasons
-        assert any("AbortReq" in r for r in aborted[0].prefill_reasons)
-        assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
-        assert stray_writes(requests + aborted, pair.pipeline.view, pair.decode) == []
+        _aborts_on_the_last_stage_and_on_decode(pair, pp, drawn[6:], requests)
 
 
 def test_sglang_splits_layers_over_stages_as_the_rig_does() -> None:
@@ -497,3 +471,25 @@ def test_a_pipeline_with_unequal_attention_tp_is_refused_with_a_reason(
         for req in requests:
             assert req.decode_outcome == "Failed"
             assert any("equal attention TP" in r for r in req.decode_reasons), req.decode_reasons
+
+
+def _aborts_on_the_last_stage_and_on_decode(
+    pair: PipelinePair, pp: int, candidates: list[Request], requests: list[Request]
+) -> None:
+    """Two more requests of three chunks: one aborted on the last stage after its first chunk,
+    one on decode. Both fail everywhere, each with a reason, decode releases their pages, and
+    nothing of any request lands outside its pages."""
+    aborted = [r for r in candidates if len(r.src_pages) >= 3][:2]
+    assert len(aborted) == 2
+    for req in aborted:
+        req.chunks = [req.src_pages[:1], req.src_pages[1:2], req.src_pages[2:]]
+    aborted[0].prefill_abort_after, aborted[0].prefill_abort_rank = 1, pp - 1  # last stage
+    aborted[1].decode_abort_after = 1
+    out = pair.run(aborted)
+    assert_clean(out)
+    for req in aborted:
+        assert req.decode_outcome == "Failed", req.room
+        assert all(req.decode_reasons), req.decode_reasons
+    assert any("AbortReq" in r for r in aborted[0].prefill_reasons)
+    assert {r.room for r in pair.d.released} >= {r.room for r in aborted}
+    assert stray_writes(requests + aborted, pair.pipeline.view, pair.decode) == []

@@ -78,6 +78,12 @@ def test_blocks_equal_sglangs_for_every_length(src_extra: int, dst_extra: int) -
 
 
 def _blocks(src: list[int], dst: list[int], src_at: int = 0, dst_at: int = 0) -> object:
+    return _ring_blocks(
+        np.asarray([src_at, *src], "<i4").tobytes(), np.asarray([dst_at, *dst], "<i4").tobytes()
+    )
+
+
+def _ring_blocks(src_rings: bytes, dst_rings: bytes) -> object:
     return ring_blocks(
         rings=(1, 2),
         local=_specs(0, 1 << 30),
@@ -86,8 +92,8 @@ def _blocks(src: list[int], dst: list[int], src_at: int = 0, dst_at: int = 0) ->
         remote_groups=(1, 2),
         src_rows=np.asarray([ROWS + 1], np.int32),
         dst_rows=np.asarray([ROWS + 2], np.int32),
-        src_rings=np.asarray([src_at, *src], "<i4").tobytes(),
-        dst_rings=np.asarray([dst_at, *dst], "<i4").tobytes(),
+        src_rings=src_rings,
+        dst_rings=dst_rings,
     )
 
 
@@ -110,14 +116,4 @@ def test_bad_segments_raise_naming_what(
 
 def test_a_ring_row_without_segments_is_refused() -> None:
     with pytest.raises(LayoutError, match="have no live segments"):
-        ring_blocks(
-            rings=(1, 2),
-            local=_specs(0, 1 << 30),
-            local_groups=(1, 2),
-            remote=_specs(3, 1 << 34),
-            remote_groups=(1, 2),
-            src_rows=np.asarray([ROWS + 1], np.int32),
-            dst_rows=np.asarray([ROWS + 2], np.int32),
-            src_rings=b"",
-            dst_rings=b"",
-        )
+        _ring_blocks(b"", b"")
