@@ -202,8 +202,10 @@ class DestinationReceived(Event, frozen=True):
     fence: int = 0
     #: Which part of the decode request this room carries (:class:`Part`).
     part: int = 0
-    #: How many decode ranks this prefill rank writes the request into (unequal TP, decode's
-    #: larger): one sender room, a leg, per decode rank; 1 otherwise.
+    #: How many decode ranks this prefill rank writes the request into: one sender room, a
+    #: leg, per decode rank. More than 1 under unequal attention TP when decode's is larger,
+    #: or when this rank also sends its state shard to a decode rank it writes no KV into (KV
+    #: heads replicated on both sides); 1 otherwise.
     legs: int = 1
     #: Prompt tokens the receiver already holds (SGLang's ``decode_prefix_len``): ``pages``
     #: start after them, and the sender's caller sends only the pages that follow.

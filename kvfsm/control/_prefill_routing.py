@@ -160,7 +160,8 @@ class _PrefillLink:
         #: Decode's fence margin for this link (``Hello.fence_margin_ms``); None: not told.
         self.margin_s: float | None = None
         #: Which of the decode ranks this prefill rank writes each room into the link's peer
-        #: is (``leg``), of how many (``legs``): 0 of 1 unless decode's attention TP is larger.
+        #: is (``leg``), of how many (``legs``): 0 of 1 unless decode's attention TP is larger
+        #: or this rank also sends a state-only leg (KV heads replicated on both sides).
         self.leg = leg
         self.legs = legs
         self.held = 0  # claims held for rooms that do not exist yet (quota: pending_max)
