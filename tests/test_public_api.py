@@ -53,6 +53,7 @@ EXPECTED: dict[str, list[str]] = {
         "RoomKey",
         "RoomStats",
         "SenderRoom",
+        "StateRows",
         "name_this_thread",
         "thread_table",
     ],

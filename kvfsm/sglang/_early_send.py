@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from kvfsm.rooms import name_this_thread
+
 __all__ = ["ChunkGate", "WaitEvent"]
 
 log = logging.getLogger("kvfsm.sglang")
@@ -51,9 +53,14 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     with _waiter_lock:
         if _waiter is None:
             _waiter = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="kvfsm-early-send"
+                max_workers=1, thread_name_prefix="kvfsm-early-send", initializer=_named
             )
         return _waiter
+
+
+def _named() -> None:
+    """Named in the OS too, as every kvfsm thread is (``top -H``, ``py-spy``)."""
+    name_this_thread(threading.current_thread().name)
 
 
 class ChunkGate:
