@@ -32,7 +32,13 @@ import aiohttp
 from kvfsm.chaos._netns import CutMode, NetnsError
 from kvfsm.chaos._server_client import payload, send_request
 from kvfsm.chaos._server_hosts import ServerHosts
-from kvfsm.chaos._server_plan import Action, PlanOptions, ServerEpisode, plan_episodes
+from kvfsm.chaos._server_plan import (
+    Action,
+    PlanOptions,
+    ServerEpisode,
+    calibration_episode,
+    plan_episodes,
+)
 from kvfsm.chaos._server_rig import Rig, group_usage, scheduler_pids
 from kvfsm.chaos._server_scoring import (
     SGLANG_SLACK_S,
@@ -45,7 +51,13 @@ from kvfsm.chaos._server_scoring import (
 from kvfsm.chaos._server_soak import Sample, Sampler
 from kvfsm.chaos._servers import KVFSM_ENV, LIVENESS_S, SHIM, Server
 
-__all__ = ["LINK_CUT_SKIP", "CampaignResult", "ServerCampaignOptions", "run_server_campaign"]
+__all__ = [
+    "LINK_CUT_SKIP",
+    "Calibration",
+    "CampaignResult",
+    "ServerCampaignOptions",
+    "run_server_campaign",
+]
 
 #: Why the link-cut faults are not injected when the servers share this host's loopback.
 LINK_CUT_SKIP = (
@@ -53,6 +65,10 @@ LINK_CUT_SKIP = (
     "which no cut separates"
 )
 LINK_FAULTS = ("link-down link", "link-blackhole link")
+#: How long the calibration episode's client waits before it calls a request hung (beside the
+#: bounds every episode has): a load of 64 with prompts up to 2,000 tokens takes about a minute
+#: through the pipeline on two cores.
+CALIBRATION_WAIT_S = 300.0
 
 
 @dataclass
@@ -96,6 +112,26 @@ class CampaignResult:
     reference: dict[int, list[int]] = field(default_factory=dict)
     #: Where prefill and decode ran (the namespaces and their addresses), or "one host".
     topology: str = "one host"
+    #: The no-fault calibration: the reference server's seconds and the pipeline's for the
+    #: same load (the first episode), and the queueing factor every bound took from them.
+    calibration: Calibration | None = None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How much slower the disaggregated pipeline (router, prefill, decode, on this host's
+    cores) serves a load than the reference server alone, measured with no fault. A fault's
+    bound allows its episode's reference time times this factor for queueing
+    (:func:`~kvfsm.chaos._server_scoring.end_bound_s`): a request that waits behind its own
+    load is not late, one that waits longer is."""
+
+    reference_s: float
+    pipeline_s: float
+    requests: int
+
+    @property
+    def factor(self) -> float:
+        return max(1.0, self.pipeline_s / max(self.reference_s, 1e-3))
 
 
 def _lease_s() -> float:
@@ -161,6 +197,24 @@ class _Injector:
                     pass
                 await asyncio.sleep(0.02)
 
+    @staticmethod
+    async def _supervise(server: Server, within_s: float = 30.0) -> None:
+        """What a supervisor does for a server that crashed: once its process has exited
+        (SGLang's launcher ends itself about 5 s after one of its schedulers dies), or after
+        ``within_s`` if it has not (its liveness probe failing), what is left of its process
+        group is killed and it is started again at once, behind the same address and port,
+        while the episode's requests are still ending. The episode waits for it to be ready
+        after them."""
+        give_up = time.monotonic() + within_s
+        while server.proc is not None and server.proc.poll() is None:
+            if time.monotonic() > give_up:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(server.kill)
+        # From this (the main) thread: a server dies with the thread that started it (its
+        # parent-death signal), and the loop's worker threads end with the loop.
+        server.start()
+
     async def land(self, episode: ServerEpisode, start: float) -> None:
         fault, rig = episode.fault, self.rig
         if fault.action is Action.DROP_DECODE_HALF:
@@ -182,8 +236,10 @@ class _Injector:
         if fault.action is Action.KILL_SCHEDULER:
             for pid in self._schedulers(fault.target):
                 os.kill(pid, signal.SIGKILL)
+            await self._supervise(rig.by_name(fault.target))
         elif fault.action is Action.KILL_SERVER:
             await asyncio.to_thread(rig.by_name(fault.target).kill)
+            await self._supervise(rig.by_name(fault.target))
         elif fault.action is Action.STOP:
             pids = self._schedulers(fault.target)
             for pid in pids:
@@ -258,12 +314,18 @@ def _run_episode(
     o: ServerCampaignOptions,
     epoch: float,
     say: Callable[[str], None],
+    *,
+    factor: float | None,
 ) -> tuple[EpisodeRecord, list[RequestOutcome], dict[int, list[int]]]:
+    """One episode. ``factor`` is the calibration's queueing factor; None for the calibration
+    episode itself, whose queueing allowance is the pipeline's time it measures."""
     fault = episode.fault
     served = time.monotonic()
     reference = asyncio.run(_reference(rig.reference.url, episode))
-    load_s = time.monotonic() - served
-    bound = end_bound_s(fault, LIVENESS_S, _lease_s(), o.unclaimed_s, load_s)
+    load_s = round(time.monotonic() - served, 1)
+    # The calibration has no allowance to go by yet: its client waits as long as any episode's.
+    queue_s = load_s * factor if factor is not None else CALIBRATION_WAIT_S
+    bound = end_bound_s(fault, LIVENESS_S, _lease_s(), o.unclaimed_s, queue_s)
     began, began_wall = time.monotonic(), time.time()
     injector = _Injector(rig, o.drops)
     tag = f"{o.seed}-{int(began)}"
@@ -271,13 +333,14 @@ def _run_episode(
         _episode_load(rig, episode, epoch=epoch, hang_s=bound + 30.0, injector=injector, tag=tag)
     )
     rig.disarm_drops()
+    loaded = time.monotonic()
     record = EpisodeRecord(episode, None if injector.at is None else injector.at - epoch)
     record.skipped = injector.missed
-    record.load_s = round(load_s, 1)
+    record.load_s = load_s
+    record.queue_s = round(queue_s if factor is not None else loaded - began, 1)
     restart = fault.restarts
-    if restart is not None and fault.action is not Action.RESTART:
-        rig.restart(restart)
-    elif restart is not None:
+    if restart is not None:
+        # Started again by the injector, as a supervisor would, the moment it went down.
         rig.by_name(restart).wait_ready()
     # A server that ended itself under the fault (kvfsm's fenced-out exit, status 75, which
     # leaves the restart to the supervisor by design) is started again here, as a supervisor
@@ -286,8 +349,18 @@ def _run_episode(
         say(f"episode {episode.index}: {server.name} exited ({why}); starting it again")
         record.supervisor_restarts.append(f"{server.name}: {why}")
         rig.restart_server(server)
+    restarted = time.monotonic()
     rig.wait_serving()
+    serving = time.monotonic()
     _drain(rig, record, LIVENESS_S + _lease_s() + o.unclaimed_s + SGLANG_SLACK_S)
+    drained = time.monotonic()
+    record.phases_s = {
+        "reference": round(began - served, 1),
+        "load": round(loaded - began, 1),
+        "restart": round(restarted - loaded, 1),
+        "serving": round(serving - restarted, 1),
+        "drain": round(drained - serving, 1),
+    }
     for server in rig.kvfsm_servers:
         for row in rig.failures_since(server, began_wall):
             reason = str(row.get("reason", ""))
@@ -299,7 +372,9 @@ def _run_episode(
     say(
         f"episode {episode.index} {fault.kind}: {ended}/{len(outcomes)} ended, "
         f"{sum(x.status == 'completed' for x in outcomes)} completed, "
-        f"drained {all(d.clean for d in record.drain)} ({time.monotonic() - began:.0f}s)"
+        f"drained {all(d.clean for d in record.drain)} ({time.monotonic() - began:.0f}s: "
+        + ", ".join(f"{k} {v:g}s" for k, v in record.phases_s.items())
+        + ")"
     )
     return record, outcomes, reference
 
@@ -357,6 +432,7 @@ def _run(
     records: list[EpisodeRecord] = []
     outcomes: list[RequestOutcome] = []
     reference: dict[int, list[int]] = {}
+    calibration: Calibration | None = None
     sampler = Sampler(
         lambda: [(s.name, s.starts, *group_usage(s)) for s in rig.kvfsm_servers if _up(s)],
         lambda: len(outcomes),
@@ -368,10 +444,23 @@ def _run(
         rig.start()
         say(f"servers up in {time.monotonic() - epoch:.0f}s")
         sampler.start()
+        record, got, reference = _run_episode(
+            rig, calibration_episode(o.seed, o.plan), o, epoch, say, factor=None
+        )
+        records.append(record)
+        outcomes += got
+        calibration = Calibration(record.load_s, record.queue_s, len(got))
+        say(
+            f"calibration: {calibration.requests} requests with no fault, reference "
+            f"{calibration.reference_s:g}s, pipeline {calibration.pipeline_s:g}s: each fault's "
+            f"bound allows its reference time x {calibration.factor:.1f} for queueing"
+        )
         cycle = 0
         while True:
             for episode in _episodes(o, cycle, len(records), len(outcomes)):
-                record, got, ref = _run_episode(rig, episode, o, epoch, say)
+                record, got, ref = _run_episode(
+                    rig, episode, o, epoch, say, factor=calibration.factor
+                )
                 records.append(record)
                 outcomes += got
                 reference.update(ref)
@@ -406,4 +495,5 @@ def _run(
         o.minutes,
         reference,
         "one host" if hosts is None else hosts.describe(),
+        calibration,
     )

@@ -20,11 +20,13 @@ from enum import StrEnum
 
 __all__ = [
     "ALL_FAULTS",
+    "CALIBRATION",
     "Action",
     "Fault",
     "PlanOptions",
     "PlannedRequest",
     "ServerEpisode",
+    "calibration_episode",
     "plan_episodes",
 ]
 
@@ -32,6 +34,8 @@ __all__ = [
 class Action(StrEnum):
     """What the campaign does to its target."""
 
+    #: Nothing: the calibration episode, the pipeline's own time for a load with no fault.
+    NONE = "no-fault"
     KILL_SCHEDULER = "sigkill-scheduler"
     KILL_SERVER = "sigkill-server"
     STOP = "sigstop"
@@ -120,6 +124,9 @@ def all_faults(o: PlanOptions) -> list[Fault]:
 #: Every fault kind with the default options (for ``--faults`` choices and the docs).
 ALL_FAULTS: tuple[str, ...] = tuple(f.kind for f in all_faults(PlanOptions()))
 
+#: The calibration episode's fault: none.
+CALIBRATION = Fault(Action.NONE, "")
+
 
 @dataclass(frozen=True)
 class PlannedRequest:
@@ -176,6 +183,16 @@ def _requests(
             )
         )
     return tuple(out)
+
+
+def calibration_episode(seed: int, o: PlanOptions) -> ServerEpisode:
+    """The load a campaign first sends with no fault (episode 0, requests from 0): the
+    reference server's time and the pipeline's for the same requests give the factor by which
+    a fault's bound allows for queueing (:func:`kvfsm.chaos._server_scoring.end_bound_s`).
+    Shaped as every episode is, from its own seeded stream, so the plans that follow are the
+    same with or without it."""
+    rng = random.Random(f"calibration-{seed}")
+    return ServerEpisode(0, CALIBRATION, 0.0, _requests(rng, CALIBRATION, 0, o))
 
 
 def plan_episodes(

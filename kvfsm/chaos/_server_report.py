@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfsm.chaos._server_campaign import CampaignResult
+from kvfsm.chaos._server_plan import CALIBRATION
 from kvfsm.chaos._server_soak import growth
 
 __all__ = ["as_json", "print_table", "write_png"]
@@ -62,6 +63,18 @@ def as_json(r: CampaignResult) -> dict[str, Any]:
             for rec in r.records
             for why in rec.supervisor_restarts
         ],
+        "calibration": None
+        if r.calibration is None
+        else {
+            "requests": r.calibration.requests,
+            "reference_s": r.calibration.reference_s,
+            "pipeline_s": r.calibration.pipeline_s,
+            "factor": round(r.calibration.factor, 2),
+        },
+        "phases_s": [
+            {"episode": rec.episode.index, "fault": rec.episode.fault.kind, **rec.phases_s}
+            for rec in r.records
+        ],
         "violations": r.score.violations,
         "soak": growth(r.samples) if r.minutes is not None else {},
         "log_dir": str(r.log_dir),
@@ -90,6 +103,13 @@ def print_table(r: CampaignResult) -> None:
         for reason, n in row.errored.items():
             print(f"    errored {n}: {reason}")
     print(f"prefill and decode: {r.topology}")
+    if r.calibration is not None:
+        c = r.calibration
+        print(
+            f"calibration (no fault, {c.requests} requests): reference {c.reference_s:g}s, "
+            f"pipeline {c.pipeline_s:g}s; each bound allows its episode's reference time "
+            f"x {c.factor:.1f} for queueing"
+        )
     for kind, why in r.skipped.items():
         print(f"skipped {kind}: {why}")
     for rec in r.records:
@@ -107,8 +127,9 @@ def print_table(r: CampaignResult) -> None:
     for v in r.score.violations:
         print(f"VIOLATION: {v}")
     verdict = "ok" if r.score.ok else f"{len(r.score.violations)} violation(s)"
+    kinds = sum(row.kind != CALIBRATION.kind for row in r.score.rows)
     print(
-        f"seed {r.seed}: {len(r.outcomes)} requests, {len(r.score.rows)} fault kinds in "
+        f"seed {r.seed}: {len(r.outcomes)} requests, {kinds} fault kinds in "
         f"{r.elapsed_s:.0f}s: {verdict}"
     )
 
@@ -139,9 +160,9 @@ def write_png(r: CampaignResult, path: Path) -> None:
     ax.scatter([o.ended_s for o in hung], [top + 0.5] * len(hung), marker="v", color="black",
                label="hung")  # fmt: skip
     for rec in r.records:
-        if rec.fault_s is None:
-            continue
         fault = rec.episode.fault
+        if rec.fault_s is None or fault == CALIBRATION:
+            continue
         if fault.pause_s:
             ax.axvspan(rec.fault_s, rec.fault_s + fault.pause_s, color="tab:orange", alpha=0.2)
         ax.axvline(rec.fault_s, color="tab:orange", linewidth=0.8)

@@ -204,20 +204,17 @@ class Rig:
 
     def wait_serving(self, timeout: float = 180.0) -> None:
         """Until the router answers a request through prefill and decode (it routes only to
-        workers its health checks, every 5 s, have seen)."""
+        workers its health checks, every 2 s, have seen)."""
         give_up = time.monotonic() + timeout
         while not router_serves(self.router):
             if time.monotonic() > give_up:
                 raise RuntimeError(f"the router does not serve after {timeout:g}s")
             time.sleep(1.0)
 
-    def restart(self, name: str) -> None:
-        """Start ``name`` again, behind the same address and port (its process group killed
-        first, whatever is left of it)."""
-        self.restart_server(self.by_name(name))
-
     @staticmethod
     def restart_server(server: Server) -> None:
+        """Start ``server`` again, behind the same address and port (its process group killed
+        first, whatever is left of it)."""
         server.kill()
         server.start()
         server.wait_ready()

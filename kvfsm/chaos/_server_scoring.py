@@ -38,23 +38,24 @@ __all__ = [
 ]
 
 #: What the campaign allows SGLang's own waits beside kvfsm's bounds: a scheduler starved on a
-#: loaded 2-core host before it answers, the router's health check (every 5 s) before it stops
+#: loaded 2-core host before it answers, the router's health checks (every 2 s) before it stops
 #: routing to a dead worker, a restarted server's start-up that requests queue behind.
 SGLANG_SLACK_S = 30.0
 
 
 def end_bound_s(
-    fault: Fault, liveness_s: float, lease_s: float, unclaimed_s: float, load_s: float = 0.0
+    fault: Fault, liveness_s: float, lease_s: float, unclaimed_s: float, queue_s: float = 0.0
 ) -> float:
     """How long after the fault (or after its own start, if later) a request may take to end:
     the fault's freeze, kvfsm's liveness bound plus its lease (a peer's loss, then the pages'
-    settle), the unclaimed bound for a dropped decode half, SGLang's slack, and ``load_s``, the
-    time the reference server took to serve the episode's whole load with no fault: a request
-    sent with many others may wait behind all of them in SGLang's queues (64 at once, with
-    prompts up to 2,000 tokens, take a minute on two cores), which no fault causes. A request
-    that waits longer than that, finished or not, is over its bound: a transfer that stalled
-    and then succeeded is caught too."""
-    bound = fault.pause_s + liveness_s + lease_s + SGLANG_SLACK_S + load_s
+    settle), the unclaimed bound for a dropped decode half, SGLang's slack, and ``queue_s``,
+    the time the pipeline itself needs for the episode's whole load with no fault (the
+    reference server's time for it, times the factor a no-fault calibration measured): a
+    request sent with many others may wait behind all of them in SGLang's queues (64 at once,
+    with prompts up to 2,000 tokens, take about a minute through router, prefill and decode on
+    two cores), which no fault causes. A request that waits longer than that, finished or not,
+    is over its bound: a transfer that stalled and then succeeded is caught too."""
+    bound = fault.pause_s + liveness_s + lease_s + SGLANG_SLACK_S + queue_s
     if fault.action is Action.DROP_DECODE_HALF:
         bound += unclaimed_s
     return bound
@@ -114,9 +115,15 @@ class EpisodeRecord:
     #: Seconds the reference server took to serve the episode's requests (its bound's share
     #: for queueing behind its own load: :func:`end_bound_s`).
     load_s: float = 0.0
+    #: Seconds its bound allows for queueing behind its own load (:func:`end_bound_s`): its
+    #: ``load_s`` times the calibration's factor (the calibration's own: the pipeline's time).
+    queue_s: float = 0.0
     #: kvfsm servers that ended themselves during the episode (``name: why``), which the
     #: campaign started again as their supervisor: named in the report, not a violation.
     supervisor_restarts: list[str] = field(default_factory=list)
+    #: Seconds of each phase of the episode (``reference``, ``load``, ``restart``, ``serving``,
+    #: ``drain``), for the log and the report: where a campaign's time goes.
+    phases_s: dict[str, float] = field(default_factory=dict)
 
 
 def classify_error(status: int, text: str) -> str:
@@ -189,7 +196,7 @@ def _row(
     row = FaultRow(fault.kind, requests=len(outcomes), skipped=record.skipped)
     if record.skipped:
         violations.append(f"{fault.kind}: not injected: {record.skipped}")
-    row.bound_s = end_bound_s(fault, *bounds, load_s=record.load_s)
+    row.bound_s = end_bound_s(fault, *bounds, queue_s=record.queue_s)
     errors: Counter[str] = Counter()
     for o in outcomes:
         if o.status == "completed":
@@ -200,6 +207,10 @@ def _row(
                 violations.append(f"{fault.kind}: request {o.index} completed inexact")
         elif o.status == "errored":
             errors[o.reason] += 1
+            if fault.action is Action.NONE:
+                violations.append(
+                    f"{fault.kind}: request {o.index} errored with no fault ({o.reason})"
+                )
         elif o.status == "disconnected":
             row.disconnected += 1
         elif o.status == "aborted":

@@ -427,9 +427,10 @@ def pd_router(
         "--port", str(port),
         *([] if retries else ["--disable-retries"]),
         "--disable-circuit-breaker",
-        # Health checks every 5 s (default 60 s), so a restarted decode is routed to again
-        # within seconds; a long timeout, as a loaded CPU server answers /health slowly.
-        "--health-check-interval-secs", "5",
+        # Health checks every 2 s (default 60 s): the router routes to a restarted worker
+        # again after two checks in a row pass, so within seconds of its start; a long
+        # timeout, as a loaded CPU server answers /health slowly.
+        "--health-check-interval-secs", "2",
         "--health-check-timeout-secs", "60",
         *extra,
     ]  # fmt: skip

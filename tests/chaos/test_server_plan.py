@@ -3,7 +3,14 @@ loads inside the limits the options set."""
 
 from __future__ import annotations
 
-from kvfsm.chaos._server_plan import ALL_FAULTS, Action, PlanOptions, plan_episodes
+from kvfsm.chaos._server_plan import (
+    ALL_FAULTS,
+    CALIBRATION,
+    Action,
+    PlanOptions,
+    calibration_episode,
+    plan_episodes,
+)
 
 OPTS = PlanOptions(requests=12, concurrency=4)
 
@@ -87,3 +94,21 @@ def test_a_later_pass_numbers_on_from_the_last() -> None:
     assert later[0].requests[0].index == requests
     indices = [r.index for e in first + later for r in e.requests]
     assert len(set(indices)) == len(indices)
+
+
+def test_the_calibration_is_a_seeded_load_with_no_fault() -> None:
+    o = PlanOptions(requests=6, concurrency=3)
+    cal = calibration_episode(4, o)
+    assert cal == calibration_episode(4, o)
+    assert cal != calibration_episode(5, o)
+    assert (cal.index, cal.fault, cal.fault_at_s) == (0, CALIBRATION, 0.0)
+    assert cal.fault.kind == "no-fault"
+    assert cal.fault.restarts is None
+    assert [r.index for r in cal.requests] == list(range(6))
+    assert all(r.disconnect_s is None and r.abort_s is None for r in cal.requests)
+    assert all(o.min_prompt <= len(r.prompt) <= o.max_prompt for r in cal.requests)
+    # Its own random stream: the plan after it is the plan without it, numbered on.
+    after = plan_episodes(4, o, first_episode=1, first_request=6)
+    alone = plan_episodes(4, o)
+    assert [e.requests[0].prompt for e in after] == [e.requests[0].prompt for e in alone]
+    assert "no-fault" not in ALL_FAULTS

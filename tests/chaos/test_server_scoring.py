@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from kvfsm.chaos._server_plan import Action, Fault, PlannedRequest, ServerEpisode
+from kvfsm.chaos._server_plan import (
+    CALIBRATION,
+    Action,
+    Fault,
+    PlannedRequest,
+    ServerEpisode,
+)
 from kvfsm.chaos._server_scoring import (
     SGLANG_SLACK_S,
     DrainReading,
@@ -39,19 +45,34 @@ def test_bound_is_the_pause_liveness_lease_and_slack() -> None:
     assert end_bound_s(stop, 10, 10, 8) == 30 + 10 + 10 + SGLANG_SLACK_S
     drop = Fault(Action.DROP_DECODE_HALF, "router")
     assert end_bound_s(drop, 10, 10, 8) == 10 + 10 + 8 + SGLANG_SLACK_S
-    # The time the reference server took to serve the episode's load is added: queueing.
-    assert end_bound_s(stop, 10, 10, 8, load_s=12.5) == 30 + 10 + 10 + SGLANG_SLACK_S + 12.5
+    # The pipeline's own time for the episode's load is added: queueing.
+    assert end_bound_s(stop, 10, 10, 8, queue_s=12.5) == 30 + 10 + 10 + SGLANG_SLACK_S + 12.5
 
 
 def test_a_request_slow_behind_its_episodes_load_is_within_the_bound_and_not_past_it() -> None:
-    bound = end_bound_s(KILL, 10, 10, 8, load_s=20.0)
+    bound = end_bound_s(KILL, 10, 10, 8, queue_s=20.0)
     within = RequestOutcome(0, 0, "completed", 1.0, 1.5 + bound - 1, [7])
     past = RequestOutcome(1, 0, "completed", 1.0, 1.5 + bound + 1, [7])
     for outcome, over in ((within, 0), (past, 1)):
-        rec = EpisodeRecord(episode(KILL), 1.5, [clean(), clean("decode")], load_s=20.0)
+        rec = EpisodeRecord(
+            episode(KILL), 1.5, [clean(), clean("decode")], load_s=2.0, queue_s=20.0
+        )
         result = score([rec], [outcome], {outcome.index: [7]}, **BOUNDS)
         assert result.rows[0].over_bound == over, result.violations
         assert result.rows[0].bound_s == bound
+
+
+def test_with_no_fault_an_error_is_a_violation() -> None:
+    """The calibration episode: nothing was done to the servers, so no request may fail."""
+    rec = EpisodeRecord(episode(CALIBRATION), 0.5, [clean(), clean("decode")], queue_s=5.0)
+    ok = score([rec], [outcome("completed", ids=[3])], {0: [3]}, **BOUNDS)
+    assert ok.ok, ok.violations
+    assert ok.rows[0].kind == "no-fault"
+    bad = score([rec], [outcome("errored", reason="http 500")], {}, **BOUNDS)
+    assert bad.violations == ["no-fault: request 0 errored with no fault (http 500)"]
+    # The same error under a fault is the fault's doing, counted and not a violation.
+    under = EpisodeRecord(episode(KILL), 0.5, [clean(), clean("decode")], queue_s=5.0)
+    assert score([under], [outcome("errored", reason="http 500")], {}, **BOUNDS).ok
 
 
 def test_a_clean_episode_has_no_violation_and_counts_its_row() -> None:

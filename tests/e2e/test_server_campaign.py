@@ -32,7 +32,7 @@ from kvfsm.chaos._server_campaign import (
     ServerCampaignOptions,
     run_server_campaign,
 )
-from kvfsm.chaos._server_plan import ALL_FAULTS, PlanOptions
+from kvfsm.chaos._server_plan import ALL_FAULTS, CALIBRATION, PlanOptions
 from kvfsm.chaos._server_report import as_json
 
 #: Most of the run is the servers' start-ups: the rig's four, then five restarts (two scheduler
@@ -61,7 +61,19 @@ def test_a_short_server_campaign_accounts_for_every_request_and_drains(
         print(f"chaos servers report: {as_json(result)}")
     score = result.score
 
-    ran = {row.kind for row in score.rows}
+    # First the calibration: the same shape of load with no fault, every request completed and
+    # exact, and the queueing factor every bound took from it.
+    calibration = result.calibration
+    assert calibration is not None
+    assert calibration.factor >= 1.0
+    assert calibration.requests == PLAN.requests
+    (first, *_) = score.rows
+    assert first.kind == CALIBRATION.kind
+    assert (first.requests, first.completed, first.exact) == (3, 3, 3), first
+    for record in result.records[1:]:
+        assert record.queue_s == pytest.approx(record.load_s * calibration.factor, abs=0.06)
+
+    ran = {row.kind for row in score.rows} - {CALIBRATION.kind}
     links = {"link-down link", "link-blackhole link"}
     if one_host:
         assert ran == set(ALL_FAULTS) - links
