@@ -194,17 +194,17 @@ class Rig:
     def start(self) -> None:
         for dropper in self.droppers:
             dropper.start()
-        for server in (self.reference, *self.kvfsm_servers):
+        # The router too, at once: it adds each worker when its health checks pass, so it is
+        # ready to route within a check or two of the last worker's start, not after its own.
+        for server in (self.reference, *self.kvfsm_servers, self.router):
             server.start()
-        for server in (self.reference, *self.kvfsm_servers):
+        for server in (self.reference, *self.kvfsm_servers, self.router):
             server.wait_ready()
-        self.router.start()
-        self.router.wait_ready()
         self.wait_serving()
 
     def wait_serving(self, timeout: float = 180.0) -> None:
         """Until the router answers a request through prefill and decode (it routes only to
-        workers its health checks, every 2 s, have seen)."""
+        workers its health checks, every second, have seen)."""
         give_up = time.monotonic() + timeout
         while not router_serves(self.router):
             if time.monotonic() > give_up:

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: What the campaign allows SGLang's own waits beside kvfsm's bounds: a scheduler starved on a
-#: loaded 2-core host before it answers, the router's health checks (every 2 s) before it stops
+#: loaded 2-core host before it answers, the router's health checks (every second) before it stops
 #: routing to a dead worker, a restarted server's start-up that requests queue behind.
 SGLANG_SLACK_S = 30.0
 

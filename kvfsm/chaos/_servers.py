@@ -427,10 +427,12 @@ def pd_router(
         "--port", str(port),
         *([] if retries else ["--disable-retries"]),
         "--disable-circuit-breaker",
-        # Health checks every 2 s (default 60 s): the router routes to a restarted worker
-        # again after two checks in a row pass, so within seconds of its start; a long
-        # timeout, as a loaded CPU server answers /health slowly.
-        "--health-check-interval-secs", "2",
+        # Health checks every second (default 60 s): the router routes to a restarted worker
+        # again after two checks in a row pass, so within seconds of its start. SGLang's
+        # /health answers without running the model (unless SGLANG_ENABLE_HEALTH_ENDPOINT_
+        # GENERATION is set), so a check costs a loaded server little. A long timeout, as a
+        # loaded CPU server answers slowly.
+        "--health-check-interval-secs", "1",
         "--health-check-timeout-secs", "60",
         *extra,
     ]  # fmt: skip
