@@ -12,6 +12,10 @@ hung), a killed or restarted server is started again behind the same port, the r
 waited for until it serves, and both kvfsm servers are read until they hold no live room, no
 page and no NIXL handle (or the drain bound passes); their ``/failures`` name the rooms that
 ended by a deadline and those the unclaimed bound failed.
+
+The first episode has no fault: the calibration (:class:`Calibration`). How much longer the
+pipeline takes than the reference server for the same load is the factor every later bound
+allows for queueing behind its own episode's load.
 """
 
 from __future__ import annotations
