@@ -204,7 +204,7 @@ class _Injector:
     @staticmethod
     async def _supervise(server: Server, within_s: float = 30.0) -> None:
         """What a supervisor does for a server that crashed: once its process has exited
-        (SGLang's launcher ends itself about 5 s after one of its schedulers dies), or after
+        (SGLang's launcher ends itself when one of its schedulers dies), or after
         ``within_s`` if it has not (its liveness probe failing), what is left of its process
         group is killed and it is started again at once, behind the same address and port,
         while the episode's requests are still ending. The episode waits for it to be ready

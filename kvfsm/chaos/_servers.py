@@ -133,7 +133,17 @@ KVFSM_ENV = {
 #: no such stream, and SGLang's scheduler dies (``expected stream to be a torch.Stream``), with
 #: any transfer backend, before the backend is called: seen under load with 2,000-token prompts.
 #: Off, those pages go with the request's next chunk instead.
-SGLANG_CPU_ENV = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
+#:
+#: ``SGLANG_PYSPY_DUMP_BEFORE_CRASH`` and ``SGLANG_CUDA_COREDUMP_BEFORE_CRASH``: when one of its
+#: schedulers dies, SGLang's launcher sleeps 5 s "to let GPU activity settle" before it dumps
+#: the schedulers' stacks and CUDA cores, then ends the server. On a CPU there is no GPU work to
+#: settle and no CUDA core to dump, and the scheduler is already gone: off, the server ends (and
+#: its supervisor can start it again) at once.
+SGLANG_CPU_ENV = {
+    "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0",
+    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+}
 #: How long one server may take to come up on a loaded 2-core machine (~30 s when idle).
 START_TIMEOUT_S = 300.0
 
