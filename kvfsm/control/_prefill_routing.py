@@ -564,8 +564,12 @@ class PrefillRouting:
             del self._unclaimed[key]
             self.stats["unclaimed_failed"] += 1
             stood_still = self._stalled_s - stalled_before
-            if now - since - stood_still <= limit:
-                # Not past the bound by this rank's running time: its own stall is why.
+            if now - since - stood_still < limit / 2:
+                # Its own stall took more than half the window: decode's claim had too little of
+                # this rank's running time to be read, so the stall is why. A shorter stall (a
+                # loop hiccup of a tick or two) only shifts when the bound is judged: a claim
+                # takes milliseconds, and one that had most of the window and never came is
+                # its decode half's to explain.
                 why = (
                     f"this prefill rank stood still for {stood_still:.1f}s (its process stopped "
                     f"or its loop blocked) while the room waited {limit:g}s for a decode room's "
