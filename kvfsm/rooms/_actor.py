@@ -80,6 +80,11 @@ _SENDER: Final = Role.SENDER
 
 _log = logging.getLogger("kvfsm.rooms")
 _monotonic = time.monotonic
+# CPython 3.11 compiles ``NAME.method(...)`` as an attribute load then a call, not as a method
+# call, when NAME was imported (its compiler's ``is_import_originated``): each call would build
+# and free a bound method. The recorder looks up a code per event and per command, so it holds
+# the bound ``get`` itself.
+_paged_code: Final = PAGED.get
 #: One JSON line per failed room, with its timeline (``kvfsm explain`` reads them back).
 _failures = logging.getLogger("kvfsm.rooms.failed")
 
@@ -269,7 +274,7 @@ class Room:
             # The scheduler's clock, read once per few steps (RoomScheduler.now); two appends:
             # cheaper than extending by a tuple.
             timeline.append(self._tasks.now)
-            code = PAGED.get(type(event))
+            code = _paged_code(type(event))
             if code is None:
                 timeline.append(event)
             else:  # ENCODERS' encoding, inline: no Python call per event
@@ -300,7 +305,7 @@ class Room:
         timeline = self.timeline
         for command in commands:
             if timeline is not None:
-                code = PAGED.get(type(command))
+                code = _paged_code(type(command))
                 if code is None:
                     timeline.append(command)
                 elif code == _POST:  # ENCODERS' encoding, inline
