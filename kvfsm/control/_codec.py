@@ -44,6 +44,14 @@ from kvfsm.link import check_secret
 
 __all__ = ["FrameCodec", "FrameReader", "SessionCodec"]
 
+# CPython 3.11 compiles ``NAME.method(...)`` on an imported NAME as an attribute load and a
+# call, building a bound method each time; every frame sealed or read calls these, so they are
+# bound once here.
+_pack_prefix = _PREFIX.pack
+_unpack_prefix = _PREFIX.unpack_from
+_pack_seq = _SEQ.pack
+_unpack_seq = _SEQ.unpack_from
+
 
 class FrameCodec:
     """Encode frames to wire bytes and decode frame bodies, with an optional shared secret.
@@ -100,10 +108,10 @@ class FrameCodec:
         """Wire bytes of a payload from :meth:`payload`: length prefix, auth byte, MAC."""
         size = self._overhead + len(payload)
         if self._mac is None:
-            return b"".join((_PREFIX.pack(size), _UNSIGNED, payload))
+            return b"".join((_pack_prefix(size), _UNSIGNED, payload))
         mac = self._mac.copy()
         mac.update(payload)
-        return b"".join((_PREFIX.pack(size), _SIGNED, mac.digest(), payload))
+        return b"".join((_pack_prefix(size), _SIGNED, mac.digest(), payload))
 
     def session(
         self, role: Literal["prefill", "decode"], own_nonce: bytes, peer_nonce: bytes
@@ -228,12 +236,12 @@ class SessionCodec:
 
     def seal(self, payload: bytes) -> bytes:
         self.sent += 1
-        seq = _SEQ.pack(self.sent)
+        seq = _pack_seq(self.sent)
         mac = self._send.copy()
         mac.update(seq)
         mac.update(payload)
         size = 1 + _MAC_BYTES + _SEQ.size + len(payload)
-        return b"".join((_PREFIX.pack(size), _SESSION, mac.digest(), seq, payload))
+        return b"".join((_pack_prefix(size), _SESSION, mac.digest(), seq, payload))
 
     def decode(self, body: bytes | bytearray | memoryview) -> Frame:
         size = len(body)
@@ -255,7 +263,7 @@ class SessionCodec:
             raise FrameError(
                 "bad MAC: frame altered, or recorded on another connection", None, True
             )
-        (seq,) = _SEQ.unpack_from(view, seq_at)
+        (seq,) = _unpack_seq(view, seq_at)
         if seq != self.received + 1:
             raise FrameError(
                 f"frame {seq} out of sequence (expected {self.received + 1}): replayed, "
@@ -332,7 +340,7 @@ class FrameReader:
         while end - pos >= _PREFIX_BYTES:
             if max_items is not None and len(out) >= max_items:
                 break
-            (size,) = _PREFIX.unpack_from(buf, pos)
+            (size,) = _unpack_prefix(buf, pos)
             if size > limit:
                 return self._die(
                     out,

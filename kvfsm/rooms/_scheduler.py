@@ -60,6 +60,9 @@ try:  # anyio finds its backend through sniffio when sniffio is installed
     from sniffio import current_async_library_cvar as _library
 except ImportError:  # pragma: no cover - then anyio assumes asyncio whenever a loop runs
     _library = None
+# Bound once: CPython 3.11 compiles ``_library.set(...)`` on the imported name as an attribute
+# load and a call, a bound method built and freed per batch.
+_set_library = None if _library is None else _library.set
 
 __all__ = ["SUSPEND", "RoomScheduler", "Schedulable"]
 
@@ -218,8 +221,8 @@ class RoomScheduler:
         # Room commands may start anyio tasks (the control channel's task group), and anyio
         # finds its backend through sniffio, which looks for a running asyncio.Task: name it
         # here, for this callback's context only (call_soon runs each in a copy).
-        if _library is not None:
-            _library.set("asyncio")
+        if _set_library is not None:
+            _set_library("asyncio")
         ready = self._ready
         self._in_batch = True
         try:
