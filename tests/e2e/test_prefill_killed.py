@@ -180,7 +180,8 @@ def _reason(answer: Any) -> str:
 #: room claimed it within the unclaimed bound (the router's send to decode failed, a
 #: load-dependent fault of SGLang's router on this machine, and it sent the request again
 #: elsewhere; or, on a starved host, the claim came later than the bound and was answered with
-#: the failure, so the router sent that request again too), or the router dropped its prefill
+#: the failure, so the router sent that request again too; said as this rank's own stall when
+#: prefill A itself stood still for over half that bound), or the router dropped its prefill
 #: request and SGLang aborted the room.
 ABANDONED = (
     "peer lost: no decode room claimed it within",
