@@ -56,8 +56,9 @@ class ChannelConfig:
     #: (``RoutingConfig.unclaimed_s``).
     unclaimed_s: float = 60.0
     #: The decode side progresses its NIXL agent this often while writes are expected (the
-    #: writer's flushes need it; ``kvfsm.transport.AgentProgress``).
-    progress_interval_s: float = 0.0005
+    #: writer's flushes need it; ``kvfsm.transport.AgentProgress``, which waits 1 ms at least:
+    #: the event loop's timer resolution, below which a wait is a spin).
+    progress_interval_s: float = 0.001
     #: Decode grants prefill write leases of this length; prefill renews every quarter of it.
     #: A lost link's pages settle ``lease_s + fence_margin_s`` after the last lease decode
     #: granted on it (law 4), however long the prefill process stays frozen.

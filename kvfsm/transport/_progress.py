@@ -4,10 +4,10 @@ Agents run with their progress thread off (it spins a core: docs/design.md, the 
 UCX worker then advances only when it is polled, and a writer's completion flushes wait for the
 target's worker too. Prefill's pump progresses its own agent (:mod:`kvfsm.transport._pump`); a
 decode rank posts nothing and has no pump, so this loop does it there. It is fast
-(``interval_s``) only while some room's pages are exposed to a live link, which the control
-plane knows and says through ``expecting()``, and slow (every 50 ms at least) otherwise, so an
-idle decode rank, or one whose rooms all ended, costs about nothing. It lives here because every
-NIXL call does (docs/design.md, Architecture).
+(``interval_s``, 1 ms at least) only while some room's pages are exposed to a live link, which
+the control plane knows and says through ``expecting()``, and slow (every 50 ms at least)
+otherwise, so an idle decode rank, or one whose rooms all ended, costs about nothing. It lives
+here because every NIXL call does (docs/design.md, Architecture).
 
 ``ProgressWatch`` records each progress, so the control plane knows for how long the agent has
 been progressed without a gap (``steady_for``). A decode rank frozen (SIGSTOP, a VM stall) has
@@ -32,6 +32,11 @@ __all__ = ["AgentProgress", "ProgressWatch"]
 _log = logging.getLogger("kvfsm.transport")
 #: The slowest an idle agent is progressed (a watch's gap limit must be longer).
 IDLE_S = 0.05
+#: The shortest wait between two progresses. Event loops time in milliseconds: uvloop turns
+#: a shorter sleep into none at all, so a 0.5 ms interval would progress on every loop
+#: iteration while writes are expected, a spinning thread (60% of a core on a busy decode
+#: rank: ``benchmarks/vs_sglang.py``, decode's loop thread at 64 in flight).
+MIN_INTERVAL_S = 0.001
 
 
 class ProgressWatch:
@@ -62,9 +67,9 @@ class ProgressWatch:
 
 
 class AgentProgress:
-    """Progresses ``agent`` every ``interval_s`` while ``expecting()`` is true, else every
-    ``max(interval_s, 50 ms)``, telling ``watch`` each time. :meth:`start` and :meth:`aclose`
-    on the loop thread."""
+    """Progresses ``agent`` every ``interval_s`` (at least ``MIN_INTERVAL_S``) while
+    ``expecting()`` is true, else every ``max(interval_s, 50 ms)``, telling ``watch`` each
+    time. :meth:`start` and :meth:`aclose` on the loop thread."""
 
     def __init__(
         self,
@@ -76,7 +81,7 @@ class AgentProgress:
         self.agent = agent
         self.watch = watch
         self._expecting = expecting
-        self._busy_s = interval_s
+        self._busy_s = max(interval_s, MIN_INTERVAL_S)
         self._idle_s = max(interval_s, IDLE_S)
         self._task: asyncio.Task[None] | None = None
 

@@ -11,8 +11,6 @@ import pytest
 from kvfsm.transport import AgentProgress, ProgressWatch
 from tests.helpers.waiting import wait_until
 
-pytestmark = pytest.mark.asyncio
-
 
 class _Nixl:
     def __init__(self) -> None:
@@ -30,6 +28,7 @@ class _Agent:
         self.nixl = _Nixl()
 
 
+@pytest.mark.asyncio
 @pytest.mark.looptime
 async def test_busy_while_writes_are_expected_idle_otherwise_stopped_when_closed() -> None:
     agent, expecting = _Agent(), [False]
@@ -52,6 +51,7 @@ async def test_busy_while_writes_are_expected_idle_otherwise_stopped_when_closed
     assert agent.nixl.progressed == stopped
 
 
+@pytest.mark.asyncio
 @pytest.mark.looptime
 async def test_an_interval_over_the_idle_pace_is_used_for_both() -> None:
     agent = _Agent()
@@ -62,6 +62,7 @@ async def test_an_interval_over_the_idle_pace_is_used_for_both() -> None:
     await progress.aclose()
 
 
+@pytest.mark.asyncio
 async def test_a_progress_watch_counts_the_steady_stretch_and_restarts_it_after_a_gap() -> None:
     watch = ProgressWatch(max_gap_s=0.25)
     assert watch.steady_for(0.0) == 0.0  # never progressed
@@ -78,6 +79,7 @@ async def test_a_progress_watch_counts_the_steady_stretch_and_restarts_it_after_
         ProgressWatch(0.0)
 
 
+@pytest.mark.asyncio
 async def test_the_progress_loop_tells_its_watch() -> None:
     agent = _Agent()
     watch = ProgressWatch(max_gap_s=0.5)
@@ -87,3 +89,33 @@ async def test_the_progress_loop_tells_its_watch() -> None:
     await progress.aclose()
     assert agent.nixl.progressed > 1
     assert watch.steady_for(time.monotonic()) > 0.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.looptime
+async def test_an_interval_below_the_loops_timer_resolution_is_raised_to_it() -> None:
+    agent = _Agent()
+    progress = AgentProgress(agent, lambda: True, 0.0005)  # type: ignore[arg-type]
+    progress.start()
+    await asyncio.sleep(1.0)
+    assert 990 <= agent.nixl.progressed <= 1010  # every MIN_INTERVAL_S (1 ms), not 0.5 ms
+    await progress.aclose()
+
+
+def test_on_uvloop_a_busy_agent_is_progressed_once_a_millisecond_not_on_every_iteration() -> None:
+    """uvloop times in whole milliseconds and runs a shorter sleep on the next iteration: the
+    loop must not turn into a spin while writes are expected (it would hold a core)."""
+    uvloop = pytest.importorskip("uvloop")
+    agent = _Agent()
+
+    async def main() -> float:
+        progress = AgentProgress(agent, lambda: True, 0.0005)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        progress.start()
+        await asyncio.sleep(0.2)
+        await progress.aclose()
+        return time.monotonic() - t0
+
+    elapsed = uvloop.run(main())
+    # A spin makes thousands of calls in 0.2 s; once a millisecond is at most one per 1 ms.
+    assert 1 <= agent.nixl.progressed <= elapsed / 0.001 + 2
