@@ -25,7 +25,10 @@ buffers (16: 1 MiB a request) plus an aux row; decode's pages are a random permu
 One run makes ``--rounds`` rounds; in each, each backend (alternating which goes first) starts a
 fresh pair and moves ``--requests`` requests at each of ``--windows`` in flight (after a warm-up).
 Reported per backend and window, the median over rounds: requests/s and GB/s; the latency of a
-request from its sender's creation to the poll that saw Success, p50 and p99; the prefill
+request from its sender's creation to the poll that saw Success, p50 and p99, and the p50 of
+its two phases (bootstrap: creation to the first poll that saw WaitingForInput, decode's pages
+having reached prefill; send: from there to Success, the ``init``, the sends and the
+transfer); the prefill
 process's CPU per request (every thread: scheduler, the backend's own threads, NIXL's); the
 scheduler thread's CPU per request (``time.thread_time``); decode's process CPU per request; and
 the ratios kvfsm / SGLang, each from the medians, against the targets.
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -89,6 +93,10 @@ class Scheduler:
     def run(self, window: int, requests: int) -> dict[str, Any]:
         live: list[list[Any]] = []
         latencies: list[float] = []
+        # Each ended request's two phases: created -> first seen WaitingForInput (bootstrap:
+        # decode's pages reach prefill), then -> seen Success or Failed (the sends and the
+        # transfer), so that a latency says where it was spent.
+        phases: list[tuple[float, float]] = []
         created = 0
         sender_cls, mgr, addr = self.be.sender_cls, self.child.mgr, self.child.addr
         step, clock = self.step, time.perf_counter
@@ -100,8 +108,8 @@ class Scheduler:
             while len(live) < window and created < requests:
                 self.room += 1
                 created += 1
-                live.append([self.room, sender_cls(mgr, addr, self.room), clock(), False])
-            self._advance(live, latencies)
+                live.append([self.room, sender_cls(mgr, addr, self.room), clock(), False, 0.0])
+            self._advance(live, latencies, phases)
             if step:
                 time.sleep(step)  # the forward pass: the GIL is free
             if time.monotonic() > give_up:
@@ -110,6 +118,8 @@ class Scheduler:
         cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
         decode, threads = process_cpu(self.child.pid) - decode0, thread_cpu()
         latencies.sort()
+        boot = sorted(b for b, _ in phases)
+        send = sorted(x for _, x in phases)
         return {
             "requests": requests,
             "seconds": wall,
@@ -117,6 +127,9 @@ class Scheduler:
             "gb_per_s": requests * self.room_pages * PAGE_BYTES * BUFFERS / wall / 1e9,
             "p50_ms": latencies[len(latencies) // 2] * 1e3,
             "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
+            # (none if no request reached WaitingForInput: every one failed before)
+            "bootstrap_p50_ms": boot[len(boot) // 2] * 1e3 if boot else math.nan,
+            "send_p50_ms": send[len(send) // 2] * 1e3 if send else math.nan,
             "process_cpu_us": cpu / requests * 1e6,
             "scheduler_cpu_us": thread / requests * 1e6,
             "decode_cpu_us": decode / requests * 1e6,
@@ -129,13 +142,16 @@ class Scheduler:
             },
         }
 
-    def _advance(self, live: list[list[Any]], latencies: list[float]) -> None:
+    def _advance(
+        self, live: list[list[Any]], latencies: list[float], phases: list[tuple[float, float]]
+    ) -> None:
         """One pass of the scheduler's polls over ``live`` (in place)."""
         keep = []
         for entry in live:
-            room, sender, created, sent = entry
+            room, sender, created, sent, waiting = entry
             status = int(sender.poll())
             if not sent and status == WAITING:
+                waiting = entry[4] = time.perf_counter()
                 lo = (room % self.slots) * self.room_pages
                 src = np.arange(lo, lo + self.room_pages, dtype=np.int32)
                 sender.init(self.room_pages, room % AUX_ROWS)
@@ -143,7 +159,10 @@ class Scheduler:
                     sender.send(chunk)
                 entry[3] = True
             if status in (SUCCESS, FAILED):
-                latencies.append(time.perf_counter() - created)
+                now = time.perf_counter()
+                latencies.append(now - created)
+                if waiting:
+                    phases.append((waiting - created, now - waiting))
                 if status == FAILED:
                     try:
                         sender.failure_exception()
@@ -188,6 +207,8 @@ MEASURES = (
     "gb_per_s",
     "p50_ms",
     "p99_ms",
+    "bootstrap_p50_ms",
+    "send_p50_ms",
     "process_cpu_us",
     "scheduler_cpu_us",
     "decode_cpu_us",
@@ -247,7 +268,17 @@ def print_summary(report: dict[str, Any]) -> None:
         f"step {report['step_us']:g} us; load {report['loadavg'][0]:.2f} -> "
         f"{report['loadavg'][1]:.2f}"
     )
-    head = ("req/s", "GB/s", "p50 ms", "p99 ms", "proc us/req", "sched us/req", "decode us/req")
+    head = (
+        "req/s",
+        "GB/s",
+        "p50 ms",
+        "p99 ms",
+        "boot p50 ms",
+        "send p50 ms",
+        "proc us/req",
+        "sched us/req",
+        "decode us/req",
+    )
     print(f"{'':7s}{'W':>4s} " + " ".join(f"{h:>13s}" for h in head))
     for w in report["windows"]:
         rows = [(n, b["windows"][str(w)]) for n, b in report["backends"].items()]

@@ -18,6 +18,8 @@ MEASURES = {
     "gb_per_s",
     "p50_ms",
     "p99_ms",
+    "bootstrap_p50_ms",
+    "send_p50_ms",
     "process_cpu_us",
     "scheduler_cpu_us",
     "decode_cpu_us",
@@ -46,6 +48,10 @@ def test_both_backends_move_every_request_with_checked_bytes_and_report_ratios()
             assert row["failed"] == 0
             assert all(row[m] > 0 for m in MEASURES if m != "decode_cpu_us"), (name, row)
             assert row["p50_ms"] <= row["p99_ms"]
+            # Each request's phases add up to its latency, so neither phase's median exceeds
+            # the latency's.
+            assert row["bootstrap_p50_ms"] <= row["p50_ms"], (name, row)
+            assert row["send_p50_ms"] <= row["p50_ms"], (name, row)
     kvfsm, sglang = (report["backends"][n]["windows"]["4"] for n in ("kvfsm", "sglang"))
     ratios = report["ratios"]["4"]
     assert ratios["rooms_per_s"] == kvfsm["rooms_per_s"] / sglang["rooms_per_s"]
