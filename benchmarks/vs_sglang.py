@@ -191,14 +191,31 @@ def one_round(name: str, a: argparse.Namespace) -> dict[str, Any]:
     with child:
         loop = Scheduler(be, child, a)
         loop.run(min(8, max(windows)), a.warmup)
-        results = {str(w): loop.run(w, a.requests) for w in windows}
+        results, stories = {}, {}
+        for w in windows:
+            results[str(w)] = loop.run(w, a.requests)
+            if a.stories and name == "kvfsm":
+                stories[str(w)] = _stories(child.mgr, loop.room, a.stories)
         child.last_room = loop.room
     return {
         "windows": results,
+        "stories": stories,
         "failed_prefill": loop.failed[:10],
         "failed_prefill_count": len(loop.failed),
         "decode": child.counts,
     }
+
+
+def _stories(mgr: Any, last: int, n: int) -> list[dict[str, Any]]:
+    """The flight recorder's timelines of kvfsm's rooms ``last - n + 1`` to ``last`` (what
+    ``kvfsm rooms --room ID`` shows), each as (ms since the room's creation, what happened)."""
+    engine = mgr.kvfsm.engine
+    out = []
+    for room in range(last - n + 1, last + 1):
+        for row in engine.story(room):
+            steps = [(e["t_ms"], e["what"]) for e in row["timeline"]]
+            out.append({"room": room, "state": row["state"], "timeline": steps})
+    return out
 
 
 #: What each round reports, per backend and window, in the order the table prints them.
@@ -231,6 +248,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], windows: list[int]) -> di
         }
         backends[name] = {
             "windows": per_window,
+            "stories": runs[-1].get("stories", {}),  # the last round's
             "decode": decode,
             "failed_prefill": [f for r in runs for f in r["failed_prefill"]][:10],
             "failed_prefill_count": sum(r["failed_prefill_count"] for r in runs),
@@ -289,6 +307,10 @@ def print_summary(report: dict[str, Any]) -> None:
             print(f"{name:7s}{w:4d} {cells}")
     for name, b in report["backends"].items():
         print(f"{name}: decode {b['decode']}; failed at prefill {b['failed_prefill_count']}")
+        for w, rooms in b.get("stories", {}).items():
+            for story in rooms:
+                steps = ", ".join(f"{t:.2f} {what}" for t, what in story["timeline"])
+                print(f"{name} {w} in flight, room {story['room']} ({story['state']}): {steps}")
     for t in report.get("targets", []):
         sign = ">=" if t["kind"] == "min" else "<="
         print(
@@ -311,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=100.0,
         help="GIL-free wait per scheduler iteration (the forward pass)",
+    )
+    parser.add_argument(
+        "--stories",
+        type=int,
+        default=0,
+        help="kvfsm: the flight-recorder timeline of each window's last N rooms (last round)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # one backend's round, as a child
@@ -346,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 "room_pages",
                 "chunks",
                 "step_us",
+                "stories",
                 "prefill_fill",
             ):
                 argv_one += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]

@@ -36,7 +36,7 @@ def _run(*args: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_both_backends_move_every_request_with_checked_bytes_and_report_ratios() -> None:
-    report = _run()
+    report = _run("--stories", "2")
     assert set(report["backends"]) == {"kvfsm", "sglang"}
     for name, b in report["backends"].items():
         assert b["failed_prefill_count"] == 0, (name, b["failed_prefill"])
@@ -52,6 +52,21 @@ def test_both_backends_move_every_request_with_checked_bytes_and_report_ratios()
             # the latency's.
             assert row["bootstrap_p50_ms"] <= row["p50_ms"], (name, row)
             assert row["send_p50_ms"] <= row["p50_ms"], (name, row)
+    # --stories: the flight recorder's timeline of each window's last two kvfsm rooms (the
+    # windows ran in order, so window 4's rooms are the round's last), SGLang has none.
+    assert report["backends"]["sglang"]["stories"] == {}
+    stories = report["backends"]["kvfsm"]["stories"]
+    assert set(stories) == {"1", "4"}
+    last = 4 + 2 * 12  # the warm-up's rooms, then each window's
+    assert [s["room"] for s in stories["4"]] == [last - 1, last]
+    assert [s["room"] for s in stories["1"]] == [last - 13, last - 12]
+    for story in stories["1"] + stories["4"]:
+        assert story["state"] == "Success", story
+        times = [t for t, _ in story["timeline"]]
+        assert times == sorted(times), story
+        whats = [what for _, what in story["timeline"]]
+        assert "entered WaitingForInput" in whats, story
+        assert whats.index("entered Success") > whats.index("chunk done"), story
     kvfsm, sglang = (report["backends"][n]["windows"]["4"] for n in ("kvfsm", "sglang"))
     ratios = report["ratios"]["4"]
     assert ratios["rooms_per_s"] == kvfsm["rooms_per_s"] / sglang["rooms_per_s"]
