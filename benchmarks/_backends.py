@@ -244,17 +244,17 @@ def decode_main(name: str, ahead: int, room_pages: int, pages: int) -> None:
             moved = False
             keep_live = []
             for entry in live:
-                r, receiver, dst = entry
+                r, receiver, ends = entry
                 status = int(receiver.poll())
-                if dst is None and status == WAITING:
+                if ends is None and status == WAITING:
                     lo = (r % slots) * room_pages
-                    dst = entry[2] = np.random.default_rng(r).permutation(
+                    dst = np.random.default_rng(r).permutation(
                         np.arange(lo, lo + room_pages, dtype=np.int32)
                     )
-                    # The bytes the check below reads, cleared, so that Success must have
-                    # written them (clearing whole pages cost decode 4x the check's time,
-                    # harness work that both backends' pairs paid on the same 2 vCPUs).
-                    ends = (dst[:, None], EDGES)
+                    # The bytes the check below reads (each page's first and last), cleared so
+                    # that Success must have written them (clearing whole pages cost decode 4x
+                    # the check's time, harness work both backends' pairs paid alike).
+                    ends = entry[2] = (dst[:, None], EDGES)
                     for buffer in kv:
                         buffer[ends] = 0
                     receiver.send_metadata(dst, r % AUX_ROWS, None, decode_prefix_len=0)
@@ -262,7 +262,6 @@ def decode_main(name: str, ahead: int, room_pages: int, pages: int) -> None:
                 if status in (SUCCESS, FAILED):
                     counts["succeeded" if status == SUCCESS else "failed"] += 1
                     # Prefill's pages all hold FILL: each page's first and last byte, everywhere.
-                    ends = (dst[:, None], EDGES)
                     if status == SUCCESS and any(np.any(b[ends] != FILL) for b in kv):
                         counts["wrong_bytes"] += 1
                     receiver.clear()

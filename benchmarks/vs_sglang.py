@@ -108,7 +108,8 @@ class Scheduler:
             while len(live) < window and created < requests:
                 self.room += 1
                 created += 1
-                live.append([self.room, sender_cls(mgr, addr, self.room), clock(), False, 0.0])
+                # (room, sender, created at, first seen WaitingForInput at: 0 until then)
+                live.append([self.room, sender_cls(mgr, addr, self.room), clock(), 0.0])
             self._advance(live, latencies, phases)
             if step:
                 time.sleep(step)  # the forward pass: the GIL is free
@@ -148,16 +149,15 @@ class Scheduler:
         """One pass of the scheduler's polls over ``live`` (in place)."""
         keep = []
         for entry in live:
-            room, sender, created, sent, waiting = entry
+            room, sender, created, waiting = entry
             status = int(sender.poll())
-            if not sent and status == WAITING:
-                waiting = entry[4] = time.perf_counter()
+            if not waiting and status == WAITING:
+                waiting = entry[3] = time.perf_counter()
                 lo = (room % self.slots) * self.room_pages
                 src = np.arange(lo, lo + self.room_pages, dtype=np.int32)
                 sender.init(self.room_pages, room % AUX_ROWS)
                 for chunk in np.array_split(src, self.chunks):  # a chunked prefill
                     sender.send(chunk)
-                entry[3] = True
             if status in (SUCCESS, FAILED):
                 now = time.perf_counter()
                 latencies.append(now - created)

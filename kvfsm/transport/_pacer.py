@@ -11,9 +11,9 @@ interval to every chunk. The pacer spends its polling where completions are due:
   ``accepted + nbytes / throughput``.
 * Within ``spin_s`` of the earliest expected completion, on either side, the pump polls
   without sleeping (it yields to the loop only). Outside that window it sleeps ``max_wait_s``
-  between rounds: a chunk that finishes well before its estimate is found at most
-  ``max_wait_s`` late (the latency cost), one that is stalled costs one round per
-  ``max_wait_s``.
+  (``LOOP_TIMER_S`` at least) between rounds: a chunk that finishes well before its estimate
+  is found at most ``max_wait_s`` late (the latency cost), one that is stalled costs one round
+  per ``max_wait_s``.
 * Spinning is bounded: after ``spin_s`` of consecutive rounds without a sleep, the next round
   sleeps ``max_wait_s`` whatever the estimate says, so the pump never holds more than about
   ``spin_s / (spin_s + max_wait_s)`` of a core, even with a stream of completions due.
@@ -29,7 +29,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final, Protocol
 
-__all__ = ["PollPacer"]
+__all__ = ["LOOP_TIMER_S", "PollPacer"]
+
+#: The shortest wait the event loop keeps: loops time in whole milliseconds, and uvloop runs a
+#: shorter sleep on its next iteration, no wait at all. A loop-thread poll with a shorter
+#: interval is a spin that holds a core (decode's agent progress every 0.5 ms: 60% of one on a
+#: busy rank), so the pump's waits and that progress are never shorter; a wait of 0 is the
+#: explicit spin (``TransferConfig.poll_max_wait_s = 0``).
+LOOP_TIMER_S: Final = 0.001
 
 #: Weight of the newest sample in the throughput estimate.
 _ALPHA: Final = 0.25
@@ -78,8 +85,8 @@ class PollPacer:
             if now - since < self.spin_s:
                 self.spins += 1
                 return 0.0
-        # Always the whole interval: event loops time in milliseconds (uvloop turns a shorter
-        # sleep into none at all), so a shorter wait would be a spin outside the budget.
+        # Always the whole interval, and never under the loop's timer resolution: a shorter
+        # wait would be a spin outside the budget.
         self._spin_since = None
         self.sleeps += 1
-        return self.max_wait_s
+        return max(self.max_wait_s, LOOP_TIMER_S)

@@ -26,17 +26,13 @@ from collections.abc import Callable
 
 from kvfsm._tasks import cancel_and_wait
 from kvfsm.transport._agent import Agent
+from kvfsm.transport._pacer import LOOP_TIMER_S
 
 __all__ = ["AgentProgress", "ProgressWatch"]
 
 _log = logging.getLogger("kvfsm.transport")
 #: The slowest an idle agent is progressed (a watch's gap limit must be longer).
 IDLE_S = 0.05
-#: The shortest wait between two progresses. Event loops time in milliseconds: uvloop turns
-#: a shorter sleep into none at all, so a 0.5 ms interval would progress on every loop
-#: iteration while writes are expected, a spinning thread (60% of a core on a busy decode
-#: rank: ``benchmarks/vs_sglang.py``, decode's loop thread at 64 in flight).
-MIN_INTERVAL_S = 0.001
 
 
 class ProgressWatch:
@@ -67,7 +63,7 @@ class ProgressWatch:
 
 
 class AgentProgress:
-    """Progresses ``agent`` every ``interval_s`` (at least ``MIN_INTERVAL_S``) while
+    """Progresses ``agent`` every ``interval_s`` (at least ``LOOP_TIMER_S``) while
     ``expecting()`` is true, else every ``max(interval_s, 50 ms)``, telling ``watch`` each
     time. :meth:`start` and :meth:`aclose` on the loop thread."""
 
@@ -81,7 +77,7 @@ class AgentProgress:
         self.agent = agent
         self.watch = watch
         self._expecting = expecting
-        self._busy_s = max(interval_s, MIN_INTERVAL_S)
+        self._busy_s = max(interval_s, LOOP_TIMER_S)
         self._idle_s = max(interval_s, IDLE_S)
         self._task: asyncio.Task[None] | None = None
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvfsm.transport._pacer import PollPacer
+from kvfsm.transport._pacer import LOOP_TIMER_S, PollPacer
 
 
 @dataclass
@@ -18,6 +18,12 @@ class _Chunk:
 def test_nothing_in_flight_sleeps_the_whole_interval() -> None:
     pacer = PollPacer(spin_s=0.0005, max_wait_s=0.001)
     assert pacer.wait(10.0, []) == 0.001
+
+
+def test_an_interval_under_the_loops_timer_resolution_sleeps_the_resolution() -> None:
+    # A shorter sleep is none at all on uvloop: the pump would spin outside its budget.
+    pacer = PollPacer(spin_s=0.0005, max_wait_s=0.0002)
+    assert pacer.wait(10.0, []) == LOOP_TIMER_S == 0.001
 
 
 def test_pacing_off_polls_every_iteration() -> None:
