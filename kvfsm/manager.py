@@ -238,6 +238,9 @@ class ManagerConfig:
     #: How long a prefill rank's first registration keeps retrying while the registry is not
     #: up yet (SGLang starts its bootstrap server after the scheduler ranks); 0: one attempt.
     register_wait_s: float = 0.0
+    #: How long one request to the bootstrap registry may take before the registry counts as
+    #: unreachable (a decode room whose prefill rank cannot be looked up fails with that).
+    registry_timeout_s: float = 2.0
     use_uvloop: bool = True
     #: Serve ``/rooms``, ``/stats`` and (with ``metrics``) ``/metrics`` on this port of
     #: ``status_host``; 0 picks a free port; None: no status server.
@@ -297,7 +300,11 @@ class _Manager:
     def _bootstrap_client(self) -> BootstrapClient:
         # Built anywhere; its aiohttp session opens on first use, on the engine's loop.
         if self._client is None:
-            self._client = BootstrapClient(self.bootstrap_url, secret=self.config.secret)
+            self._client = BootstrapClient(
+                self.bootstrap_url,
+                secret=self.config.secret,
+                timeout_s=self.config.registry_timeout_s,
+            )
         return self._client
 
     def _start(self, control: ControlPlane) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 import numpy as np
 
@@ -129,3 +130,39 @@ def test_prefill_fences_each_link_by_the_margin_its_decode_told() -> None:
         finally:
             decode.close()
             prefill.close()
+
+
+def test_a_registry_that_does_not_answer_fails_rooms_after_the_configured_timeout() -> None:
+    """``registry_timeout_s`` bounds each registry request: a registry that takes connections
+    and never answers fails a decode room's lookup with a timeout after it, and a rank given
+    more time keeps waiting past the default 2 s instead."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)  # connections complete in the backlog; no request is ever read
+    url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+    dst_kv, dst_aux = make_buffers(SHAPE)
+    layout = make_layout(dst_kv, dst_aux)
+    short = dataclasses.replace(CONFIG, registry_timeout_s=0.2)
+    patient = dataclasses.replace(CONFIG, registry_timeout_s=60.0)
+    try:
+        decode = DecodeManager(layout, url, engine_id="m", config=short)
+        try:
+            receiver = decode.receiver(1)
+            receiver.init(0)
+            wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=10)
+            assert "unreachable: TimeoutError" in receiver.reason, receiver.reason
+            receiver.clear()
+        finally:
+            decode.close()
+        decode = DecodeManager(layout, url, engine_id="m", config=patient)
+        try:
+            receiver = decode.receiver(2)
+            receiver.init(0)
+            # Past the default timeout by a margin a loaded machine cannot eat: still looking.
+            time.sleep(3.0)
+            assert receiver.poll() is KVPoll.Bootstrapping, receiver.reason
+            receiver.abort("done")
+        finally:
+            decode.close()
+    finally:
+        mute.close()

@@ -451,7 +451,11 @@ class KvfsmKVManager(BaseKVManager):
             raise RuntimeError("the kvfsm manager is closed")
         client = self._clients.get(addr)
         if client is None:
-            client = BootstrapClient(f"http://{addr}", secret=self.config.secret)
+            client = BootstrapClient(
+                f"http://{addr}",
+                secret=self.config.secret,
+                timeout_s=self.config.registry_timeout_s,
+            )
             self._clients[addr] = client
         return client
 

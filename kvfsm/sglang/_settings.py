@@ -27,6 +27,10 @@ be passed to them; these are read when a manager or bootstrap server is built.
                        refused with an error naming the setting. Raise it where more decode
                        ranks than that read from one prefill rank.
 ``KVFSM_MAX_LINKS_PER_HOST``  prefill: control links from one peer host at most (default 32).
+``KVFSM_REGISTRY_TIMEOUT_S``  how long one request to the bootstrap registry may take before
+                       it counts as unreachable (default 2 s); a decode request whose prefill
+                       rank cannot be looked up fails with that. Raise it where the registry
+                       shares an oversubscribed host.
 ``KVFSM_EXIT_ON_FENCED_OUT``  ``1`` (default): a prefill scheduler whose NIXL agent was fenced
                        out (stopped or starved past its write lease with a WRITE in flight)
                        exits with status 75, and SGLang's launcher takes the server down for
@@ -43,7 +47,14 @@ import threading
 from kvfsm.control import ChannelConfig
 from kvfsm.manager import ManagerConfig
 
-__all__ = ["channel_config", "configure", "exit_on_fenced_out", "manager_config", "secret"]
+__all__ = [
+    "channel_config",
+    "configure",
+    "exit_on_fenced_out",
+    "manager_config",
+    "registry_timeout_s",
+    "secret",
+]
 
 _lock = threading.Lock()
 _configured: ManagerConfig | None = None
@@ -71,9 +82,16 @@ def manager_config() -> ManagerConfig:
     return ManagerConfig(
         secret=secret(),
         register_wait_s=120.0,
+        registry_timeout_s=registry_timeout_s(),
         channel=channel_config(),
         exit_on_fenced_out=exit_on_fenced_out(),
     )
+
+
+def registry_timeout_s() -> float:
+    """``KVFSM_REGISTRY_TIMEOUT_S``: a positive number of seconds (default 2); anything else is
+    refused at start-up."""
+    return _positive("KVFSM_REGISTRY_TIMEOUT_S", ManagerConfig().registry_timeout_s)
 
 
 def exit_on_fenced_out() -> bool:

@@ -59,3 +59,14 @@ def test_a_fenced_out_prefill_exits_by_default(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("KVFSM_EXIT_ON_FENCED_OUT", "yes")
     with pytest.raises(ValueError, match="KVFSM_EXIT_ON_FENCED_OUT"):
         manager_config()
+
+
+def test_the_registry_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    configure(None)  # the environment's settings, not the tests' (the fixture restores them)
+    monkeypatch.delenv("KVFSM_REGISTRY_TIMEOUT_S", raising=False)
+    assert manager_config().registry_timeout_s == 2.0
+    monkeypatch.setenv("KVFSM_REGISTRY_TIMEOUT_S", "7.5")
+    assert manager_config().registry_timeout_s == 7.5
+    monkeypatch.setenv("KVFSM_REGISTRY_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="KVFSM_REGISTRY_TIMEOUT_S"):
+        manager_config()
