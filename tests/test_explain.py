@@ -226,6 +226,20 @@ def test_every_failure_event_has_a_family() -> None:
             rules.LAW_HANDSHAKE,
         ),
         (
+            "peer lost: cannot reach prefill rank 3: bootstrap registry http://10.0.0.7:8998 "
+            "unreachable: TimeoutError: ",
+            "receiver",
+            "registry_timeout",
+            rules.LAW_REGISTRY,
+        ),
+        (
+            "peer lost: cannot reach prefill rank 3: bootstrap registry http://10.0.0.7:8998 "
+            "unreachable: ClientConnectorError: Cannot connect to host 10.0.0.7:8998",
+            "receiver",
+            "unreachable",
+            rules.LAW_LINK,
+        ),
+        (
             "peer lost: kvfsm-decode-t-r0-h-pid9-ab silent for more than 2s",
             "sender",
             "peer_silent",

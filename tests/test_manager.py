@@ -14,6 +14,7 @@ import numpy as np
 
 from kvfsm import KVPoll
 from kvfsm.control import ChannelConfig
+from kvfsm.explain import classify
 from kvfsm.manager import DecodeManager, ManagerConfig, PrefillManager, default_agent_name
 from kvfsm.states import TERMINAL
 from kvfsm.testing import KvfsmPair
@@ -151,6 +152,10 @@ def test_a_registry_that_does_not_answer_fails_rooms_after_the_configured_timeou
             receiver.init(0)
             wait_until_sync(lambda: receiver.poll() is KVPoll.Failed, timeout=10)
             assert "unreachable: TimeoutError" in receiver.reason, receiver.reason
+            # and ``kvfsm explain`` reads it as the registry's bound, naming the setting
+            found = classify(receiver.reason, "receiver")
+            assert found.rule.kind == "registry_timeout", found
+            assert "registry_timeout_s" in found.rule.check
             receiver.clear()
         finally:
             decode.close()

@@ -40,6 +40,10 @@ LAW_LIVENESS: Final = (
     "(ChannelConfig.heartbeat_s x liveness_factor)"
 )
 LAW_LINK: Final = "law 3 (bounded time): the control link to the peer ended"
+LAW_REGISTRY: Final = (
+    "law 3 (bounded time): one bootstrap registry request's bound "
+    "(ManagerConfig.registry_timeout_s)"
+)
 LAW_UNCLAIMED: Final = "law 3 (bounded time): the unclaimed-room bound (ChannelConfig.unclaimed_s)"
 LAW_FENCE: Final = "law 4 (physical settle): a write fenced after its lease expired"
 LAW_CHUNK: Final = "law 3 (bounded time): a failed chunk fails its room"
@@ -203,6 +207,18 @@ RULES: Final[tuple[Rule, ...]] = (
         "the two ranks' configuration: the refusal names what differs (model layout, page "
         "size, kvfsm version, auth secret) or the bound that was reached (ChannelConfig."
         "max_links, the per-host handshake cap)",
+    ),
+    Rule(
+        "registry_timeout",
+        r"peer lost: cannot reach prefill rank (?P<rank>\d+): bootstrap registry (?P<url>\S+) "
+        r"unreachable: TimeoutError",
+        LAW_REGISTRY,
+        "the bootstrap registry at {url} did not answer the lookup of prefill rank {rank} "
+        "within its request bound",
+        "is the registry up, and is its host (or this one) so loaded that it answers late "
+        "(`curl {url}/v1/ranks?engine=<engine>`)? A registry that only answers slowly needs a "
+        "longer bound: ManagerConfig.registry_timeout_s (KVFSM_REGISTRY_TIMEOUT_S under "
+        "SGLang; 2 s by default)",
     ),
     Rule(
         "unreachable",
