@@ -890,7 +890,6 @@ class Kvfsm:
         self.bench = bench
         self.name = name
         self.ahead = ahead
-        self._loop_clock: int | None = None  # the loop thread's CPU clock (_loop_cpu)
         peer = bench.peer
         kind: MemKind = MemKind(bench.mem)
         regions = 1 if heads is None else heads.regions
@@ -920,11 +919,13 @@ class Kvfsm:
         self.transport = NixlTransport(self.agent, config=config, leases=self.leases)
         self.engine = RoomEngine(self.transport).start()
 
-        async def grant() -> None:
+        async def grant() -> int:
             if self.leases is not None:
                 self.leases.grant(_FENCE, time.monotonic() + 1e6)
+            return threading.get_ident()
 
-        self.engine.call(grant())
+        # The loop thread's CPU clock, read from the caller (_loop_cpu).
+        self._loop_clock = time.pthread_getcpuclockid(self.engine.call(grant()))
         remote = LayoutSummary(
             kv=tuple((peer.base + b * dst_region, dst_region, dst_page, 0) for b in range(regions)),
             kv_kind=kind,
@@ -972,12 +973,6 @@ class Kvfsm:
         """The loop thread's CPU seconds so far, read from this thread: no round trip to the
         loop inside the timed region (one cost the caller to wait for the GIL and a wake-up
         of the loop, twice a repetition, and was timed as kvfsm's)."""
-        if self._loop_clock is None:
-
-            async def ident() -> int:
-                return threading.get_ident()
-
-            self._loop_clock = time.pthread_getcpuclockid(self.engine.call(ident()))
         return time.clock_gettime(self._loop_clock)
 
     def run(self, case: Case) -> Result:

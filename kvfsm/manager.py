@@ -259,10 +259,20 @@ class ManagerConfig:
     #: it. False: the rank stays up and fails every room with the reason until restarted.
     exit_on_fenced_out: bool = False
 
+    def __post_init__(self) -> None:
+        # aiohttp reads a total of 0 as no timeout at all: a registry that never answers would
+        # hold every lookup until its room's deadline.
+        if not self.registry_timeout_s > 0:
+            raise ValueError(f"registry_timeout_s must be > 0, got {self.registry_timeout_s!r}")
+
     def channel_config(self) -> ChannelConfig:
         if self.secret is None:
             return self.channel
         return dataclasses.replace(self.channel, secret=self.secret)
+
+    def registry_client(self, base_url: str) -> BootstrapClient:
+        """A client of the registry at ``base_url`` with this rank's secret and request bound."""
+        return BootstrapClient(base_url, secret=self.secret, timeout_s=self.registry_timeout_s)
 
 
 class _Manager:
@@ -300,11 +310,7 @@ class _Manager:
     def _bootstrap_client(self) -> BootstrapClient:
         # Built anywhere; its aiohttp session opens on first use, on the engine's loop.
         if self._client is None:
-            self._client = BootstrapClient(
-                self.bootstrap_url,
-                secret=self.config.secret,
-                timeout_s=self.config.registry_timeout_s,
-            )
+            self._client = self.config.registry_client(self.bootstrap_url)
         return self._client
 
     def _start(self, control: ControlPlane) -> None:

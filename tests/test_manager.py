@@ -11,6 +11,7 @@ import socket
 import time
 
 import numpy as np
+import pytest
 
 from kvfsm import KVPoll
 from kvfsm.control import ChannelConfig
@@ -171,3 +172,10 @@ def test_a_registry_that_does_not_answer_fails_rooms_after_the_configured_timeou
             decode.close()
     finally:
         mute.close()
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("nan")])
+def test_a_registry_timeout_that_bounds_nothing_is_refused(bound: float) -> None:
+    # aiohttp reads 0 as no timeout: a mute registry would hold lookups until the deadline.
+    with pytest.raises(ValueError, match="registry_timeout_s"):
+        ManagerConfig(registry_timeout_s=bound)

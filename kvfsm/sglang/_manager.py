@@ -451,11 +451,7 @@ class KvfsmKVManager(BaseKVManager):
             raise RuntimeError("the kvfsm manager is closed")
         client = self._clients.get(addr)
         if client is None:
-            client = BootstrapClient(
-                f"http://{addr}",
-                secret=self.config.secret,
-                timeout_s=self.config.registry_timeout_s,
-            )
+            client = self.config.registry_client(f"http://{addr}")
             self._clients[addr] = client
         return client
 
