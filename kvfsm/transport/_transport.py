@@ -74,6 +74,14 @@ __all__ = ["ChunkObserver", "NixlTransport", "TransferConfig", "TransportStats"]
 
 _log = logging.getLogger("kvfsm.transport")
 _NO_PEER: object = object()
+#: What one NIXL request's own calls (make, transfer, check, release) cost the poster, counted
+#: as bytes copied in that time, so that a run of tiny requests is handed back in bounded
+#: time too (TransferConfig.hand_back_bytes).
+_REQUEST_BYTES = 32 << 10
+
+
+def _posting_weight(record: Xfer) -> int:
+    return record.nbytes + _REQUEST_BYTES
 
 
 def group_staged(
@@ -186,7 +194,10 @@ class NixlTransport(CommandSink):
         if leases is not None:
             agent.gate = leases.progress_allowed
         self._poster: Poster[Xfer] = Poster(
-            functools.partial(post_xfer, agent, leases, self.stats), self._pump.posted
+            functools.partial(post_xfer, agent, leases, self.stats),
+            self._pump.posted,
+            weight=_posting_weight,
+            hand_back_weight=self.config.hand_back_bytes,
         )
         #: Records of this batch of room steps, handed to the ledger at its end (``_flush``).
         self._staged: list[Xfer] = []

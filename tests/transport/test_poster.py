@@ -1,7 +1,8 @@
-"""``Poster``: items are posted in submission order on the poster's own thread, each result
-goes back to the loop as soon as its item is posted (those that pile up before the loop drains
-come back in one batch), a failing post is one failed result and not a dead thread, and
-close() posts what was queued first."""
+"""``Poster``: items are posted in submission order on the poster's own thread; without a
+weight each result goes back to the loop as soon as its item is posted, with one the results of
+light items are held and go back together, but never behind a heavy item (those that pile up
+before the loop drains come back in one batch either way); a failing post is one failed result
+and not a dead thread, and close() posts what was queued first."""
 
 from __future__ import annotations
 
@@ -175,3 +176,114 @@ def test_results_for_a_closed_loop_are_dropped_with_a_warning(
         poster.close()
     assert rec.posted == [7]  # posted; nobody is left to hear about it
     assert "loop closed with 1 results undelivered" in caplog.text
+
+
+def hand_backs(poster: Poster[int]) -> list[list[int]]:
+    """The items of each hand-back, in order, as the poster thread made them (the loop may
+    drain several in one batch, so ``done``'s batches cannot tell them apart)."""
+    groups: list[list[int]] = []
+    original = poster._hand_back
+
+    def recording(results: list[tuple[int, BaseException | None]]) -> None:
+        groups.append([item for item, _ in results])
+        original(results)
+
+    poster._hand_back = recording  # type: ignore[method-assign]
+    return groups
+
+
+@pytest.mark.asyncio
+async def test_small_items_posted_back_to_back_go_back_together() -> None:
+    # Each hand-back is a loop wake-up: items of weight 1 under a bound of 10 are held and go
+    # back in runs of at most 10 posted after the first, and the rest when the queue is empty.
+    rec = Recorder(asyncio.get_running_loop())
+    poster: Poster[int] = Poster(rec.post, rec.done, weight=lambda _: 1, hand_back_weight=10)
+    groups = hand_backs(poster)
+    poster.start(rec.loop)
+    try:
+        rec.gate.clear()  # the poster blocks in its first post while the rest are queued
+        rec.expected = 26
+        poster.submit(0)
+        await wait_until(rec.entered.is_set, message="the poster inside its first post")
+        for i in range(1, 26):
+            poster.submit(i)
+        rec.gate.set()
+        await asyncio.wait_for(rec.all_in.wait(), 10)
+        # item 0 went back alone (its batch was itself); then 1..11 (11 held: the 12th would
+        # make 11 posted after the first held one), 12..22, 23..25
+        assert [item for batch in rec.batches for item, _ in batch] == list(range(26))
+        assert groups == [[0], list(range(1, 12)), list(range(12, 23)), [23, 24, 25]]
+        assert poster.hand_backs == 4
+    finally:
+        poster.close()
+
+
+@pytest.mark.asyncio
+async def test_held_results_go_back_before_a_heavy_item_is_posted() -> None:
+    # A heavy item (a merged request: milliseconds of copy) must not hold the results of the
+    # small ones before it: they go back before it starts, and it alone after.
+    rec = Recorder(asyncio.get_running_loop())
+    heavy_started = threading.Event()
+    release_heavy = threading.Event()
+    post = rec.post
+
+    def post_slow_heavy(item: int) -> None:
+        if item == 100:
+            heavy_started.set()
+            release_heavy.wait(10)
+        post(item)
+
+    poster: Poster[int] = Poster(
+        post_slow_heavy,
+        rec.done,
+        weight=lambda item: 1000 if item == 100 else 1,
+        hand_back_weight=64,
+    )
+    groups = hand_backs(poster)
+    poster.start(rec.loop)
+    try:
+        rec.gate.clear()
+        poster.submit(0)
+        await wait_until(rec.entered.is_set, message="the poster inside its first post")
+        for item in (1, 2, 3, 100, 4):
+            poster.submit(item)
+        rec.expected = 4  # 0, then 1..3 while 100 is still being posted
+        rec.gate.set()
+        await asyncio.wait_for(rec.all_in.wait(), 10)
+        assert heavy_started.is_set()
+        assert not release_heavy.is_set()
+        assert groups == [[0], [1, 2, 3]]
+        rec.all_in.clear()
+        rec.expected = 6
+        release_heavy.set()
+        await asyncio.wait_for(rec.all_in.wait(), 10)
+        assert groups == [[0], [1, 2, 3], [100, 4]]
+    finally:
+        poster.close()
+
+
+@pytest.mark.asyncio
+async def test_a_held_failure_goes_back_with_its_run_and_a_negative_bound_is_refused() -> None:
+    rec = Recorder(asyncio.get_running_loop())
+    poster: Poster[int] = Poster(rec.post, rec.done, weight=lambda _: 1, hand_back_weight=100)
+    groups = hand_backs(poster)
+    poster.start(rec.loop)
+    try:
+        rec.gate.clear()
+        poster.submit(0)
+        await wait_until(rec.entered.is_set, message="the poster inside its first post")
+        for item in (1, -2, 3):
+            poster.submit(item)
+        rec.expected = 4
+        rec.gate.set()
+        await asyncio.wait_for(rec.all_in.wait(), 10)
+        assert groups == [[0], [1, -2, 3]]
+        errors = {item: error for batch in rec.batches for item, error in batch}
+        assert isinstance(errors[-2], ValueError)
+        assert errors[1] is None
+        assert errors[3] is None
+        assert rec.posted == [0, 1, 3]
+    finally:
+        poster.close()
+    with pytest.raises(ValueError, match="hand_back_weight"):
+        Poster(rec.post, rec.done, weight=lambda _: 1, hand_back_weight=-1)
