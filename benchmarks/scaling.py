@@ -199,6 +199,8 @@ def _per_room(r: Result) -> dict[str, float]:
         "pump_rounds_per_room": r.extra.get("pump_rounds", 0.0) / r.rooms,
         # kvfsm: NIXL requests per room (below 1 where rooms' chunks merged into one request)
         "nixl_requests_per_room": r.extra.get("nixl_requests", 0.0) / r.rooms,
+        # kvfsm: the poster's hand-backs of results to the loop per room (each a wake-up)
+        "hand_backs_per_room": r.extra.get("poster_hand_backs", 0.0) / r.rooms,
     }
 
 
@@ -523,8 +525,9 @@ def print_curve(name: str, c: dict[str, Any]) -> None:
     if name in ("rooms", "peers"):
         print(
             f"{'x':>6} {'rooms':>6} | {'raw wall':>9} {'raw CPU':>8} | {'kvfsm wall':>10} "
-            f"{'loop CPU':>9} {'caller':>7} {'process':>8} {'reqs':>5} | {'extra CPU':>9}"
-            "   (us per room; reqs: kvfsm's NIXL requests per room)"
+            f"{'loop CPU':>9} {'caller':>7} {'process':>8} {'reqs':>5} {'backs':>5} | "
+            f"{'extra CPU':>9}   (us per room; reqs: kvfsm's NIXL requests per room; backs:"
+            " its poster's hand-backs to the loop per room)"
         )
         for p in pts:
             r, k = p["raw_nixl"], p["kvfsm"]
@@ -532,7 +535,8 @@ def print_curve(name: str, c: dict[str, Any]) -> None:
                 f"{p['x']:>6} {p['rooms']:>6} | {r['wall_us_per_room']:>9.1f} "
                 f"{r['process_cpu_us_per_room']:>8.1f} | {k['wall_us_per_room']:>10.1f} "
                 f"{k['thread_cpu_us_per_room']:>9.1f} {p['kvfsm_caller_cpu_us_per_room']:>7.1f} "
-                f"{k['process_cpu_us_per_room']:>8.1f} {k['nixl_requests_per_room']:>5.2f} | "
+                f"{k['process_cpu_us_per_room']:>8.1f} {k['nixl_requests_per_room']:>5.2f} "
+                f"{k['hand_backs_per_room']:>5.2f} | "
                 f"{p['extra_process_cpu_us_per_room']:>9.1f}"
             )
     elif name == "descriptors":

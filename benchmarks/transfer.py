@@ -1065,6 +1065,7 @@ class Kvfsm:
             / max(chunks, 1),
             "pump_rounds": float(stats["pump_rounds"] - stats0["pump_rounds"]),
             "nixl_requests": float(stats["handles_created"] - stats0["handles_created"]),
+            "poster_hand_backs": float(stats["poster_hand_backs"] - stats0["poster_hand_backs"]),
             "pump_sleeps": float(stats["pump_sleeps"] - stats0["pump_sleeps"]),
             **_latency(latency),
         }

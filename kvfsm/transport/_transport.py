@@ -442,6 +442,9 @@ class NixlTransport(CommandSink):
         out["held"] = self._ledger.held
         out["awaiting_flush"] = self._ledger.awaiting_flush
         out["peers"] = len(self._peers)
+        # Results the poster handed back to the loop (each a loop wake-up at most): with many
+        # small requests, fewer than handles_created (kvfsm.transport._poster).
+        out["poster_hand_backs"] = self._poster.hand_backs
         if self.leases is not None:
             out["leases_live"] = self.leases.live
             # 1: the agent was fenced out (the reason is logged, and in ``fenced_out``).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvfsm._child import environ
 from kvfsm.rooms import RoomKey
 from kvfsm.states import TERMINAL, Command, DestinationReceived, KVPoll, PostChunk, ReportOutcome
 from kvfsm.transport import NixlTransport
+from kvfsm.transport import _transport as transport_module
 from kvfsm.transport._chunks import Xfer
 from kvfsm.transport._poster import Poster
 from kvfsm.transport._transport import TransferConfig
@@ -429,6 +431,62 @@ def test_a_batch_whose_rooms_alternate_between_three_peers_merges_per_peer(
         assert stats["chunks_done"] == 18
         assert stats["handles_created"] == 2 * len(ids)  # a kv and an aux handle each
         wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
+    finally:
+        prefill.close()
+        for process in others:
+            process.close()
+
+
+@pytest.mark.parametrize(("hand_back_bytes", "hand_backs"), [(512 << 10, 2), (0, 4)])
+def test_small_requests_posted_back_to_back_go_back_to_the_loop_together(
+    peer: PeerProcess, monkeypatch: pytest.MonkeyPatch, hand_back_bytes: int, hand_backs: int
+) -> None:
+    """The poster is held inside one room's request while a batch of three rooms, one per
+    decode peer, hands it three more (small: two pages each). Those three are posted back to
+    back and their results go back to the loop in one hand-back (one loop wake-up), or each
+    alone with ``hand_back_bytes=0``; the held request's result goes back first, alone. Every
+    byte lands at its peer either way."""
+    watch = Watch(monkeypatch)
+    post = transport_module.post_xfer
+    held = threading.Event()
+
+    def hold_the_first(agent: Any, leases: Any, stats: Any, record: Xfer) -> None:
+        if not held.is_set():
+            held.set()
+            wait_until_sync(lambda: len(watch.posted) >= 4, message="the batch's requests queued")
+        post(agent, leases, stats, record)
+
+    monkeypatch.setattr(transport_module, "post_xfer", hold_the_first)  # before it is bound
+    others = [PeerProcess(SHAPE, name=f"decode{i}-{os.getpid()}") for i in (1, 2)]
+    processes = {"decode": peer, "decode1": others[0], "decode2": others[1]}
+    prefill = Prefill(TransferConfig(hand_back_bytes=hand_back_bytes))
+    try:
+        for peer_id, process in processes.items():
+            prefill.connect(process, peer_id)
+        ids = list(processes)
+        rooms = {r: ([2 * r, 2 * r + 1], [40 + 2 * r, 41 + 2 * r]) for r in range(4)}
+        senders = ready_senders(prefill, rooms, ids)  # room 3 (the held one) to "decode"
+        before = prefill.transport.snapshot()["poster_hand_backs"]
+
+        async def send_the_held_room() -> None:
+            senders[3].init(2, 3 % SHAPE.aux_rows)
+            senders[3].send(np.asarray(rooms[3][0], np.int32))
+
+        prefill.engine.call(send_the_held_room())
+        wait_until_sync(held.is_set, message="the poster inside the held room's request")
+        batch = {r: rooms[r] for r in range(3)}
+        burst(prefill, {r: senders[r] for r in batch}, batch)
+        wait_until_sync(lambda: senders[3].poll() in TERMINAL)
+        for room, (src, dst) in rooms.items():
+            assert senders[room].poll() is KVPoll.Success, senders[room].reason
+            process = processes[ids[room % len(ids)]]
+            assert process.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(
+                prefill, src
+            )
+        assert len(watch.posted) == 4  # the held room's request, then one a peer
+        stats = prefill.transport.snapshot()
+        assert stats["poster_hand_backs"] - before == hand_backs
+        assert stats["handles_created"] == stats["handles_released"]
     finally:
         prefill.close()
         for process in others:
