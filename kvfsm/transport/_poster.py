@@ -6,8 +6,9 @@ loop wake-up per chunk; instead chunks go into a queue and the thread posts them
 
 When results go back (``done`` on the loop, one ``call_soon_threadsafe`` each time). Each
 hand-back is a loop wake-up, and the loop then holds the GIL the poster needs to make its next
-request, so handing back every result at once made each small request pay a wake-up and a GIL
-round trip. Results are held instead while the requests after them are small, and go back:
+request, so handing each result back as soon as it is posted would make every small request
+pay a wake-up and a GIL round trip. Results are held while the requests after them are small,
+and go back:
 
 * before the poster starts an item that would take the ``weight`` posted since the first held
   result past ``hand_back_weight`` (the loop can end those rooms while a large request, maybe
@@ -100,7 +101,11 @@ class Poster(Generic[T]):
                     stop = True
                     continue
                 if held:
-                    since += weight(item) if bound else 1  # type: ignore[arg-type,misc]
+                    try:
+                        since += weight(item) if bound else 1  # type: ignore[arg-type,misc]
+                    except Exception:  # a weight that raises must not stop the thread
+                        _log.exception("poster: could not weigh an item; handing back first")
+                        since = bound + 1
                     if since > bound:
                         self._hand_back(held)
                         held, since = [], 0

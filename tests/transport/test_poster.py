@@ -287,3 +287,34 @@ async def test_a_held_failure_goes_back_with_its_run_and_a_negative_bound_is_ref
         poster.close()
     with pytest.raises(ValueError, match="hand_back_weight"):
         Poster(rec.post, rec.done, weight=lambda _: 1, hand_back_weight=-1)
+
+
+@pytest.mark.asyncio
+async def test_a_weight_that_raises_hands_back_first_and_the_thread_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rec = Recorder(asyncio.get_running_loop())
+
+    def weight(item: int) -> int:
+        if item == 2:
+            raise RuntimeError("cannot weigh 2")
+        return 1
+
+    poster: Poster[int] = Poster(rec.post, rec.done, weight=weight, hand_back_weight=100)
+    groups = hand_backs(poster)
+    poster.start(rec.loop)
+    try:
+        rec.gate.clear()
+        poster.submit(0)
+        await wait_until(rec.entered.is_set, message="the poster inside its first post")
+        for item in (1, 2, 3):
+            poster.submit(item)
+        rec.expected = 4
+        with caplog.at_level("ERROR", logger="kvfsm.transport"):
+            rec.gate.set()
+            await asyncio.wait_for(rec.all_in.wait(), 10)
+        assert groups == [[0], [1], [2, 3]]
+        assert rec.posted == [0, 1, 2, 3]
+        assert "could not weigh an item" in caplog.text
+    finally:
+        poster.close()
