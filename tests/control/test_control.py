@@ -208,7 +208,13 @@ def test_a_lost_decode_fails_the_prefill_rooms_bound_to_it() -> None:
         decode.engine.call(decode.control.drop_links("test cut the connection"))
         # Cut under the lease prefill renews every 0.5 s: the fence holds the pages it exposed.
         assert decode.control.stats["leases_fenced"] == 1
-        wait_until_sync(lambda: prefill.ask("status", 7)[0] == KVPoll.Failed, timeout=10)
+        # Both rooms fail on the one link loss, each in its own step: wait for both (reading
+        # room 8 the moment room 7 was published Failed raced its step).
+        for room in (7, 8):
+            wait_until_sync(
+                lambda: prefill.ask("status", room)[0] == KVPoll.Failed,  # noqa: B023
+                timeout=10,
+            )
         assert "peer lost" in prefill.ask("status", 7)[1]
         assert "peer lost" in prefill.ask("status", 8)[1]
         assert cut.poll() is KVPoll.Failed
