@@ -21,7 +21,9 @@ What a rank checks itself, because only it can:
   ``abort``, ``clear``, and creating the room) is timed; calls over ``slow_call_ms`` are counted.
   A call's time is its wall time less the time this thread waited on a run queue while other
   processes held every CPU (:mod:`kvfsm.workload.call_timer`): the machine's load is not a
-  block, a lock or a round trip is.
+  block, a lock or a round trip is. A call that the campaign's SIGSTOP of this process fell
+  inside (a SIGCONT came during it) is counted apart (``calls_stopped``), not as slow: its
+  wall time is the stop's.
   An oversized ``send_metadata`` is timed on its own: the facade packs (copies) the caller's
   page list before refusing it, so its bound is ``slow_call_ms`` plus 1 ms per MB.
 * **no late writes** (decode): a settled room's pages are filled with a canary, and checked before
@@ -573,6 +575,10 @@ def rank_main(  # noqa: PLR0917 - ChildProcess passes its arguments positionally
         level=log_level, stream=sys.stderr, format=f"%(levelname)s {role} %(name)s: %(message)s"
     )
     rank = _Rank(conn, role, opts, url)
+    # Counted so that a call the campaign's SIGSTOP fell inside is not judged a block
+    # (RankService._timed_within); restartable, so that no system call fails for it.
+    signal.signal(signal.SIGCONT, rank.continued_by_sigcont)
+    signal.siginterrupt(signal.SIGCONT, False)
     rank.build(secret, salt, host)
     try:
         conn.send(os.getpid())

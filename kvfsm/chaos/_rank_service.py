@@ -61,6 +61,9 @@ class RankService(ServedLoop[RoomPlan, LiveT]):
         self.max_call_ms: dict[str, float] = {}
         self.timer = CallTimer()
         self.calls = 0
+        #: SIGCONTs received (``continued_by_sigcont``), and the calls they fell inside.
+        self.continued = 0
+        self.calls_stopped = 0
         self.events: Counter[str] = Counter()  # what this rank did on plan (reuse, oversized)
         self.reported: Counter[str] = Counter()  # cumulative counters as last reported
         #: Prefill: a pending ``exposed`` request's deadline (0: none pending).
@@ -147,14 +150,25 @@ class RankService(ServedLoop[RoomPlan, LiveT]):
     def _timed_within(self, name: str, limit_ms: float, fn: Callable[..., T], *args: Any) -> T:
         # Judged on the call's own time: wall time less what this thread spent waiting for a
         # CPU that other processes held (a blocked call still counts in full; call_timer).
+        continued = self.continued
         result, timed = self.timer.time(fn, *args)
         ms = timed.own_ms
         self.calls += 1
+        if self.continued != continued:
+            # The campaign stopped this process (SIGSTOP) inside the call: its wall time is
+            # the stop's, which no thread of this process could shorten, and is no block. (A
+            # stopped thread is not on a run queue, so the timer cannot subtract it.)
+            self.calls_stopped += 1
+            return result
         if ms > self.max_call_ms.get(name, 0.0):
             self.max_call_ms[name] = ms
         if ms > limit_ms:
             self.slow[name] += 1
         return result
+
+    def continued_by_sigcont(self, _signum: int, _frame: object) -> None:
+        """SIGCONT's handler (``rank_main``): the campaign resumed this process."""
+        self.continued += 1
 
     # -- the rooms' part of the answers --------------------------------------------------------
 
@@ -183,6 +197,7 @@ class RankService(ServedLoop[RoomPlan, LiveT]):
             "control": dict(self.manager.control.stats) if self.manager.control else {},
             "max_call_ms": {k: round(v, 3) for k, v in self.max_call_ms.items()},
             "frozen_s": round(self.stopped_s, 3),
+            "calls_stopped": self.calls_stopped,
             "counters": self._counters(),
         }
         if isinstance(self.manager, PrefillManager):
