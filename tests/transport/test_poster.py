@@ -178,6 +178,16 @@ def test_results_for_a_closed_loop_are_dropped_with_a_warning(
     assert "loop closed with 1 results undelivered" in caplog.text
 
 
+async def queue_behind_item_0(rec: Recorder, poster: Poster[int], items: tuple[int, ...]) -> None:
+    """Hold the poster inside its post of item 0 (a batch of its own), queue ``items`` behind
+    it, so that they form the next batch; the caller releases ``rec.gate``."""
+    rec.gate.clear()
+    poster.submit(0)
+    await wait_until(rec.entered.is_set, message="the poster inside its first post")
+    for item in items:
+        poster.submit(item)
+
+
 def hand_backs(poster: Poster[int]) -> list[list[int]]:
     """The items of each hand-back, in order, as the poster thread made them (the loop may
     drain several in one batch, so ``done``'s batches cannot tell them apart)."""
@@ -201,12 +211,8 @@ async def test_small_items_posted_back_to_back_go_back_together() -> None:
     groups = hand_backs(poster)
     poster.start(rec.loop)
     try:
-        rec.gate.clear()  # the poster blocks in its first post while the rest are queued
         rec.expected = 26
-        poster.submit(0)
-        await wait_until(rec.entered.is_set, message="the poster inside its first post")
-        for i in range(1, 26):
-            poster.submit(i)
+        await queue_behind_item_0(rec, poster, tuple(range(1, 26)))
         rec.gate.set()
         await asyncio.wait_for(rec.all_in.wait(), 10)
         # item 0 went back alone (its batch was itself); then 1..11 (11 held: the 12th would
@@ -242,11 +248,7 @@ async def test_held_results_go_back_before_a_heavy_item_is_posted() -> None:
     groups = hand_backs(poster)
     poster.start(rec.loop)
     try:
-        rec.gate.clear()
-        poster.submit(0)
-        await wait_until(rec.entered.is_set, message="the poster inside its first post")
-        for item in (1, 2, 3, 100, 4):
-            poster.submit(item)
+        await queue_behind_item_0(rec, poster, (1, 2, 3, 100, 4))
         rec.expected = 4  # 0, then 1..3 while 100 is still being posted
         rec.gate.set()
         await asyncio.wait_for(rec.all_in.wait(), 10)
@@ -269,11 +271,7 @@ async def test_a_held_failure_goes_back_with_its_run_and_a_negative_bound_is_ref
     groups = hand_backs(poster)
     poster.start(rec.loop)
     try:
-        rec.gate.clear()
-        poster.submit(0)
-        await wait_until(rec.entered.is_set, message="the poster inside its first post")
-        for item in (1, -2, 3):
-            poster.submit(item)
+        await queue_behind_item_0(rec, poster, (1, -2, 3))
         rec.expected = 4
         rec.gate.set()
         await asyncio.wait_for(rec.all_in.wait(), 10)
@@ -304,11 +302,7 @@ async def test_a_weight_that_raises_hands_back_first_and_the_thread_goes_on(
     groups = hand_backs(poster)
     poster.start(rec.loop)
     try:
-        rec.gate.clear()
-        poster.submit(0)
-        await wait_until(rec.entered.is_set, message="the poster inside its first post")
-        for item in (1, 2, 3):
-            poster.submit(item)
+        await queue_behind_item_0(rec, poster, (1, 2, 3))
         rec.expected = 4
         with caplog.at_level("ERROR", logger="kvfsm.transport"):
             rec.gate.set()

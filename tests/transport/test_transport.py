@@ -47,6 +47,15 @@ def prefill(peer: PeerProcess) -> Iterator[Prefill]:
     side.close()
 
 
+@pytest.fixture
+def three_peers(peer: PeerProcess) -> Iterator[dict[str, PeerProcess]]:
+    """Three decode peers by id: ``peer`` as "decode", two more processes."""
+    others = [PeerProcess(SHAPE, name=f"decode{i}-{os.getpid()}") for i in (1, 2)]
+    yield {"decode": peer, "decode1": others[0], "decode2": others[1]}
+    for process in others:
+        process.close()
+
+
 def expected(prefill: Prefill, src: list[int]) -> list[int]:
     return page_digests(prefill.kv, np.asarray(src, np.int32))
 
@@ -401,25 +410,23 @@ class Watch:
 
 
 def test_a_batch_whose_rooms_alternate_between_three_peers_merges_per_peer(
-    peer: PeerProcess, monkeypatch: pytest.MonkeyPatch
+    three_peers: dict[str, PeerProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch that spreads its rooms round-robin over three decode peers (no two rooms in a
     row to one peer) still merges: each peer's chunks go out as one request, in the order its
     rooms posted them, and every byte lands at its room's peer."""
     watch = Watch(monkeypatch)
-    others = [PeerProcess(SHAPE, name=f"decode{i}-{os.getpid()}") for i in (1, 2)]
-    processes = {"decode": peer, "decode1": others[0], "decode2": others[1]}
     prefill = Prefill()
     try:
-        for peer_id, process in processes.items():
+        for peer_id, process in three_peers.items():
             prefill.connect(process, peer_id)
-        ids = list(processes)
+        ids = list(three_peers)
         rooms = {r: ([2 * r, 2 * r + 1], [40 + 2 * r, 41 + 2 * r]) for r in range(9)}
         senders = ready_senders(prefill, rooms, ids)
         burst(prefill, senders, rooms)
         for room, (src, dst) in rooms.items():
             assert senders[room].poll() is KVPoll.Success, senders[room].reason
-            process = processes[ids[room % len(ids)]]
+            process = three_peers[ids[room % len(ids)]]
             assert process.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(
                 prefill, src
             )
@@ -433,13 +440,14 @@ def test_a_batch_whose_rooms_alternate_between_three_peers_merges_per_peer(
         wait_until_sync(lambda: prefill.engine.stats()["live"] == 0)
     finally:
         prefill.close()
-        for process in others:
-            process.close()
 
 
 @pytest.mark.parametrize(("hand_back_bytes", "hand_backs"), [(512 << 10, 2), (0, 4)])
 def test_small_requests_posted_back_to_back_go_back_to_the_loop_together(
-    peer: PeerProcess, monkeypatch: pytest.MonkeyPatch, hand_back_bytes: int, hand_backs: int
+    three_peers: dict[str, PeerProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    hand_back_bytes: int,
+    hand_backs: int,
 ) -> None:
     """The poster is held inside one room's request while a batch of three rooms, one per
     decode peer, hands it three more (small: two pages each). Those three are posted back to
@@ -457,13 +465,11 @@ def test_small_requests_posted_back_to_back_go_back_to_the_loop_together(
         post(agent, leases, stats, record)
 
     monkeypatch.setattr(transport_module, "post_xfer", hold_the_first)  # before it is bound
-    others = [PeerProcess(SHAPE, name=f"decode{i}-{os.getpid()}") for i in (1, 2)]
-    processes = {"decode": peer, "decode1": others[0], "decode2": others[1]}
     prefill = Prefill(TransferConfig(hand_back_bytes=hand_back_bytes))
     try:
-        for peer_id, process in processes.items():
+        for peer_id, process in three_peers.items():
             prefill.connect(process, peer_id)
-        ids = list(processes)
+        ids = list(three_peers)
         rooms = {r: ([2 * r, 2 * r + 1], [40 + 2 * r, 41 + 2 * r]) for r in range(4)}
         senders = ready_senders(prefill, rooms, ids)  # room 3 (the held one) to "decode"
         before = prefill.transport.snapshot()["poster_hand_backs"]
@@ -479,7 +485,7 @@ def test_small_requests_posted_back_to_back_go_back_to_the_loop_together(
         wait_until_sync(lambda: senders[3].poll() in TERMINAL)
         for room, (src, dst) in rooms.items():
             assert senders[room].poll() is KVPoll.Success, senders[room].reason
-            process = processes[ids[room % len(ids)]]
+            process = three_peers[ids[room % len(ids)]]
             assert process.ask("digests", np.asarray(dst, np.int32).tobytes()) == expected(
                 prefill, src
             )
@@ -489,8 +495,6 @@ def test_small_requests_posted_back_to_back_go_back_to_the_loop_together(
         assert stats["handles_created"] == stats["handles_released"]
     finally:
         prefill.close()
-        for process in others:
-            process.close()
 
 
 def test_early_requests_of_a_batch_over_two_peers_merge_per_peer_and_keep_each_order(
